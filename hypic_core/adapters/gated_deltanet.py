@@ -1,0 +1,139 @@
+"""Gated DeltaNet hybrids: qwen3_5, qwen3_next, olmo_hybrid.
+
+Recurrence per value head (state S is [d_k, d_v], keys L2-normalised inside the kernel):
+
+    S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T
+
+so A_t = exp(g_t)(I - b_t k_t k_t^T) and T is a dense [H_v, d_k, d_k] matrix. T is computed
+with the layer's own chunked kernel, started from the identity with zero values; E with the
+same kernel from a zero state. `naive_scan` is the plain sequential reference beside it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch
+
+from ..operators import LinearOperator
+from .base import Capture, ModelAdapter
+
+_MODELING = {
+    "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
+    "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
+    "qwen3_5_moe": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
+    "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+}
+
+
+class GatedDeltaNetAdapter(ModelAdapter):
+    family = "gated-deltanet"
+    model_types = tuple(_MODELING)
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        self._modeling = importlib.import_module(_MODELING[self.config.model_type])
+        layers = self.model.base_model.layers
+        self._mixers = [layers[i].linear_attn for i in self.linear_layers]
+
+    def _classify_layers(self) -> None:
+        for i, kind in enumerate(self.config.layer_types[: self.num_layers]):
+            (self.linear_layers if kind == "linear_attention" else self.attention_layers).append(i)
+
+    @property
+    def uses_nope(self) -> bool:
+        return getattr(self.model.base_model, "rotary_emb", None) is None
+
+    # --- capture ------------------------------------------------------------------------
+    def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
+        mod = self._modeling
+        conv_fn = mod.causal_conv1d_fn
+        scan_fn = mod.torch_chunk_gated_delta_rule
+
+        def conv_wrapper(hidden_states, *args, **kwargs):
+            cap.conv_inputs.append(hidden_states.detach())
+            return conv_fn(hidden_states, *args, **kwargs)
+
+        def scan_wrapper(query, key, value, *args, **kwargs):
+            g = kwargs["g"] if "g" in kwargs else args[0]
+            beta = kwargs["beta"] if "beta" in kwargs else args[1]
+            cap.scan_args.append(
+                dict(key=key.detach(), value=value.detach(), g=g.detach(), beta=beta.detach(),
+                     use_qk_l2norm_in_kernel=kwargs.get("use_qk_l2norm_in_kernel", False))
+            )
+            return scan_fn(query, key, value, *args, **kwargs)
+
+        return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "torch_chunk_gated_delta_rule"): scan_wrapper}
+
+    def conv_tail(self, cap: Capture, layer_pos: int, row: int, end: int) -> torch.Tensor:
+        # The canonical forward starts from a fresh cache, which left-pads conv inputs shorter
+        # than K with zeros: the real tokens are always the last `seq_len` columns.
+        x = cap.conv_inputs[layer_pos]
+        seq_len = cap.scan_args[layer_pos]["key"].shape[1]
+        x = x[row, :, x.shape[-1] - seq_len :]
+        return x[:, max(0, end - self.conv_kernel(layer_pos)) : end].clone()
+
+    # --- operators ----------------------------------------------------------------------
+    def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:
+        ops = []
+        for args in cap.scan_args:
+            k, v, g, beta = (args[n][row : row + 1, start:end] for n in ("key", "value", "g", "beta"))
+            ops.append(self.operator(k, v, g, beta, args["use_qk_l2norm_in_kernel"]))
+        return ops
+
+    def operator(self, k, v, g, beta, l2norm: bool) -> LinearOperator:
+        """(T, E) of one span with the family's chunked kernel. k [1, L, Hk, dk], v [1, L, Hv, dv]."""
+        kernel = self._modeling.torch_chunk_gated_delta_rule
+        _, L, _, dk = k.shape
+        hv = v.shape[2]
+        eye = torch.eye(dk, dtype=torch.float32, device=k.device).expand(1, hv, dk, dk).contiguous()
+        zeros_v = torch.zeros((1, L, hv, dk), dtype=v.dtype, device=v.device)
+        q = torch.zeros_like(k)
+        _, T = kernel(q, k, zeros_v, g=g, beta=beta, initial_state=eye, output_final_state=True,
+                      use_qk_l2norm_in_kernel=l2norm)
+        _, E = kernel(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True,
+                      use_qk_l2norm_in_kernel=l2norm)
+        return LinearOperator(T[0].float(), E[0].float())
+
+    def conv_kernel(self, layer_pos: int) -> int:
+        return int(self._mixers[layer_pos].conv_kernel_size)
+
+    def conv_shape(self, layer_pos: int) -> tuple[int, int]:
+        m = self._mixers[layer_pos]
+        return (int(m.conv_dim), int(m.conv_kernel_size))
+
+    def state_shape(self, layer_pos: int) -> tuple[int, ...]:
+        m = self._mixers[layer_pos]
+        return (int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim))
+
+    def decay_parameters(self, layer_pos: int) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+        """(A_log, dt_bias) of a linear layer: what tests set to make heads decay slowly."""
+        m = self._mixers[layer_pos]
+        return m.A_log, m.dt_bias
+
+
+def naive_scan(k, v, g, beta, initial_state=None, l2norm: bool = True) -> torch.Tensor:
+    """Plain sequential gated delta rule, token by token, fp32. Returns the final state [B, Hv, dk, dv].
+
+    Shapes as the kernel: k [B, L, Hk, dk], v [B, L, Hv, dv], g and beta [B, L, Hv].
+    """
+    k, v, g, beta = (x.to(torch.float32) for x in (k, v, g, beta))
+    hv = v.shape[2]
+    if k.shape[2] != hv:
+        k = k.repeat_interleave(hv // k.shape[2], dim=2)
+    if l2norm:
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    B, L, _, dk = k.shape
+    S = torch.zeros(B, hv, dk, v.shape[-1]) if initial_state is None else initial_state.to(torch.float32).clone()
+    for t in range(L):
+        kt, vt = k[:, t], v[:, t]  # [B, H, dk], [B, H, dv]
+        S = S * g[:, t].exp()[..., None, None]
+        pred = torch.einsum("bhk,bhkv->bhv", kt, S)
+        S = S + torch.einsum("bhk,bhv->bhkv", kt, (vt - pred) * beta[:, t, :, None])
+    return S
+
+
+__all__ = ["GatedDeltaNetAdapter", "naive_scan"]

@@ -1,0 +1,28 @@
+"""Exceptions raised by the engine. Every message names the offending input."""
+
+from __future__ import annotations
+
+
+class HypicError(Exception):
+    """Base class for all engine errors."""
+
+
+class UnsupportedArchitectureError(HypicError):
+    """The model's architecture cannot be served with position-independent caching."""
+
+
+class InvalidRequestError(HypicError, ValueError):
+    """A request is malformed. `field` names the offending input."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The assembled prompt (plus requested generation) exceeds the model's context."""
+
+
+class RequestAborted(HypicError):
+    """Raised inside the engine when a request's abort handle fires."""

@@ -1,0 +1,101 @@
+"""Runs the model: plain forwards on a cache, canonical segment entries, and seam stitching.
+
+The runner touches tensors and the transformers cache; it knows nothing of stores, requests
+or queues. Every method expects to be called under `torch.inference_mode()` by the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .adapters import ModelAdapter
+from .entry import SegmentEntry
+
+
+class ModelRunner:
+    """Owns one model and its adapter."""
+
+    def __init__(self, model: torch.nn.Module, adapter: ModelAdapter, pad_token_id: int = 0):
+        self.model = model
+        self.adapter = adapter
+        self.pad_token_id = pad_token_id
+        self.device = model.device
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def forward(self, token_ids: Sequence[int], start: int, cache: DynamicCache, logits: bool = False):
+        """Run `token_ids` at positions start.. on top of `cache` (mutated).
+
+        Returns the last position's logits (fp32, [vocab]) when `logits`, else None.
+        """
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        if logits:
+            out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+            return out.logits[0, -1].float()
+        self.model.base_model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
+        return None
+
+    # --- canonical entries ----------------------------------------------------------------
+    def compute_entries(self, segments: Sequence[tuple[int, ...]], seam: int, max_batch_tokens: int) -> list[SegmentEntry]:
+        """Canonical entries of `segments`, each computed alone from an empty state at positions 0..L-1.
+
+        Segments are batched (right-padded: causal layers never see the padding of earlier
+        tokens) in groups of at most `max_batch_tokens` padded tokens, longest first.
+        """
+        order = sorted(range(len(segments)), key=lambda i: -len(segments[i]))
+        out: list[SegmentEntry | None] = [None] * len(segments)
+        group: list[int] = []
+        for i in order:
+            width = len(segments[group[0]]) if group else len(segments[i])
+            if group and width * (len(group) + 1) > max_batch_tokens:
+                self._compute_group([segments[j] for j in group], seam, out, group)
+                group = []
+            group.append(i)
+        if group:
+            self._compute_group([segments[j] for j in group], seam, out, group)
+        return out  # type: ignore[return-value]
+
+    def _compute_group(self, segs, seam: int, out: list, slots: list[int]) -> None:
+        width = max(len(s) for s in segs)
+        ids = torch.full((len(segs), width), self.pad_token_id, dtype=torch.long, device=self.device)
+        for row, s in enumerate(segs):
+            ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+        pos = torch.arange(width, device=self.device)[None].expand(len(segs), -1)
+        cache = self.new_cache()
+        with self.adapter.capture() as cap:
+            self.model.base_model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
+        n_linear = len(self.adapter.linear_layers)
+        for row, (s, slot) in enumerate(zip(segs, slots)):
+            L = len(s)
+            w = min(seam, L)
+            keys = tuple(cache.layers[i].keys[row, :, w:L].clone() for i in self.adapter.attention_layers)
+            values = tuple(cache.layers[i].values[row, :, w:L].clone() for i in self.adapter.attention_layers)
+            ops = tuple(self.adapter.span_operators(cap, row, w, L)) if (n_linear and w < L) else ()
+            tails = tuple(self.adapter.conv_tail(cap, p, row, L) for p in range(n_linear)) if w < L else ()
+            out[slot] = SegmentEntry(tuple(s), w, keys, values, ops, tails)
+
+    # --- stitching --------------------------------------------------------------------------
+    def append_body(self, cache: DynamicCache, entry: SegmentEntry, offset: int, compose: bool = True) -> None:
+        """Append `entry`'s body after its (already run) seam head, the segment starting at `offset`.
+
+        Attention layers get the body K/V rotated from local positions to offset + seam..;
+        linear layers advance S <- T S + E (`compose`), or S <- S + E (pic-naive: the
+        transition is ignored), and shift the segment's conv tail into the conv state.
+        """
+        if entry.body_length == 0:
+            return
+        for j, layer in enumerate(self.adapter.attention_layers):
+            k = self.adapter.rotate_keys(entry.keys[j], offset)[None]
+            cache.layers[layer].update(k, entry.values[j][None])
+        for p in range(len(self.adapter.linear_layers)):
+            conv, state = self.adapter.read_linear_state(cache, p)
+            op = entry.operators[p]
+            new_state = op.apply(state) if compose else state.float() + op.end
+            tail = entry.conv_tails[p].to(conv.dtype)
+            new_conv = torch.cat([conv, tail], dim=-1)[:, -conv.shape[-1] :]
+            self.adapter.write_linear_state(cache, p, new_conv, new_state)

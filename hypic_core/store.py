@@ -1,0 +1,111 @@
+"""Segment stores: where canonical entries live between requests.
+
+The interface is three calls. Stores are thread-safe. Tiered stores (memory, disk) implement
+the same interface; the engine never knows which tier answered.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .entry import SegmentEntry
+from .keys import SegmentKey
+
+
+@dataclass
+class StoreStats:
+    hits: dict[str, int] = field(default_factory=dict)
+    misses: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    bytes: dict[str, int] = field(default_factory=dict)
+
+
+class SegmentStore(ABC):
+    """Key -> SegmentEntry map with bounded capacity.
+
+    Contract:
+    - `lookup` returns the entry or None; it never raises for a damaged or foreign entry
+      (that is a miss). A returned entry's token ids equal the key's segment (the caller
+      passes them to verify a hash hit). Entries are immutable and may be shared.
+    - `insert` may drop the entry (or others) to stay within budget; it never blocks on disk.
+    - `evict` removes the key if present; evicting a missing key is a no-op.
+    """
+
+    @abstractmethod
+    def lookup(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None: ...
+
+    @abstractmethod
+    def insert(self, key: SegmentKey, entry: SegmentEntry) -> None: ...
+
+    @abstractmethod
+    def evict(self, key: SegmentKey) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> StoreStats: ...
+
+
+class MemorySegmentStore(SegmentStore):
+    """LRU under a byte budget, holding entries on whatever device they were inserted on."""
+
+    def __init__(self, budget_bytes: int, tier: str = "memory"):
+        self.budget_bytes = budget_bytes
+        self.tier = tier
+        self._entries: OrderedDict[str, SegmentEntry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._stats = StoreStats(hits={tier: 0}, bytes={tier: 0})
+
+    def lookup(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None:
+        k = key.to_str()
+        with self._lock:
+            entry = self._entries.get(k)
+            if entry is None:
+                self._stats.misses += 1
+                return None
+            if entry.token_ids != tuple(token_ids):  # hash collision or foreign entry
+                self._drop(k)
+                self._stats.corrupt += 1
+                self._stats.misses += 1
+                return None
+            self._entries.move_to_end(k)
+            self._stats.hits[self.tier] += 1
+            return entry
+
+    def insert(self, key: SegmentKey, entry: SegmentEntry) -> None:
+        k, size = key.to_str(), entry.nbytes
+        with self._lock:
+            if k in self._entries:
+                self._drop(k)
+            if size > self.budget_bytes:
+                return
+            while self._bytes + size > self.budget_bytes and self._entries:
+                self._drop(next(iter(self._entries)))
+                self._stats.evictions += 1
+            self._entries[k] = entry
+            self._bytes += size
+            self._stats.bytes[self.tier] = self._bytes
+
+    def evict(self, key: SegmentKey) -> None:
+        with self._lock:
+            self._drop(key.to_str())
+
+    def _drop(self, k: str) -> None:
+        entry = self._entries.pop(k, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+            self._stats.bytes[self.tier] = self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: SegmentKey) -> bool:
+        return key.to_str() in self._entries
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            s = self._stats
+            return StoreStats(dict(s.hits), s.misses, s.evictions, s.corrupt, dict(s.bytes))

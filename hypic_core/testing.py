@@ -1,0 +1,64 @@
+"""Tiny random models for tests and benchmarks, with slow-decaying linear heads.
+
+Random init makes most linear heads forget within a few tokens, so a test of state carried
+across segments would test nothing; `slow_decay` fixes that after construction (post_init
+re-initialises the decay parameters, so it must run afterwards).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False)
+LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_conv_kernel_dim=4)
+
+FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama")
+
+
+def tiny_config(family: str, **overrides):
+    import transformers as tf
+
+    layers4 = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+    if family == "qwen3_5":
+        cfg = tf.Qwen3_5TextConfig(**{**SMALL, **LINEAR, "num_hidden_layers": 4, "layer_types": layers4, **overrides})
+    elif family == "qwen3_next":
+        cfg = tf.Qwen3NextConfig(**{**SMALL, **LINEAR, "num_hidden_layers": 4, "layer_types": layers4,
+                                    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                    "shared_expert_intermediate_size": 32, **overrides})
+    elif family in ("olmo_hybrid", "olmo_hybrid_nope"):
+        cfg = tf.OlmoHybridConfig(**{**SMALL, **LINEAR, "num_hidden_layers": 4, "layer_types": layers4,
+                                     "pad_token_id": 0, "eos_token_id": 1, **overrides})
+        if family.endswith("nope"):
+            cfg.rope_parameters = None  # released OLMo-hybrid checkpoints use no positions
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(**{**SMALL, "num_hidden_layers": 3, **overrides})
+    elif family == "llama":
+        cfg = tf.LlamaConfig(**{**SMALL, "num_hidden_layers": 3, **overrides})
+    else:
+        raise ValueError(f"unknown test family {family!r}; expected one of {FAMILIES}")
+    return cfg
+
+
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
+    """A random model of `family` with slow-decaying linear heads, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=dtype).eval()
+    slow_decay(model, seed)
+    return model
+
+
+def slow_decay(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every linear head a per-token decay close to 1 (exp(g) ~ 0.98 .. 0.999)."""
+    from .adapters import adapter_for
+
+    adapter = adapter_for(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pos in range(len(adapter.linear_layers)):
+            a_log, dt_bias = adapter.decay_parameters(pos)
+            a_log.copy_(torch.log(torch.empty(a_log.shape).uniform_(0.01, 0.05, generator=gen)))
+            dt_bias.fill_(-1.0)  # softplus(a - 1) ~ 0.3, so g = -A * 0.3 ~ -0.003 .. -0.015
