@@ -346,24 +346,41 @@ class VectorIndex:
             index_file=f"index-{generation:06d}.faiss",
             metadata_file=f"meta-{generation:06d}.sqlite",
         )
-        write_atomic(self.directory / manifest.index_file, faiss.serialize_index(self._faiss).tobytes())
-        write_atomic(self.directory / manifest.metadata_file, self._db.serialize())
-        write_atomic(self.directory / MANIFEST_NAME, manifest.to_bytes())
+        try:
+            write_atomic(self.directory / manifest.index_file, faiss.serialize_index(self._faiss).tobytes())
+            write_atomic(self.directory / manifest.metadata_file, self._db.serialize())
+            write_atomic(self.directory / MANIFEST_NAME, manifest.to_bytes())
+        except BaseException:
+            self._discard_unpublished(manifest)
+            raise
         self._manifest = manifest
         for path in self.directory.iterdir():
             if path.name not in (MANIFEST_NAME, manifest.index_file, manifest.metadata_file) and _is_index_file(path.name):
                 path.unlink(missing_ok=True)
+
+    def _discard_unpublished(self, manifest: Manifest) -> None:
+        """After a failed save, remove the new generation's files unless the manifest on disk
+        already names them (the failure came after the manifest was replaced)."""
+        manifest_path = self.directory / MANIFEST_NAME
+        if manifest_path.exists() and Manifest.read(manifest_path).generation == manifest.generation:
+            return
+        for name in (manifest.index_file, manifest.metadata_file):
+            (self.directory / name).unlink(missing_ok=True)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that `path` is either its old content or all of `data`:
     write a temp file in the same directory, fsync it, `os.replace` it, fsync the directory."""
     temp = path.with_name(f".{path.name}.tmp")
-    with open(temp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
+    try:
+        with open(temp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)

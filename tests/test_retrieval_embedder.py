@@ -1,0 +1,83 @@
+"""Embedders: unit-norm float32 output, determinism, MiniLM against sentence-transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from retrieval import Embedder, HashingEmbedder, InvalidInputError, LocalEmbedder, MiniLMEmbedder, load_embedder
+
+TEXTS = [
+    "The cat sat on the mat.",
+    "Central banks raise interest rates to fight inflation.",
+    "Kittens and cats like to nap in the sun.",
+    "",
+]
+
+# First six components of sentence-transformers' normalised all-MiniLM-L6-v2 embeddings of
+# TEXTS[0] and TEXTS[1] (SentenceTransformer(minilm_model_dir()).encode(..., normalize_embeddings=True)).
+REFERENCE = np.array(
+    [
+        [0.130237, -0.015773, -0.036717, 0.057986, -0.059792, 0.033054],
+        [0.019403, -0.060099, -0.083660, -0.003400, 0.031075, -0.051875],
+    ],
+    dtype=np.float32,
+)
+
+
+@pytest.fixture(scope="module")
+def minilm() -> MiniLMEmbedder:
+    return MiniLMEmbedder(num_threads=1)
+
+
+def _assert_unit_rows(vectors: np.ndarray, count: int, dim: int) -> None:
+    assert vectors.dtype == np.float32
+    assert vectors.shape == (count, dim)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+
+
+def test_minilm_matches_sentence_transformers(minilm):
+    assert isinstance(minilm, Embedder)
+    assert (minilm.name, minilm.dim, minilm.max_length, minilm.pooling) == ("all-MiniLM-L6-v2", 384, 256, "mean")
+    vectors = minilm.embed(TEXTS[:2])
+    np.testing.assert_allclose(vectors[:, :6], REFERENCE, atol=1e-5)
+
+
+def test_minilm_normalised_deterministic_and_batch_independent(minilm):
+    first = minilm.embed(TEXTS)
+    _assert_unit_rows(first, len(TEXTS), 384)
+    np.testing.assert_array_equal(first, minilm.embed(TEXTS))
+    np.testing.assert_allclose(minilm.embed([TEXTS[2]])[0], first[2], atol=1e-5)
+    assert first[0] @ first[2] > first[0] @ first[1] + 0.2, "cat sentences should be closer to each other than to finance"
+
+
+def test_minilm_restores_torch_threads_and_truncates(minilm):
+    before = torch.get_num_threads()
+    long_text = "word " * 2000
+    _assert_unit_rows(minilm.embed([long_text]), 1, 384)
+    assert torch.get_num_threads() == before
+
+
+def test_hashing_embedder_is_deterministic_unit_and_lexical():
+    embedder = HashingEmbedder(64)
+    vectors = embedder.embed(TEXTS)
+    _assert_unit_rows(vectors, len(TEXTS), 64)
+    np.testing.assert_array_equal(vectors, HashingEmbedder(64).embed(TEXTS))
+    assert embedder.name == "hashing-64"
+    assert vectors[0] @ HashingEmbedder(64).embed(["the CAT sat on the mat"])[0] > 0.99
+    assert isinstance(embedder, Embedder)
+    assert embedder.embed([]).shape == (0, 64)
+    with pytest.raises(ValueError):
+        HashingEmbedder(0)
+
+
+def test_load_embedder_specs(tmp_path):
+    assert load_embedder("hashing").dim == 256
+    assert load_embedder("hashing-32").name == "hashing-32"
+    with pytest.raises(InvalidInputError, match="unknown embedder"):
+        load_embedder("bert-large")
+    with pytest.raises(InvalidInputError, match="not a model directory"):
+        load_embedder(str(tmp_path))
+    with pytest.raises(InvalidInputError, match="not a model directory"):
+        LocalEmbedder(tmp_path / "missing")
