@@ -1,0 +1,287 @@
+"""Train the bundled qwen3_5 hybrid model on the synthetic world (CPU, resumable).
+
+Model: ``Qwen3_5ForCausalLM`` with a text config, 8 layers in the Qwen3.5 3:1 pattern
+(3 Gated DeltaNet linear layers, then 1 gated full-attention layer, twice), tied embeddings.
+
+Objective: cross-entropy on the answer tokens only (answer word + ``<|im_end|>``), plus an
+optional auxiliary *attention-supervision* loss: for examples whose kind is in
+``--aux-kinds``, head ``AUX_HEAD`` of the last full-attention layer is taught to attend, from
+the last prompt token (the position that predicts the answer), to the answer's source token
+in the relevant document: ``-log(sum of that head's attention on the source positions)``.
+It is used only up to ``--aux-until`` steps and must be reported beside accuracy numbers.
+
+Curriculum: the maximum number of documents per prompt starts at 1 and rises by one (up to
+``--max-docs``) when single-hop answers in the last ``CURRICULUM_WINDOW`` training examples
+reach ``--advance-at`` accuracy, or after ``--level-patience`` steps at one level.
+
+State lives in ``--run-dir`` (default ``var/train``): ``last.pt`` (resumable: model,
+optimizer, step, curriculum), ``best.pt`` (best validation single-hop EM), ``tokenizer/``,
+``metrics.jsonl``. Re-running the same command resumes from ``last.pt``.
+
+Usage: ``python -m training.train --max-minutes 120``
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+from training import world
+from training.tokenizer import build_tokenizer
+
+AUX_HEAD = 0
+CURRICULUM_WINDOW = 20  # steps
+KIND_WEIGHTS = {"single": 0.5, "two_hop": 0.2, "count": 0.15, "first_last": 0.15}
+
+
+# ----------------------------------------------------------------------------- model
+
+def model_config(tok: PreTrainedTokenizerFast, hidden: int = 192, layers: int = 8,
+                 heads: int = 4) -> Qwen3_5TextConfig:
+    """A small qwen3_5 text config: [linear x3, full] repeated, head_dim = hidden / heads."""
+    head_dim = hidden // heads
+    return Qwen3_5TextConfig(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+        head_dim=head_dim, linear_num_key_heads=heads, linear_num_value_heads=heads,
+        linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+        max_position_embeddings=2048, tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )
+
+
+def build_model(config: Qwen3_5TextConfig) -> Qwen3_5ForCausalLM:
+    """Eager attention so the full-attention layers can return their weights (aux loss)."""
+    config._attn_implementation = "eager"
+    return Qwen3_5ForCausalLM(config)
+
+
+# ----------------------------------------------------------------------------- data
+
+@dataclass
+class Encoded:
+    ids: list[int]
+    n_prompt: int            # answer tokens start here
+    source_pos: list[int]    # positions of the answer's source token(s) in the prompt
+    kind: str
+
+
+def encode(tok: PreTrainedTokenizerFast, ex: world.Example) -> Encoded:
+    """Token ids of prompt + answer + <|im_end|>, with the answer's source positions."""
+    segments, answer = world.prompt_segments(ex)
+    seg_ids = [tok(s, add_special_tokens=False)["input_ids"] for s in segments]
+    starts = [0]
+    for ids in seg_ids:
+        starts.append(starts[-1] + len(ids))
+    source_pos = []
+    for doc_index, word in ex.sources:
+        word_id = tok.convert_tokens_to_ids(word)
+        seg = doc_index + 1
+        source_pos += [starts[seg] + i for i, t in enumerate(seg_ids[seg]) if t == word_id]
+    answer_ids = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    prompt = [t for ids in seg_ids for t in ids]
+    return Encoded(prompt + answer_ids, len(prompt), source_pos, ex.kind)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor   # [B, T] right-padded
+    labels: torch.Tensor      # [B, T], -100 outside the answer
+    query_pos: torch.Tensor   # [B] last prompt position
+    source_mask: torch.Tensor  # [B, T] bool
+    kinds: list[str]
+
+
+def collate(items: list[Encoded], pad_id: int) -> Batch:
+    T = max(len(e.ids) for e in items)
+    ids = torch.full((len(items), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(items), T), -100, dtype=torch.long)
+    source = torch.zeros((len(items), T), dtype=torch.bool)
+    for b, e in enumerate(items):
+        ids[b, :len(e.ids)] = torch.tensor(e.ids)
+        labels[b, e.n_prompt:len(e.ids)] = ids[b, e.n_prompt:len(e.ids)]
+        source[b, e.source_pos] = True
+    query = torch.tensor([e.n_prompt - 1 for e in items])
+    return Batch(ids, labels, query, source, [e.kind for e in items])
+
+
+def answer_scores(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean answer-token cross-entropy, per-example exact match under teacher forcing).
+
+    All answer tokens (incl. <|im_end|>) being the argmax is exactly greedy-decoding EM.
+    """
+    pred, gold = logits[:, :-1], labels[:, 1:]
+    loss = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), gold.reshape(-1), ignore_index=-100)
+    mask = gold != -100
+    exact = ((pred.argmax(-1) == gold) | ~mask).all(-1)
+    return loss, exact
+
+
+def aux_attention_loss(attn: torch.Tensor, batch: Batch, kinds: set[str]) -> torch.Tensor:
+    """-log attention mass of head AUX_HEAD, at the query position, on the source tokens."""
+    rows = attn[torch.arange(len(batch.kinds)), AUX_HEAD, batch.query_pos]  # [B, T]
+    mass = (rows * batch.source_mask).sum(-1)
+    use = torch.tensor([k in kinds for k in batch.kinds]) & batch.source_mask.any(-1)
+    if not use.any():
+        return rows.sum() * 0.0
+    return -torch.log(mass[use] + 1e-6).mean()
+
+
+@torch.no_grad()
+def validate(model, tok, examples: list[world.Example], batch_size: int = 32) -> dict[str, float]:
+    """Teacher-forced exact match (== greedy EM) per 'kind/k' on fixed examples."""
+    model.eval()
+    hits = collections.defaultdict(list)
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        batch = collate([encode(tok, e) for e in chunk], tok.pad_token_id)
+        _, exact = answer_scores(model(input_ids=batch.input_ids).logits, batch.labels)
+        for e, ok in zip(chunk, exact.tolist()):
+            hits[f"{e.kind}/{len(e.docs)}"].append(ok)
+            hits[e.kind].append(ok)
+    model.train()
+    return {key: sum(v) / len(v) for key, v in sorted(hits.items())}
+
+
+# ----------------------------------------------------------------------------- loop
+
+class Curriculum:
+    """Max documents per prompt, raised when recent single-hop accuracy is high enough."""
+
+    def __init__(self, top: int, advance_at: float, patience: int, state: dict | None = None):
+        self.top, self.advance_at, self.patience = top, advance_at, patience
+        self.max_docs = state["max_docs"] if state else 1
+        self.steps_at_level = state["steps_at_level"] if state else 0
+        self.recent = collections.deque(maxlen=CURRICULUM_WINDOW)
+
+    def update(self, single_hits: list[bool]) -> None:
+        self.recent.append(single_hits)
+        self.steps_at_level += 1
+        flat = [h for step in self.recent for h in step]
+        ready = len(self.recent) == CURRICULUM_WINDOW and sum(flat) >= self.advance_at * len(flat)
+        if self.max_docs < self.top and (ready or self.steps_at_level >= self.patience):
+            self.max_docs += 1
+            self.steps_at_level = 0
+            self.recent.clear()
+
+    def state(self) -> dict:
+        return {"max_docs": self.max_docs, "steps_at_level": self.steps_at_level}
+
+
+def save(path: str, **payload) -> None:
+    tmp = path + ".tmp"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run-dir", default="var/train")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--max-docs", type=int, default=10)
+    p.add_argument("--advance-at", type=float, default=0.9)
+    p.add_argument("--level-patience", type=int, default=400)
+    p.add_argument("--aux-weight", type=float, default=1.0)
+    p.add_argument("--aux-kinds", default="single")
+    p.add_argument("--aux-until", type=int, default=10**9, help="no aux loss from this step on")
+    p.add_argument("--max-steps", type=int, default=10**9)
+    p.add_argument("--max-minutes", type=float, default=60.0)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--threads", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    os.makedirs(args.run_dir, exist_ok=True)
+    tok = build_tokenizer()
+    tok.save_pretrained(os.path.join(args.run_dir, "tokenizer"))
+    last_path, best_path = (os.path.join(args.run_dir, n) for n in ("last.pt", "best.pt"))
+    resume = torch.load(last_path, weights_only=False) if os.path.exists(last_path) else None
+
+    config = Qwen3_5TextConfig.from_dict(resume["config"]) if resume else model_config(tok, args.hidden, args.layers)
+    model = build_model(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    step, best = 0, -1.0
+    if resume:
+        model.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["optimizer"])
+        step, best = resume["step"], resume["best"]
+    curriculum = Curriculum(args.max_docs, args.advance_at, args.level_patience,
+                            resume["curriculum"] if resume else None)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params={n_params} vocab={len(tok)} resume_step={step} args={vars(args)}", flush=True)
+
+    stream = world.train_stream(args.seed * 10_000 + step, lambda: curriculum.max_docs, KIND_WEIGHTS)
+    valid = world.heldout_examples(16, k_values=(1, 5, 10), world_seed=world.VALID_SEED)
+    aux_kinds = set(args.aux_kinds.split(",")) if args.aux_kinds else set()
+    metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "a")
+    t0, window = time.time(), collections.defaultdict(list)
+    model.train()
+
+    def checkpoint(path):
+        save(path, model=model.state_dict(), optimizer=opt.state_dict(), step=step, best=best,
+             curriculum=curriculum.state(), config=config.to_dict(), args=vars(args))
+
+    while step < args.max_steps and time.time() - t0 < args.max_minutes * 60:
+        lr = args.lr * min(1.0, (step + 1) / args.warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = collate([encode(tok, next(stream)) for _ in range(args.batch_size)], tok.pad_token_id)
+        use_aux = args.aux_weight > 0 and step < args.aux_until and bool(aux_kinds)
+        out = model(input_ids=batch.input_ids, output_attentions=use_aux)
+        loss, exact = answer_scores(out.logits, batch.labels)
+        aux = aux_attention_loss(out.attentions[-1], batch, aux_kinds) if use_aux else torch.zeros(())
+        (loss + args.aux_weight * aux * use_aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+
+        hits = exact.tolist()
+        curriculum.update([h for h, k in zip(hits, batch.kinds) if k == "single"])
+        window["loss"].append(loss.item())
+        window["aux"].append(aux.item())
+        for h, k in zip(hits, batch.kinds):
+            window[k].append(h)
+        if step % 10 == 0:
+            stats = {k: round(sum(v) / len(v), 3) for k, v in window.items()}
+            elapsed = time.time() - t0
+            print(f"step {step} t={elapsed / 60:.1f}m lr={lr:.2e} max_docs={curriculum.max_docs} "
+                  f"T={batch.input_ids.shape[1]} {json.dumps(stats)}", flush=True)
+            metrics.write(json.dumps({"step": step, "time": elapsed, "max_docs": curriculum.max_docs, **stats}) + "\n")
+            metrics.flush()
+            window.clear()
+        if step % args.eval_every == 0:
+            scores = validate(model, tok, valid)
+            print(f"VALID step {step} {json.dumps({k: round(v, 3) for k, v in scores.items()})}", flush=True)
+            metrics.write(json.dumps({"step": step, "valid": scores}) + "\n")
+            if scores["single"] > best:
+                best = scores["single"]
+                checkpoint(best_path)
+        if step % args.ckpt_every == 0:
+            checkpoint(last_path)
+    checkpoint(last_path)
+    print(f"stopped at step {step} after {(time.time() - t0) / 60:.1f} min", flush=True)
+
+
+if __name__ == "__main__":
+    main()
