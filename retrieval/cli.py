@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from retrieval.errors import RetrievalError
@@ -65,10 +66,10 @@ def ingest_command(
             task = bar.add_task("embedding", total=None)
             summary = ingest_paths(paths, index, chunker, progress=lambda done, total: bar.update(task, completed=done, total=total))
     except (RetrievalError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(code=1) from exc
     for skipped in summary.skipped:
-        console.print(f"[yellow]skipped[/yellow] {skipped} (unsupported type)")
+        console.print(f"[yellow]skipped[/yellow] {escape(skipped)} (unsupported type)", soft_wrap=True)
     rate = summary.chunks / summary.seconds if summary.seconds > 0 else float("inf")
     typer.echo(
         f"ingested {summary.documents} documents ({summary.replaced} replaced) as {summary.chunks} chunks "

@@ -1,0 +1,68 @@
+"""`hypic ingest`: summary output, errors, and how the chunking tokenizer is chosen."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+import retrieval.cli as retrieval_cli
+from app.cli import cli
+from retrieval import HashingEmbedder, VectorIndex, minilm_model_dir
+from retrieval.errors import InvalidInputError
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def docs(tmp_path):
+    root = tmp_path / "docs"
+    root.mkdir()
+    (root / "a.md").write_text("# Alpha\n\nThe first document talks about rivers.\n")
+    (root / "b.txt").write_text("The second document talks about mountains.\n")
+    return root
+
+
+def _ingest(*args: str):
+    return runner.invoke(cli, ["ingest", *args, "--embedder", "hashing-64", "--tokenizer", str(minilm_model_dir())])
+
+
+def test_ingest_prints_a_summary_and_builds_the_index(tmp_path, docs):
+    result = _ingest(str(docs), "--index-dir", str(tmp_path / "index"))
+    assert result.exit_code == 0, result.output
+    assert "ingested 2 documents (0 replaced) as 2 chunks" in result.stdout
+    index = VectorIndex(tmp_path / "index", HashingEmbedder(64))
+    assert [d.document_id for d in index.list_documents()] == ["docs/a.md", "docs/b.txt"]
+    again = _ingest(str(docs / "b.txt"), str(docs / "b.txt"), "--index-dir", str(tmp_path / "index"))
+    assert again.exit_code == 1 and "appears twice" in again.output
+    rerun = _ingest(str(docs), "--index-dir", str(tmp_path / "index"))
+    assert "(2 replaced)" in rerun.stdout and "[2 chunks total]" in rerun.stdout
+
+
+def test_ingest_errors_exit_1_and_leave_the_index(tmp_path, docs):
+    assert _ingest(str(docs), "--index-dir", str(tmp_path / "index")).exit_code == 0
+    before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "index").iterdir())
+    (docs / "empty.txt").write_text("")
+    result = _ingest(str(docs), "--index-dir", str(tmp_path / "index"))
+    assert result.exit_code == 1
+    assert "error:" in result.output and "empty.txt: empty" in result.output
+    assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "index").iterdir()) == before
+    mismatch = runner.invoke(cli, ["ingest", str(docs / "a.md"), "--index-dir", str(tmp_path / "index"), "--embedder", "hashing-32", "--tokenizer", str(minilm_model_dir())])
+    assert mismatch.exit_code == 1 and "dimension 64" in mismatch.output
+
+
+def test_tokenizer_resolution(tmp_path, monkeypatch):
+    monkeypatch.setattr(retrieval_cli, "SERVING_MODEL_DIR", tmp_path / "no-model")
+    fallback = retrieval_cli.resolve_tokenizer(None, HashingEmbedder(8))
+    assert fallback.vocab_size == 30522  # MiniLM's WordPiece vocabulary
+
+    class WithTokenizer(HashingEmbedder):
+        tokenizer = "the embedder's tokenizer"
+
+    assert retrieval_cli.resolve_tokenizer(None, WithTokenizer(8)) == "the embedder's tokenizer"
+    serving = tmp_path / "serving"
+    AutoTokenizer.from_pretrained(str(minilm_model_dir())).save_pretrained(serving)
+    monkeypatch.setattr(retrieval_cli, "SERVING_MODEL_DIR", serving)
+    assert retrieval_cli.resolve_tokenizer(None, WithTokenizer(8)).name_or_path == str(serving)
+    with pytest.raises(InvalidInputError, match="no tokenizer files"):
+        retrieval_cli.resolve_tokenizer(tmp_path, HashingEmbedder(8))
