@@ -1,0 +1,160 @@
+"""Decoding: greedy/sampling, seeds, stop strings, streaming detokenization, abort, store behaviour."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
+from hypic_core.detokenizer import StreamDetokenizer
+from hypic_core.engine import AbortHandle, Engine
+from hypic_core.entry import SegmentEntry
+from hypic_core.keys import SegmentKey
+from hypic_core.prompt import PromptBuilder
+from hypic_core.sampling import Sampler
+from hypic_core.store import MemorySegmentStore
+from hypic_core.testing import tiny_model
+from conftest import random_segments
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_tokenizer):
+    model = tiny_model("qwen3_5", vocab_size=len(tiny_tokenizer))
+    return Engine(model, tiny_tokenizer, EngineConfig(seam=4))
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(engine):
+    segs = random_segments((20, 30, 5), vocab=len(engine.tokenizer), seed=1)
+    sampled = lambda seed: engine.generated_tokens(GenerationRequest(  # noqa: E731
+        segs, sampling=SamplingParams(max_tokens=12, temperature=1.5, seed=seed)))
+    assert sampled(3) == sampled(3)
+    greedy = engine.generated_tokens(GenerationRequest(segs, sampling=SamplingParams(max_tokens=12)))
+    assert sampled(3) != greedy or sampled(4) != greedy
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(50)
+    s = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=0))
+    assert all(s(logits).token_id == int(logits.argmax()) for _ in range(5))
+
+
+def test_top_p_keeps_smallest_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    s = Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=0))
+    assert {s(logits).token_id for _ in range(200)} == {0, 1}
+
+
+def test_logprobs_are_reported(engine):
+    segs = random_segments((10, 4), vocab=len(engine.tokenizer), seed=2)
+    events = list(engine.generate(GenerationRequest(segs, sampling=SamplingParams(max_tokens=3, top_logprobs=3))))
+    first = events[0]
+    assert first.logprob <= 0 and len(first.top_logprobs) == 3
+    assert first.top_logprobs[0][0] == first.token_id  # greedy takes the most likely token
+    assert events[-1].finish_reason in ("length", "stop")
+
+
+def test_max_tokens_and_finish_reason(engine):
+    segs = random_segments((10, 4), vocab=len(engine.tokenizer), seed=3)
+    events = list(engine.generate(GenerationRequest(segs, sampling=SamplingParams(max_tokens=5))))
+    assert len(events) <= 5 and events[-1].finish_reason is not None
+
+
+def test_stop_string_truncates_text(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("The river Alna flows through Varo.", add_special_tokens=False)
+    d = StreamDetokenizer(tiny_tokenizer, stop=("flows",))
+    out = ""
+    for t in ids:
+        out += d.push(t)
+        if d.stopped:
+            break
+    assert d.stopped and out == "The river Alna "
+
+
+def test_detokenizer_never_emits_partial_characters(tiny_tokenizer):
+    text = "naïve émigrés — café"
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    d = StreamDetokenizer(tiny_tokenizer, stop=("xyz",))
+    pieces = [d.push(t) for t in ids] + [d.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+def test_abort_stops_generation(engine):
+    segs = random_segments((10, 4), vocab=len(engine.tokenizer), seed=4)
+    handle = AbortHandle()
+    events = []
+    for ev in engine.generate(GenerationRequest(segs, sampling=SamplingParams(max_tokens=50)), abort=handle):
+        events.append(ev)
+        if len(events) == 2:
+            handle.abort()
+    assert events[-1].finish_reason == "abort" and len(events) == 3
+
+
+def test_abort_before_prefill(engine):
+    handle = AbortHandle()
+    handle.abort()
+    segs = random_segments((10, 10, 4), vocab=len(engine.tokenizer), seed=5)
+    events = list(engine.generate(GenerationRequest(segs), abort=handle))
+    assert [e.finish_reason for e in events] == ["abort"]
+
+
+def test_concurrent_requests_interleave(engine):
+    segs = random_segments((10, 12, 4), vocab=len(engine.tokenizer), seed=6)
+    req = GenerationRequest(segs, sampling=SamplingParams(max_tokens=6))
+    expected = engine.generated_tokens(req)
+    results = [None, None]
+
+    def run(i):
+        results[i] = engine.generated_tokens(req)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert results == [expected, expected]
+
+
+def test_prompt_builder_segments_are_stable(tiny_tokenizer):
+    pb = PromptBuilder(tiny_tokenizer, system_prompt="Answer from the documents.")
+    msgs = [{"role": "user", "content": "Who is the mayor of Varo?"}]
+    a = pb.segments(msgs, ["Doc one about Varo.", "Doc two."])
+    b = pb.segments(msgs, ["Doc two.", "Doc one about Varo."])
+    assert a[1] == b[2] and a[2] == b[1] and a[0] == b[0] and a[-1] == b[-1]
+    text = tiny_tokenizer.decode([t for s in a for t in s])
+    assert text.startswith("<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n")
+    assert text.endswith("Who is the mayor of Varo?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def _entry(n, seam=1):
+    return SegmentEntry(tuple(range(n)), seam, (torch.zeros(2, n - seam, 4),), (torch.zeros(2, n - seam, 4),), (), ())
+
+
+def test_memory_store_is_lru_under_byte_budget():
+    e = _entry(9)
+    store = MemorySegmentStore(budget_bytes=2 * e.nbytes)
+    keys = [SegmentKey("m", 1, str(i)) for i in range(3)]
+    store.insert(keys[0], e)
+    store.insert(keys[1], e)
+    assert store.lookup(keys[0], e.token_ids) is e  # touch 0: 1 is now least recent
+    store.insert(keys[2], e)
+    assert keys[1] not in store and keys[0] in store and keys[2] in store
+    assert store.stats().evictions == 1
+    store.evict(keys[1])  # evicting a missing key is a no-op
+
+
+def test_memory_store_verifies_token_ids():
+    store = MemorySegmentStore(1 << 20)
+    key = SegmentKey("m", 1, "h")
+    store.insert(key, _entry(5))
+    assert store.lookup(key, (9, 9, 9, 9, 9)) is None  # a hash hit with other tokens is a miss
+    assert store.stats().corrupt == 1 and key not in store
+
+
+def test_entry_roundtrips_through_flat_tensors():
+    engine = Engine(tiny_model("qwen3_5"), config=EngineConfig(seam=3))
+    (seg,) = random_segments((20,), seed=9)
+    entries, _ = engine.segment_entries((seg,), 3)
+    back = SegmentEntry.from_tensors(entries[0].to_tensors())
+    assert back.token_ids == entries[0].token_ids and back.seam == 3
+    assert all(torch.equal(a, b) for a, b in zip(back.keys, entries[0].keys))
+    assert all(torch.equal(a.transition, b.transition) for a, b in zip(back.operators, entries[0].operators))
