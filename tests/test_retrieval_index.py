@@ -179,6 +179,11 @@ def test_corrupt_or_inconsistent_files_raise(index):
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(IndexCorruptError, match="inconsistent"):
         VectorIndex(index.directory, HashingEmbedder(64))
+    manifest["count"] -= 1
+    manifest["format_version"] = 99
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(IndexCorruptError, match="format 99"):
+        VectorIndex(index.directory, HashingEmbedder(64))
     manifest_path.write_text("{not json")
     with pytest.raises(IndexCorruptError, match="manifest"):
         VectorIndex(index.directory, HashingEmbedder(64))
