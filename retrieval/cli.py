@@ -52,12 +52,15 @@ def ingest_command(
     index_type: Annotated[str, typer.Option("--index-type", help="flat (exact) or hnsw; applies to a new index.")] = "flat",
 ) -> None:
     """Chunk, embed and index documents; a document already in the index is replaced."""
+    from transformers.utils import logging as transformers_logging
+
     from retrieval.chunker import Chunker
     from retrieval.embedder import load_embedder
     from retrieval.index import VectorIndex
     from retrieval.ingest import ingest_paths
 
     console = Console(stderr=True)
+    transformers_logging.disable_progress_bar()  # one bar on screen: ours
     try:
         model = load_embedder(embedder)
         index = VectorIndex(index_dir, model, index_type)
