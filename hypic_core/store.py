@@ -17,11 +17,17 @@ from .keys import SegmentKey
 
 @dataclass
 class StoreStats:
+    """Counters for metrics. `hits`, `bytes` and the per-tier maps are keyed by tier name."""
+
     hits: dict[str, int] = field(default_factory=dict)
-    misses: int = 0
-    evictions: int = 0
-    corrupt: int = 0
+    misses: int = 0  # lookups no tier answered
+    evictions: int = 0  # entries dropped from memory to stay within budget
+    corrupt: int = 0  # damaged, foreign or mismatched entries found (each also a miss)
     bytes: dict[str, int] = field(default_factory=dict)
+    tier_misses: dict[str, int] = field(default_factory=dict)  # lookups that reached a tier and missed there
+    load_seconds: dict[str, float] = field(default_factory=dict)  # total time spent serving hits, per tier
+    dropped_writes: int = 0  # disk writes skipped: queue full or I/O failure
+    disk_errors: int = 0  # disk I/O failures (the store kept serving from memory)
 
 
 class SegmentStore(ABC):

@@ -1,0 +1,180 @@
+"""TieredSegmentStore: memory tiers (device, host) in front of a disk tier (DESIGN section 7).
+
+Lookup walks the memory tiers in order, then disk. A hit anywhere is promoted to the first
+(hot) tier; entries pushed out of a memory tier by its budget move down to the next one and
+fall out of the last. Memory tiers are exclusive (an entry lives in one of them); the disk
+tier is write-through: `insert` queues a serialized copy for the background writer.
+
+A damaged or foreign entry (bad checksum, truncated, other schema or model, token ids that
+differ from the lookup's) is a miss: counted in `stats().corrupt`, logged once, and removed,
+so the caller recomputes it and the next insert replaces it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from ..entry import SegmentEntry
+from ..keys import SegmentKey
+from ..store import SegmentStore, StoreStats
+from .disk import DiskTier
+from .lru import LRUTier, MemoryTier
+from .serde import STORAGE_DTYPES, CorruptEntry, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+class TieredSegmentStore(SegmentStore):
+    """Memory tiers plus an optional disk tier, behind the `SegmentStore` interface.
+
+    - `device`: every entry returned by `lookup` lives here (the model's device).
+    - `memory_tiers`: hot first, e.g. (device, host); at least one.
+    - `disk`: optional; only segments of at least `disk_min_tokens` tokens are written to
+      and read from it (below that, recomputing is cheaper than loading: docs/cache.md).
+    - `storage_dtype`: "fp32" or "bf16" precision of K/V and (T, E) on disk. It is part of
+      the disk key, so stores of different precision sharing a directory never mix entries.
+
+    Thread-safe: memory tiers are guarded by one lock; disk reads and decoding run outside
+    it. `lookup`, `insert` and `evict` never raise for I/O failures or damaged entries.
+    """
+
+    def __init__(self, device: torch.device | str, memory_tiers: Sequence[MemoryTier], disk: DiskTier | None = None,
+                 storage_dtype: str = "fp32", disk_min_tokens: int = 0):
+        if not memory_tiers:
+            raise ValueError("a TieredSegmentStore needs at least one memory tier")
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
+        names = [t.name for t in memory_tiers] + (["disk"] if disk is not None else [])
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be distinct, got {names}")
+        self.device = torch.device(device)
+        self.disk = disk
+        self.storage_dtype = storage_dtype
+        self.disk_min_tokens = disk_min_tokens
+        self._tiers = [LRUTier(spec) for spec in memory_tiers]
+        self._lock = threading.Lock()
+        self._stats = StoreStats(hits=dict.fromkeys(names, 0), bytes=dict.fromkeys(names, 0),
+                                 tier_misses=dict.fromkeys(names, 0), load_seconds=dict.fromkeys(names, 0.0))
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        return tuple(self._stats.hits)
+
+    def disk_key(self, key: SegmentKey) -> str:
+        return f"{key.to_str()}/{self.storage_dtype}"
+
+    # --- SegmentStore ---------------------------------------------------------------------
+    def lookup(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None:
+        k, token_ids, t0 = key.to_str(), tuple(token_ids), time.perf_counter()
+        with self._lock:
+            for tier in self._tiers:
+                entry = tier.get(k)
+                if entry is None:
+                    self._stats.tier_misses[tier.spec.name] += 1
+                elif entry.token_ids != token_ids:  # a hash collision: never serve it
+                    self._drop_memory(k)
+                    self._stats.corrupt += 1
+                    self._stats.misses += 1
+                    collided = True
+                    break
+                else:
+                    if tier is not self._tiers[0]:
+                        tier.pop(k)
+                        self._place(k, entry)
+                    self._hit(tier.spec.name, t0)
+                    return entry.to(self.device)
+            else:
+                collided = False
+                if self.disk is None or len(token_ids) < self.disk_min_tokens:
+                    self._stats.misses += 1
+                    return None
+        if collided:
+            log.warning("segment %s: stored token ids differ from the lookup's; evicted", k)
+            if self.disk is not None:
+                self.disk.delete(self.disk_key(key))
+            return None
+        return self._lookup_disk(key, token_ids, t0)  # disk I/O and decoding run outside the lock
+
+    def _lookup_disk(self, key: SegmentKey, token_ids: tuple[int, ...], t0: float) -> SegmentEntry | None:
+        dk = self.disk_key(key)
+        try:
+            data = self.disk.get(dk)
+            entry = None if data is None else decode(data, key, token_ids, self.storage_dtype)
+        except CorruptEntry as e:
+            self.disk.delete(dk)
+            log.warning("segment %s on disk: %s; evicted, will recompute", dk, e)
+            with self._lock:
+                self._stats.corrupt += 1
+                self._stats.tier_misses["disk"] += 1
+                self._stats.misses += 1
+            return None
+        if entry is None:
+            with self._lock:
+                self._stats.tier_misses["disk"] += 1
+                self._stats.misses += 1
+            return None
+        entry = entry.to(self.device)
+        with self._lock:
+            self._place(key.to_str(), entry)
+            self._hit("disk", t0)
+        return entry
+
+    def insert(self, key: SegmentKey, entry: SegmentEntry) -> None:
+        """Hold `entry` in the hot tier and queue its disk copy (never blocks on disk)."""
+        k = key.to_str()
+        with self._lock:
+            self._drop_memory(k)
+            self._place(k, entry)
+        if self.disk is not None and entry.length >= self.disk_min_tokens:
+            self.disk.put_later(self.disk_key(key), lambda: encode(entry, key, self.storage_dtype))
+
+    def evict(self, key: SegmentKey) -> None:
+        """Remove `key` from every tier (disk synchronously; I/O failures are logged, not raised)."""
+        with self._lock:
+            self._drop_memory(key.to_str())
+        if self.disk is not None:
+            self.disk.delete(self.disk_key(key))
+
+    def stats(self) -> StoreStats:
+        disk = self.disk.stats() if self.disk is not None else None
+        with self._lock:
+            s = self._stats
+            out = StoreStats(dict(s.hits), s.misses, s.evictions, s.corrupt, dict(s.bytes), dict(s.tier_misses),
+                             dict(s.load_seconds))
+        if disk is not None:
+            out.bytes["disk"] = disk.bytes
+            out.dropped_writes, out.disk_errors = disk.dropped_writes, disk.errors
+        return out
+
+    def flush(self) -> None:
+        """Block until queued disk writes are done (tests, benchmarks, shutdown)."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
+        """Finish queued disk writes and close the disk tier."""
+        if self.disk is not None:
+            self.disk.close()
+
+    # --- internals (lock held) -------------------------------------------------------------
+    def _place(self, k: str, entry: SegmentEntry) -> None:
+        """Put `entry` in the hot tier and cascade budget overflow down the memory tiers."""
+        moving = [(k, entry)]
+        for tier in self._tiers:
+            moving = [out for k2, e2 in moving for out in tier.put(k2, e2)]
+            self._stats.bytes[tier.spec.name] = tier.nbytes
+        self._stats.evictions += len(moving)
+
+    def _drop_memory(self, k: str) -> None:
+        for tier in self._tiers:
+            tier.pop(k)
+            self._stats.bytes[tier.spec.name] = tier.nbytes
+
+    def _hit(self, tier: str, t0: float) -> None:
+        self._stats.hits[tier] += 1
+        self._stats.load_seconds[tier] += time.perf_counter() - t0
