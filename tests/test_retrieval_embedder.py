@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval import Embedder, HashingEmbedder, InvalidInputError, LocalEmbedder, MiniLMEmbedder, load_embedder
+from retrieval import Embedder, HashingEmbedder, InvalidInputError, LocalEmbedder, MiniLMEmbedder, load_embedder, minilm_model_dir
 
 TEXTS = [
     "The cat sat on the mat.",
@@ -95,3 +95,20 @@ def test_load_embedder_specs(tmp_path):
         load_embedder(str(tmp_path))
     with pytest.raises(InvalidInputError, match="not a model directory"):
         LocalEmbedder(tmp_path / "missing")
+
+
+def test_local_directory_with_cls_pooling(tmp_path, minilm):
+    model_dir = tmp_path / "my-encoder"
+    (model_dir / "1_Pooling").mkdir(parents=True)
+    for file in minilm_model_dir().iterdir():
+        if file.is_file():
+            (model_dir / file.name).symlink_to(file)
+    (model_dir / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true, "pooling_mode_mean_tokens": false}')
+    local = load_embedder(str(model_dir))
+    assert (local.name, local.dim, local.pooling) == ("my-encoder", 384, "cls")
+    vectors = local.embed(TEXTS[:2])
+    batch = minilm.tokenizer(TEXTS[:2], padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        cls = minilm.model(**batch).last_hidden_state[:, 0].numpy()
+    np.testing.assert_allclose(vectors, cls / np.linalg.norm(cls, axis=1, keepdims=True), atol=1e-5)
+    assert np.abs(vectors - minilm.embed(TEXTS[:2])).max() > 0.01
