@@ -1,0 +1,264 @@
+"""OpenAI-compatible endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+
+Request and response shapes follow the OpenAI API, so any OpenAI client works by changing its
+base URL. Supported: stream (chunks, final `finish_reason`, `data: [DONE]`),
+`stream_options.include_usage`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`,
+`seed`, `stop`, `logprobs` / `top_logprobs` (chat) and `logprobs: int` (completions), `n = 1`.
+Cache reuse is reported in `usage.prompt_tokens_details.cached_tokens`.
+
+Extra fields: `rag: {top_k, document_ids}` retrieves chunks for the last user message (chat) or
+the prompt (completions) and adds them as segments; `segments: [text, ...]` are cached
+independently (chat: placed before the last user message, like retrieved documents;
+completions: before the prompt, verbatim); `mode` and `seam` as in /query. Without `rag` or
+`segments`, a chat is plain chat. Unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from hypic_core.engine import StepEvent
+from hypic_core.errors import InvalidRequestError
+
+from . import pipeline, sse
+from .errors import APIError, from_engine
+from .runtime import Runtime
+from .worker import TokenStream
+
+log = logging.getLogger("hypic.openai")
+router = APIRouter(prefix="/v1")
+
+
+class RagOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    top_k: int | None = Field(None, ge=1)
+    document_ids: list[str] | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1, description="Only one choice per request.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    rag: RagOptions | None = None
+    segments: list[str] | None = None
+    mode: str | None = None
+    seam: int | None = Field(None, ge=0)
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+@router.get("/models")
+async def models(request: Request) -> dict:
+    rt: Runtime = request.app.state.runtime
+    rt.require_ready()
+    return {"object": "list", "data": [{"id": rt.model_name, "object": "model", "created": rt.created,
+                                        "owned_by": "hypic", "max_model_len": rt.engine.max_positions}]}
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request):
+    started = time.perf_counter()
+    rt = _ready(request, body)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError.invalid("top_logprobs", "requires logprobs: true")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    documents = await _documents(rt, body, messages[-1]["content"])
+    segments = rt.prompter.chat(messages, documents)
+    max_tokens = body.max_completion_tokens or body.max_tokens or rt.settings.max_new_tokens
+    gen = _generation(rt, body, segments, max_tokens, body.logprobs, body.top_logprobs or 0)
+    stream = pipeline.start(rt, gen, started, "/v1/chat/completions")
+    reply = _Reply(rt, "chat.completion", body, chat=True)
+    if body.stream:
+        return sse.response(reply.stream(stream))
+    return await reply.whole(stream)
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request):
+    started = time.perf_counter()
+    rt = _ready(request, body)
+    if body.echo:
+        raise APIError.invalid("echo", "echo is not supported")
+    if isinstance(body.prompt, list):
+        if len(body.prompt) != 1:
+            raise APIError.invalid("prompt", "exactly one prompt per request is supported")
+        body.prompt = body.prompt[0]
+    documents = await _documents(rt, body, body.prompt)
+    segments = rt.prompter.completion(body.prompt, documents)
+    want = body.logprobs is not None
+    gen = _generation(rt, body, segments, body.max_tokens, want, body.logprobs or 0)
+    stream = pipeline.start(rt, gen, started, "/v1/completions")
+    reply = _Reply(rt, "text_completion", body, chat=False)
+    if body.stream:
+        return sse.response(reply.stream(stream))
+    return await reply.whole(stream)
+
+
+def _ready(request: Request, body: _Common) -> Runtime:
+    rt: Runtime = request.app.state.runtime
+    rt.require_ready()
+    if body.model != rt.model_name:
+        raise APIError(404, f"model: {body.model!r} does not exist; this server serves {rt.model_name!r}",
+                       param="model", code="model_not_found")
+    return rt
+
+
+async def _documents(rt: Runtime, body: _Common, query: str) -> list[str]:
+    """Explicit `segments` first, then retrieved chunks (when `rag` is given)."""
+    documents = list(body.segments or ())
+    if body.rag is not None:
+        found = await pipeline.retrieve(rt, query, body.rag.top_k or rt.settings.default_top_k, body.rag.document_ids, "rag.")
+        documents += rt.prompter.documents(found.hits)
+    return documents
+
+
+def _generation(rt: Runtime, body: _Common, segments, max_tokens: int, logprobs: bool, top_logprobs: int):
+    return pipeline.generation_request(rt, segments, body.mode, body.seam, max_tokens=max_tokens,
+                                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                                       stop=body.stops(), logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+class _Reply:
+    """Builds one response (whole or as chunks) in the OpenAI shape of `object`."""
+
+    def __init__(self, rt: Runtime, object: str, body: _Common, chat: bool) -> None:
+        self.rt = rt
+        self.object = object
+        self.chat = chat
+        self.want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self._offset = 0  # completions text_offset of the next token
+
+    async def whole(self, stream: TokenStream) -> dict:
+        events: list[StepEvent] = []
+        try:
+            async for batch in stream.batches():
+                events += batch
+        except InvalidRequestError as exc:
+            raise from_engine(exc) from None
+        text = "".join(e.text for e in events)
+        finish = events[-1].finish_reason if events else None
+        choice = {"index": 0, "finish_reason": finish, "logprobs": self._logprobs(events)}
+        choice |= {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.rt.model_name,
+                "choices": [choice], "usage": _usage(stream)}
+
+    async def stream(self, stream: TokenStream):
+        try:
+            if self.chat:
+                yield self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+            async for batch in stream.batches():
+                text = "".join(e.text for e in batch)
+                logprobs = self._logprobs(batch)
+                if text or logprobs:
+                    yield self._chunk(self._content(text) | {"logprobs": logprobs, "finish_reason": None})
+                if batch[-1].finish_reason is not None:
+                    yield self._chunk(self._content("", end=True) | {"logprobs": None, "finish_reason": batch[-1].finish_reason})
+            if self.include_usage:
+                yield sse.event(None, self._envelope([]) | {"usage": _usage(stream)})
+        except Exception as exc:
+            error = from_engine(exc) if isinstance(exc, InvalidRequestError) else APIError(500, "generation failed; see the server log", type="server_error")
+            log.warning("stream failed", extra={"error": repr(exc)})
+            yield sse.event(None, error.body())
+        yield sse.event(None, "[DONE]")
+
+    def _content(self, text: str, end: bool = False) -> dict:
+        if self.chat:
+            return {"delta": {} if end else {"content": text}}
+        return {"text": text}
+
+    def _chunk(self, choice: dict) -> str:
+        out = self._envelope([{"index": 0} | choice])
+        if self.include_usage:
+            out["usage"] = None
+        return sse.event(None, out)
+
+    def _envelope(self, choices: list) -> dict:
+        kind = f"{self.object}.chunk" if self.chat else self.object
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.rt.model_name, "choices": choices}
+
+    def _logprobs(self, events: list[StepEvent]) -> dict | None:
+        """OpenAI logprobs of the generated tokens in `events` (EOS excluded), or None if not asked."""
+        if not self.want_logprobs:
+            return None
+        eos = self.rt.engine.eos_ids
+        tokens = [e for e in events if e.token_id is not None and e.token_id not in eos]
+        if self.chat:
+            return {"content": [self._chat_token(e) for e in tokens]} if tokens else None
+        if not tokens:
+            return None
+        texts = [self._token_text(e.token_id) for e in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in tokens],
+                "top_logprobs": [{self._token_text(t): lp for t, lp in e.top_logprobs} for e in tokens],
+                "text_offset": offsets}
+
+    def _chat_token(self, event: StepEvent) -> dict:
+        return self._token_entry(event.token_id, event.logprob) | {
+            "top_logprobs": [self._token_entry(t, lp) for t, lp in event.top_logprobs]}
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.rt.engine.tokenizer.decode([token_id])
+
+
+def _usage(stream: TokenStream) -> dict:
+    u = pipeline.usage(stream)
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}

@@ -1,0 +1,33 @@
+"""Operations: GET /health (liveness), GET /ready (readiness), GET /metrics (Prometheus)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from .metrics import CONTENT_TYPE
+from .runtime import Runtime
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health() -> dict:
+    """200 while the process serves HTTP, loaded or not."""
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """200 once the model and the index are loaded; 503 (with Retry-After) before, or if loading failed."""
+    rt: Runtime = request.app.state.runtime
+    if rt.ready:
+        return JSONResponse({"status": "ready", "model": rt.model_name, "chunks": len(rt.index)})
+    status = {"status": "failed", "error": rt.load_error} if rt.load_error else {"status": "loading"}
+    return JSONResponse(status, status_code=503, headers={"Retry-After": str(rt.settings.retry_after_s)})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    rt: Runtime = request.app.state.runtime
+    return Response(rt.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,98 @@
+"""POST /query: retrieve, build segments (system prompt, chunks, question), stitched prefill, answer.
+
+Non-streaming: `{answer, finish_reason, sources, usage, timings}`.
+Streaming (`"stream": true`): SSE named events, in order: `sources` once, `delta` per token
+batch (`{"text": ...}`), `done` (`{finish_reason, usage, timings}`). An error after the stream
+started is sent as an `error` event (`{"error": {...}}`) and the stream ends. Every check that
+can fail (fields, document ids, prompt length, queue) runs before the first byte, as a 4xx.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from hypic_core.errors import InvalidRequestError
+
+from . import pipeline, sse
+from .errors import APIError, from_engine
+from .runtime import Runtime
+from .worker import TokenStream
+
+log = logging.getLogger("hypic.query")
+router = APIRouter()
+
+
+class QueryRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    question: str = Field(description="The question; retrieval searches with it.")
+    top_k: int | None = Field(None, ge=1, description="Chunks to retrieve (default: settings.default_top_k).")
+    document_ids: list[str] | None = Field(None, description="Only retrieve from these documents.")
+    mode: str | None = Field(None, description="full, prefix, pic-naive or hypic (default: settings.default_mode).")
+    seam: int | None = Field(None, ge=0, description="Seam width in tokens (default: the engine's).")
+    max_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stream: bool = False
+
+    @field_validator("question")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise PydanticCustomError("empty", "must not be empty")
+        return value
+
+
+@router.post("/query")
+async def query(body: QueryRequest, request: Request):
+    started = time.perf_counter()
+    rt: Runtime = request.app.state.runtime
+    rt.require_ready()
+    found = await pipeline.retrieve(rt, body.question, body.top_k or rt.settings.default_top_k, body.document_ids)
+    segments = rt.prompter.question(body.question, rt.prompter.documents(found.hits))
+    gen = pipeline.generation_request(rt, segments, body.mode, body.seam, max_tokens=body.max_tokens,
+                                      temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+    stream = pipeline.start(rt, gen, started, "/query")
+    sources = [{"chunk_id": h.chunk.chunk_id, "document_id": h.chunk.document_id, "title": h.chunk.title,
+                "score": round(h.score, 6), "text": h.chunk.text} for h in found.hits]
+    if body.stream:
+        return sse.response(_events(stream, sources, found.ms))
+    parts, finish = [], None
+    try:
+        async for batch in stream.batches():
+            parts += [e.text for e in batch]
+            finish = batch[-1].finish_reason or finish
+    except InvalidRequestError as exc:
+        raise from_engine(exc) from None
+    return {"answer": "".join(parts), "finish_reason": finish, "sources": sources,
+            "usage": pipeline.usage(stream), "timings": _timings(stream, found.ms)}
+
+
+async def _events(stream: TokenStream, sources: list[dict], retrieval_ms: float):
+    yield sse.event("sources", {"sources": sources})
+    finish = None
+    try:
+        async for batch in stream.batches():
+            text = "".join(e.text for e in batch)
+            if text:
+                yield sse.event("delta", {"text": text})
+            finish = batch[-1].finish_reason or finish
+    except Exception as exc:
+        error = from_engine(exc) if isinstance(exc, InvalidRequestError) else APIError(500, "generation failed; see the server log", type="server_error")
+        log.warning("stream failed", extra={"error": repr(exc)})
+        yield sse.event("error", error.body())
+        return
+    yield sse.event("done", {"finish_reason": finish, "usage": pipeline.usage(stream), "timings": _timings(stream, retrieval_ms)})
+
+
+def _timings(stream: TokenStream, retrieval_ms: float) -> dict:
+    prefill_ms = stream.stats.timings_ms.get("prefill") if stream.stats else None
+    ttft_ms = pipeline.ms_since(stream.started, stream.first_token_at) if stream.first_token_at else None
+    return {"retrieval_ms": retrieval_ms, "prefill_ms": prefill_ms, "ttft_ms": ttft_ms,
+            "total_ms": pipeline.ms_since(stream.started)}

@@ -1,0 +1,107 @@
+"""Error responses: every failure the gateway reports has one JSON shape, OpenAI's.
+
+    {"error": {"message": "top_k: must be <= 32", "type": "invalid_request_error",
+               "param": "top_k", "code": null}}
+
+`message` starts with the offending field when there is one. Engine errors
+(`InvalidRequestError.field`), retrieval errors and pydantic validation errors (`loc`) are
+mapped here, so a bad request is always a 4xx and never a 500. Anything else becomes a logged
+500 without internals in the body (`middleware.RequestContext`).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hypic_core.errors import InvalidRequestError, PromptTooLongError
+from retrieval.errors import DocumentNotFoundError, RetrievalError
+
+
+class APIError(Exception):
+    """An error to send to the client as it is: HTTP `status`, a message naming `param`."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @classmethod
+    def invalid(cls, param: str, message: str) -> "APIError":
+        """A 400 for field `param`; the message is prefixed with the field name."""
+        return cls(400, f"{param}: {message}", param=param)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_engine(exc: InvalidRequestError) -> APIError:
+    """400 naming the engine's field (`PromptTooLongError` included)."""
+    code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else None
+    return APIError(400, str(exc), param=exc.field, code=code)
+
+
+def from_retrieval(exc: RetrievalError, param: str) -> APIError:
+    """400 naming `param` (the request field the retrieval input came from)."""
+    code = "document_not_found" if isinstance(exc, DocumentNotFoundError) else None
+    return APIError(400, f"{param}: {exc}", param=param, code=code)
+
+
+def field_path(loc: tuple) -> str:
+    """`("body", "messages", 0, "content")` -> `messages[0].content`; `("body",)` -> `body`."""
+    parts = [p for p in loc if p not in ("body", "query", "path")] or list(loc[:1])
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def from_validation(exc: RequestValidationError) -> APIError:
+    """400 naming the first invalid field; all problems are listed in the message."""
+    problems = []
+    for err in exc.errors():
+        path = field_path(tuple(err.get("loc", ())))
+        if err.get("type") == "json_invalid":
+            problems.append(("body", f"malformed JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"))
+        elif err.get("type") == "missing":
+            problems.append((path, "field required"))
+        else:
+            problems.append((path, err.get("msg", "invalid value")))
+    if not problems:
+        return APIError(400, "body: invalid request", param="body")
+    first = problems[0][0]
+    return APIError(400, "; ".join(f"{p}: {m}" for p, m in problems), param=first)
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers that turn exceptions into the JSON shape above."""
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc).response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _engine(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return from_engine(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message, param = str(exc.detail), None
+        if exc.status_code == 413:  # FastAPI's body limit (settings.max_body_bytes)
+            message, param = f"body: {message} (limit {request.app.state.runtime.settings.max_body_bytes} bytes)", "body"
+        return APIError(exc.status_code, message, type=kind, param=param, headers=dict(exc.headers or {})).response()

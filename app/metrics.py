@@ -1,0 +1,81 @@
+"""Prometheus metrics of one gateway, in its own registry (several apps can live in one process).
+
+Latencies are in seconds. Token counters split each prompt into the part whose work came from a
+cache (`reused`) and the part run through the model (`recomputed`: cold segments, seams,
+question). Segment-store counters are read from `store.stats()` at scrape time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from hypic_core.engine import PrefillStats
+from hypic_core.store import SegmentStore
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+disable_created_metrics()  # process-wide: no `*_created` series, they only add noise to scrapes
+
+
+class Metrics:
+    """The gateway's instruments. Methods are thread-safe (prometheus-client is)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("hypic_requests", "HTTP requests by route and status code.", ["route", "status"], registry=r)
+        self.ttft = Histogram("hypic_time_to_first_token_seconds", "Request arrival to first generated token.",
+                              ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("hypic_inter_token_latency_seconds", "Time between consecutive generated tokens.",
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("hypic_e2e_latency_seconds", "Request arrival to last generated token.",
+                             ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.retrieval = Histogram("hypic_retrieval_seconds", "Vector search time per request.",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("hypic_prefill_seconds", "Engine prefill time per request.",
+                                 ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("hypic_prompt_tokens", "Prompt tokens by how their work was done.", ["kind"], registry=r)
+        self.generated_tokens = Counter("hypic_generated_tokens", "Generated tokens.", registry=r)
+        self.segments = Counter("hypic_segment_lookups", "Context segments looked up per request.", ["result"], registry=r)
+        self.finished = Counter("hypic_generations_finished", "Finished generations by finish reason.", ["reason"], registry=r)
+        self.rejected = Counter("hypic_requests_rejected", "Requests refused at admission (queue full).", registry=r)
+        self.running = Gauge("hypic_requests_running", "Generations being decoded.", registry=r)
+        self.waiting = Gauge("hypic_requests_waiting", "Admitted generations waiting for a running slot.", registry=r)
+
+    def watch_store(self, store: SegmentStore) -> None:
+        """Export `store.stats()` (hits by tier, misses, evictions, corrupt entries, bytes by tier)."""
+        self.registry.register(_StoreCollector(store.stats))
+
+    def observe_prefill(self, stats: PrefillStats) -> None:
+        self.prefill.labels(stats.mode).observe(stats.timings_ms.get("prefill", 0.0) / 1000.0)
+        self.prompt_tokens.labels("reused").inc(stats.cached_tokens)
+        self.prompt_tokens.labels("recomputed").inc(stats.computed_tokens)
+        self.prompt_tokens.labels("seam").inc(stats.seam_tokens)
+        self.segments.labels("hit").inc(stats.segment_hits)
+        self.segments.labels("miss").inc(stats.segment_misses)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StoreCollector:
+    def __init__(self, read: Callable) -> None:
+        self._read = read
+
+    def collect(self):
+        stats = self._read()
+        hits = CounterMetricFamily("hypic_cache_hits", "Segment-store hits by tier.", labels=["tier"])
+        for tier, n in sorted(stats.hits.items()):
+            hits.add_metric([tier], n)
+        size = GaugeMetricFamily("hypic_cache_bytes", "Bytes held by each segment-store tier.", labels=["tier"])
+        for tier, n in sorted(stats.bytes.items()):
+            size.add_metric([tier], n)
+        yield hits
+        yield CounterMetricFamily("hypic_cache_misses", "Segment-store lookups that found nothing usable.", value=stats.misses)
+        yield CounterMetricFamily("hypic_cache_evictions", "Segment-store entries evicted for space.", value=stats.evictions)
+        yield CounterMetricFamily("hypic_cache_corrupt", "Segment-store entries found damaged or foreign.", value=stats.corrupt)
+        yield size

@@ -1,0 +1,76 @@
+"""The steps every generating endpoint shares: retrieve, build and check the request, start it.
+
+Errors come out as `APIError`s naming the request field (`field` prefixes such as "rag." let
+the OpenAI endpoints name their nested fields), so nothing invalid reaches the worker.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import anyio
+
+from hypic_core.config import GenerationRequest, Mode, SamplingParams
+from retrieval.errors import DocumentNotFoundError, RetrievalError
+from retrieval.index import SearchHit
+
+from .errors import APIError, from_retrieval
+from .runtime import Runtime
+from .worker import QueueFullError, TokenStream
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    hits: list[SearchHit]
+    ms: float
+
+
+async def retrieve(rt: Runtime, query: str, top_k: int, document_ids: Sequence[str] | None, prefix: str = "") -> Retrieval:
+    """The `top_k` chunks closest to `query` (only from `document_ids` when given), searched on a
+    thread. Raises 400 for top_k above `max_top_k`, an unknown document id, or bad retrieval input."""
+    if top_k > rt.settings.max_top_k:
+        raise APIError.invalid(f"{prefix}top_k", f"must be <= {rt.settings.max_top_k}, got {top_k}")
+    started = time.perf_counter()
+    try:
+        hits = await anyio.to_thread.run_sync(lambda: rt.index.search(query, top_k, document_ids))
+    except RetrievalError as exc:
+        raise from_retrieval(exc, f"{prefix}document_ids" if isinstance(exc, DocumentNotFoundError) else "query") from None
+    seconds = time.perf_counter() - started
+    rt.metrics.retrieval.observe(seconds)
+    return Retrieval(hits, round(seconds * 1000.0, 3))
+
+
+def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: str | None, seam: int | None,
+                       **sampling) -> GenerationRequest:
+    """A validated engine request; `sampling` are `SamplingParams` fields.
+    Raises 400 for max_tokens above `max_new_tokens` and for anything the engine rejects
+    (unknown mode, sampling ranges, a prompt longer than the model's context)."""
+    if sampling.get("max_tokens", 1) > rt.settings.max_new_tokens:
+        raise APIError.invalid("max_tokens", f"must be <= {rt.settings.max_new_tokens}, got {sampling['max_tokens']}")
+    request = GenerationRequest(tuple(segments), Mode.parse(mode or rt.settings.default_mode), seam,
+                                SamplingParams(**sampling))
+    rt.engine.validate(request)
+    return request
+
+
+def start(rt: Runtime, request: GenerationRequest, started: float, route: str) -> TokenStream:
+    """Admit `request` to the worker; 429 with Retry-After when the queue is full."""
+    try:
+        return rt.worker.submit(rt.engine, request, started, route)
+    except QueueFullError as exc:
+        raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(rt.settings.retry_after_s)}) from None
+
+
+def usage(stream: TokenStream) -> dict:
+    """Token counts of a finished stream: prompt, completion, cached (reused) and seam tokens."""
+    stats = stream.stats
+    return {"prompt_tokens": stats.prompt_tokens if stats else 0, "completion_tokens": stream.completion_tokens,
+            "cached_tokens": stats.cached_tokens if stats else 0, "seam_tokens": stats.seam_tokens if stats else 0}
+
+
+def ms_since(start: float, end: float | None = None) -> float:
+    """Milliseconds from `start` to `end` (default: now), both `time.perf_counter()` values."""
+    return round(((time.perf_counter() if end is None else end) - start) * 1000.0, 3)

@@ -1,0 +1,119 @@
+"""What a running gateway holds: settings, engine, vector index, chunker, prompter, worker, metrics.
+
+The engine and the index load on a background thread started by `start_loading`, so the server
+answers /health and /ready (503) at once. An engine or index given to `create_app` (an object,
+or a zero-argument callable returning one, e.g. for tests) replaces loading it from settings.
+When the index is empty after loading and `corpus_path` exists, the corpus is ingested first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Union
+
+from hypic_core.config import EngineConfig
+from hypic_core.engine import Engine
+from hypic_core.store import MemorySegmentStore, SegmentStore
+from retrieval.chunker import Chunker
+from retrieval.index import VectorIndex
+
+from .errors import APIError
+from .metrics import Metrics
+from .prompter import Prompter
+from .settings import Settings
+from .worker import Worker
+
+log = logging.getLogger("hypic.runtime")
+
+EngineSource = Union[Engine, Callable[[], Engine], None]
+IndexSource = Union[VectorIndex, Callable[[], VectorIndex], None]
+
+
+def build_store(settings: Settings) -> SegmentStore:
+    """The segment store named by `settings.cache_store` ("memory": an LRU under `cache_memory_bytes`)."""
+    return MemorySegmentStore(settings.cache_memory_bytes)
+
+
+def load_engine(settings: Settings) -> Engine:
+    """The model at `settings.model_path` with the configured seam, mode, budgets and store."""
+    config = EngineConfig(seam=settings.seam, default_mode=settings.default_mode,
+                          memory_budget_bytes=settings.cache_memory_bytes, prefix_budget_bytes=settings.prefix_cache_bytes,
+                          model_id=settings.served_model_name)
+    return Engine.from_pretrained(settings.model_path, config, build_store(settings))
+
+
+def load_index(settings: Settings) -> VectorIndex:
+    from retrieval.embedder import load_embedder
+
+    return VectorIndex(settings.index_dir, load_embedder(settings.embedder))
+
+
+class Runtime:
+    """Shared state of one app. `engine`, `index`, `chunker`, `prompter` are set once `ready`."""
+
+    def __init__(self, settings: Settings, engine: EngineSource = None, index: IndexSource = None) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.worker = Worker(settings.max_running, settings.max_queue, self.metrics)
+        self.engine: Engine | None = None
+        self.index: VectorIndex | None = None
+        self.chunker: Chunker | None = None
+        self.prompter: Prompter | None = None
+        self.model_name = settings.served_model_name
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self._ready = threading.Event()
+        self._engine_source = engine
+        self._index_source = index
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def start_loading(self) -> threading.Thread:
+        thread = threading.Thread(target=self._load, name="hypic-loader", daemon=True)
+        thread.start()
+        return thread
+
+    def require_ready(self) -> None:
+        """Raise a 503 (with Retry-After) unless the model and index are loaded."""
+        if not self.ready:
+            detail = f"loading failed: {self.load_error}" if self.load_error else "model and index are loading"
+            raise APIError(503, f"not ready: {detail}", type="unavailable_error", code="not_ready",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def _load(self) -> None:
+        started = time.perf_counter()
+        try:
+            if self.settings.torch_threads:
+                import torch
+
+                torch.set_num_threads(self.settings.torch_threads)
+            engine = load_engine(self.settings) if self._engine_source is None else _resolve(self._engine_source)
+            index = load_index(self.settings) if self._index_source is None else _resolve(self._index_source)
+            chunker = Chunker(engine.tokenizer)
+            corpus = self.settings.corpus_path
+            if len(index) == 0 and corpus is not None and corpus.is_file():
+                from retrieval.ingest import ingest_paths
+
+                summary = ingest_paths([corpus], index, chunker)
+                log.info("ingested corpus", extra={"corpus": str(corpus), "documents": summary.documents, "chunks": summary.chunks})
+            self.engine, self.index, self.chunker = engine, index, chunker
+            self.prompter = Prompter(engine.tokenizer, self.settings)
+            if self._engine_source is not None:
+                self.model_name = self.settings.model_name or engine.model_id
+            self.metrics.watch_store(engine.store)
+            self._ready.set()
+            log.info("ready", extra={"model": self.model_name, "chunks": len(index), "seconds": round(time.perf_counter() - started, 3)})
+        except Exception as exc:  # reported by /ready; the process stays up for inspection
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("loading failed")
+
+
+def _resolve(source):
+    return source() if callable(source) else source

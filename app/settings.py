@@ -1,0 +1,80 @@
+"""Gateway settings: the only place environment variables are read.
+
+Every field can be set as `HYPIC_<FIELD>` in the environment or in a `.env` file in the working
+directory (environment wins), e.g. `HYPIC_PORT=9000`, `HYPIC_API_KEY=secret`. Paths are
+relative to the working directory. Invalid values fail at startup with the field named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from hypic_core.config import DEFAULT_SEAM, Mode
+from hypic_core.errors import InvalidRequestError
+
+# The prompt layout the bundled model was trained on (training/world.py).
+DEFAULT_SYSTEM_PROMPT = "Answer the question using only the documents. Reply with one word or number."
+DEFAULT_DOCUMENT_TEMPLATE = "Document: {text}"
+DEFAULT_QUESTION_TEMPLATE = "Question: {question}"
+
+
+class Settings(BaseSettings):
+    """Configuration of one gateway process."""
+
+    model_config = SettingsConfigDict(env_prefix="HYPIC_", env_file=".env", env_file_encoding="utf-8", extra="ignore")
+
+    # model and prompt
+    model_path: Path = Path("models/hypic-tiny")
+    model_name: str | None = Field(None, description="Name served on /v1/models; default: the model directory's name.")
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    document_template: str = Field(DEFAULT_DOCUMENT_TEMPLATE, description="How a retrieved chunk is written into the prompt ({text}, {title}).")
+    question_template: str = Field(DEFAULT_QUESTION_TEMPLATE, description="How a /query question is written into the prompt ({question}).")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: torch's choice.")
+
+    # retrieval
+    index_dir: Path = Path("data/index")
+    corpus_path: Path | None = Field(Path("data/demo_corpus.jsonl"), description="Ingested at startup when the index is empty.")
+    embedder: str = Field("minilm", description="minilm, hashing, hashing-<dim>, or a model directory.")
+    default_top_k: int = Field(4, ge=1)
+    max_top_k: int = Field(32, ge=1)
+
+    # engine and cache
+    seam: int = Field(DEFAULT_SEAM, ge=0)
+    default_mode: str = Mode.HYPIC.value
+    cache_store: Literal["memory"] = Field("memory", description="Segment store backend.")
+    cache_memory_bytes: int = Field(2 << 30, ge=0)
+    prefix_cache_bytes: int = Field(512 << 20, ge=0)
+    max_new_tokens: int = Field(1024, ge=1, description="Upper bound on max_tokens of any request.")
+
+    # admission and limits
+    max_running: int = Field(4, ge=1, description="Generations decoded concurrently (interleaved token by token).")
+    max_queue: int = Field(16, ge=0, description="Admitted requests waiting for a running slot; beyond this: 429.")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and with 503 while loading.")
+    max_body_bytes: int = Field(8 << 20, ge=1)
+    api_key: SecretStr | None = Field(None, description="When set, requests need 'Authorization: Bearer <key>'.")
+
+    # server
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("default_mode")
+    @classmethod
+    def _known_mode(cls, value: str) -> str:
+        try:
+            return Mode.parse(value).value
+        except InvalidRequestError as exc:
+            raise ValueError(exc.message) from None
+
+    @field_validator("api_key")
+    @classmethod
+    def _blank_key_is_none(cls, value: SecretStr | None) -> SecretStr | None:
+        return value if value is not None and value.get_secret_value() else None
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or self.model_path.name

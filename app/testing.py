@@ -1,0 +1,64 @@
+"""A real uvicorn server on a loopback port, in a thread: for tests and benchmarks.
+
+    with LiveServer(create_app(settings, engine=engine, index=index)) as server:
+        server.wait_ready()
+        httpx.get(f"{server.url}/health")
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """Serves `app` on 127.0.0.1 at a free port from `start()` (or `with`) until `stop()`."""
+
+    def __init__(self, app, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None, access_log=False,
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "LiveServer":
+        """Start serving; returns once the socket accepts connections. Raises TimeoutError."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise TimeoutError(f"uvicorn did not start on port {self.port}")
+            time.sleep(0.02)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0, headers: dict | None = None) -> None:
+        """Poll GET /ready until 200. Raises TimeoutError with the last answer."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = httpx.get(f"{self.url}/ready", headers=headers)
+            if last.status_code == 200:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.url}/ready: {last.status_code if last else '-'} {last.text if last else ''}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> "LiveServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
