@@ -1,6 +1,10 @@
-"""The `hypic` command line."""
+"""The `hypic` command line: `serve` (the gateway), `query` (ask a running gateway), `ingest`."""
 
 from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
 
 import typer
 
@@ -12,7 +16,81 @@ cli.command("ingest")(ingest_command)
 
 @cli.callback()
 def _group() -> None:
-    """Keep `hypic <command>` syntax even while only one command is registered."""
+    """hypic-gateway commands."""
+
+
+@cli.command("serve")
+def serve_command(
+    host: Annotated[str | None, typer.Option(help="Bind address (default: HYPIC_HOST or 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: HYPIC_PORT or 8000).")] = None,
+) -> None:
+    """Start the gateway with uvicorn; every other setting comes from HYPIC_* variables or .env."""
+    import uvicorn
+
+    from app import logs
+    from app.server import create_app
+    from app.settings import Settings
+
+    overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+    settings = Settings(**overrides)
+    logs.configure(settings.log_level)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False)
+
+
+@cli.command("query")
+def query_command(
+    question: Annotated[str, typer.Argument(help="The question to ask.")],
+    url: Annotated[str | None, typer.Option(help="Gateway URL (default: http://HYPIC_HOST:HYPIC_PORT).")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Chunks to retrieve.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate at most.")] = 128,
+    mode: Annotated[str | None, typer.Option(help="full, prefix, pic-naive or hypic.")] = None,
+    sources: Annotated[bool, typer.Option("--sources/--no-sources", help="Print the retrieved sources first.")] = False,
+) -> None:
+    """Stream the answer to QUESTION from a running gateway (POST /query, SSE) to the terminal."""
+    import httpx
+
+    from app.settings import Settings
+    from app.sse import parse
+
+    settings = Settings()
+    base = url or f"http://{settings.host}:{settings.port}"
+    headers = {"Authorization": f"Bearer {settings.api_key.get_secret_value()}"} if settings.api_key else {}
+    body = {"question": question, "max_tokens": max_tokens, "stream": True}
+    body |= {k: v for k, v in {"top_k": top_k, "mode": mode}.items() if v is not None}
+    try:
+        with httpx.stream("POST", f"{base}/query", json=body, headers=headers, timeout=httpx.Timeout(10.0, read=None)) as response:
+            if response.status_code != 200:
+                response.read()
+                _fail(f"{response.status_code}: {_message(response.text)}")
+            for event, data in parse(response.iter_lines()):
+                payload = json.loads(data)
+                if event == "sources" and sources:
+                    for s in payload["sources"]:
+                        typer.echo(f"[{s['score']:.3f}] {s['document_id']}: {s['text']}", err=True)
+                elif event == "delta":
+                    sys.stdout.write(payload["text"])
+                    sys.stdout.flush()
+                elif event == "done":
+                    sys.stdout.write("\n")
+                    u, t = payload["usage"], payload["timings"]
+                    typer.echo(f"({payload['finish_reason']}; {u['completion_tokens']} tokens; prompt {u['prompt_tokens']}, "
+                               f"cached {u['cached_tokens']}; ttft {t['ttft_ms']} ms, total {t['total_ms']} ms)", err=True)
+                elif event == "error":
+                    _fail(payload["error"]["message"])
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach {base}: {exc}")
+
+
+def _message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=1)
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
-"""Server-sent events framing and the streaming response that carries them."""
+"""Server-sent events: framing, the streaming response that carries them, and a parser for clients."""
 
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterable, Iterator
 
 from fastapi.responses import StreamingResponse
 
@@ -18,3 +18,20 @@ def event(name: str | None, data: dict | str) -> str:
 
 def response(messages: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(messages, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def parse(lines: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """(event name, data) for each message of an SSE line stream; the name is "message" when absent.
+    Multi-line data is joined with newlines; comments and unknown fields are skipped."""
+    name, data = None, []
+    for line in lines:
+        if not line:
+            if data:
+                yield name or "message", "\n".join(data)
+            name, data = None, []
+        elif line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+    if data:
+        yield name or "message", "\n".join(data)

@@ -1,5 +1,6 @@
-"""A real uvicorn server on a loopback port, in a thread: for tests and benchmarks.
+"""Test helpers: a real uvicorn server on a loopback port, in a thread, and a tiny engine.
 
+    engine = tiny_engine(tokenizer)
     with LiveServer(create_app(settings, engine=engine, index=index)) as server:
         server.wait_ready()
         httpx.get(f"{server.url}/health")
@@ -19,6 +20,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def tiny_engine(tokenizer, seed: int = 0, stop_at_eos: bool = True):
+    """An `Engine` over a tiny random qwen3_5 model sized to `tokenizer` (seam 4, model id "tiny").
+    With `stop_at_eos=False` it never samples its way to EOS, so generations run to max_tokens."""
+    from hypic_core.config import EngineConfig
+    from hypic_core.engine import Engine
+    from hypic_core.testing import tiny_model
+
+    engine = Engine(tiny_model("qwen3_5", seed=seed, vocab_size=len(tokenizer)), tokenizer, EngineConfig(seam=4), model_id="tiny")
+    if not stop_at_eos:
+        engine.eos_ids = frozenset()
+    return engine
 
 
 class LiveServer:
