@@ -87,8 +87,10 @@ class DiskTier:
         self.directory = os.fspath(directory)
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         os.chmod(self.directory, 0o700)  # makedirs honours the umask; an existing dir keeps its mode otherwise
+        # cull_limit=1: a write evicts one least-recently-used value when over the limit (diskcache's
+        # default evicts ten at once); `put` culls further in the rare case one was not enough.
         self._cache = diskcache.Cache(self.directory, timeout=timeout, disk=BytesDisk, size_limit=size_limit,
-                                      eviction_policy="least-recently-used", statistics=False)
+                                      eviction_policy="least-recently-used", cull_limit=1, statistics=False)
         self._queue: queue.Queue = queue.Queue(maxsize=write_queue)
         self._stats = DiskStats()
         self._lock = threading.Lock()
@@ -128,6 +130,8 @@ class DiskTier:
             raise TypeError("disk cache takes str keys and bytes values only")
         try:
             added = self._cache.add(key, value)
+            if added and self._cache.volume() > self._cache.size_limit:
+                self._cache.cull()
         except _IO_ERRORS as e:
             self._failed("write", e)
             with self._lock:
