@@ -74,8 +74,18 @@ class _StoreCollector:
         size = GaugeMetricFamily("hypic_cache_bytes", "Bytes held by each segment-store tier.", labels=["tier"])
         for tier, n in sorted(stats.bytes.items()):
             size.add_metric([tier], n)
+        tier_misses = CounterMetricFamily("hypic_cache_tier_misses", "Lookups that reached a tier and missed there.", labels=["tier"])
+        for tier, n in sorted(stats.tier_misses.items()):
+            tier_misses.add_metric([tier], n)
+        load = CounterMetricFamily("hypic_cache_load_seconds", "Time spent serving hits, by tier.", labels=["tier"])
+        for tier, seconds in sorted(stats.load_seconds.items()):
+            load.add_metric([tier], seconds)
         yield hits
-        yield CounterMetricFamily("hypic_cache_misses", "Segment-store lookups that found nothing usable.", value=stats.misses)
+        yield tier_misses
+        yield load
+        yield CounterMetricFamily("hypic_cache_misses", "Segment-store lookups no tier answered.", value=stats.misses)
+        yield CounterMetricFamily("hypic_cache_dropped_writes", "Disk writes skipped (queue full or I/O error).", value=stats.dropped_writes)
+        yield CounterMetricFamily("hypic_cache_disk_errors", "Disk-tier I/O failures.", value=stats.disk_errors)
         yield CounterMetricFamily("hypic_cache_evictions", "Segment-store entries evicted for space.", value=stats.evictions)
         yield CounterMetricFamily("hypic_cache_corrupt", "Segment-store entries found damaged or foreign.", value=stats.corrupt)
         yield size

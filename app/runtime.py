@@ -13,9 +13,10 @@ import threading
 import time
 from typing import Callable, Union
 
+from hypic_core.cache import build_store as build_segment_store
 from hypic_core.config import EngineConfig
 from hypic_core.engine import Engine
-from hypic_core.store import MemorySegmentStore, SegmentStore
+from hypic_core.store import SegmentStore
 from retrieval.chunker import Chunker
 from retrieval.index import VectorIndex
 
@@ -32,8 +33,9 @@ IndexSource = Union[VectorIndex, Callable[[], VectorIndex], None]
 
 
 def build_store(settings: Settings) -> SegmentStore:
-    """The segment store named by `settings.cache_store` ("memory": an LRU under `cache_memory_bytes`)."""
-    return MemorySegmentStore(settings.cache_memory_bytes)
+    """An LRU of `cache_memory_bytes` in host memory, plus a disk tier in `cache_dir` when set."""
+    return build_segment_store(settings.cache_memory_bytes, directory=settings.cache_dir,
+                               disk_bytes=settings.cache_disk_bytes, storage_dtype=settings.cache_storage_dtype)
 
 
 def load_engine(settings: Settings) -> Engine:
@@ -85,7 +87,11 @@ class Runtime:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
 
     def close(self) -> None:
+        """Stop the worker; a store with a disk tier finishes its queued writes."""
         self.worker.close()
+        close_store = getattr(self.engine.store, "close", None) if self.engine is not None else None
+        if close_store is not None:
+            close_store()
 
     def _load(self) -> None:
         started = time.perf_counter()

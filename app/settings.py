@@ -45,8 +45,10 @@ class Settings(BaseSettings):
     # engine and cache
     seam: int = Field(DEFAULT_SEAM, ge=0)
     default_mode: str = Mode.HYPIC.value
-    cache_store: Literal["memory"] = Field("memory", description="Segment store backend.")
-    cache_memory_bytes: int = Field(2 << 30, ge=0)
+    cache_memory_bytes: int = Field(2 << 30, ge=0, description="Host-memory tier of the segment cache.")
+    cache_dir: Path | None = Field(None, description="Adds a disk tier here (tiered store); None: memory only.")
+    cache_disk_bytes: int = Field(16 << 30, ge=0)
+    cache_storage_dtype: str = Field("fp32", description="dtype of disk-tier entries (hypic_core.cache.STORAGE_DTYPES).")
     prefix_cache_bytes: int = Field(512 << 20, ge=0)
     max_new_tokens: int = Field(1024, ge=1, description="Upper bound on max_tokens of any request.")
 
@@ -69,6 +71,15 @@ class Settings(BaseSettings):
             return Mode.parse(value).value
         except InvalidRequestError as exc:
             raise ValueError(exc.message) from None
+
+    @field_validator("cache_storage_dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        from hypic_core.cache import STORAGE_DTYPES
+
+        if value not in STORAGE_DTYPES:
+            raise ValueError(f"expected one of {', '.join(STORAGE_DTYPES)}, got {value!r}")
+        return value
 
     @field_validator("api_key")
     @classmethod

@@ -1,0 +1,155 @@
+"""The OpenAI-compatible endpoints, driven by the official `openai` client against a live server."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from app.server import create_app
+from app.settings import Settings
+from app.testing import LiveServer, tiny_engine
+from retrieval import HashingEmbedder, VectorIndex
+
+CORPUS = [
+    {"id": "city-varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."},
+    {"id": "firm-brill", "text": "Brill is a company founded by Tam Oke in 1999."},
+    {"id": "river-alna", "text": "The Alna is a river that flows into the sea near Varo."},
+]
+HELLO = [{"role": "user", "content": "Who founded Brill?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_tokenizer, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateway-openai")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps(d) for d in CORPUS) + "\n")
+    settings = Settings(_env_file=None, index_dir=root / "index", corpus_path=corpus, max_new_tokens=64)
+    index = VectorIndex(settings.index_dir, HashingEmbedder(64))
+    with LiveServer(create_app(settings, engine=tiny_engine(tiny_tokenizer), index=index)) as live:
+        live.wait_ready()
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_chat_non_streaming(client):
+    r = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=5, temperature=0)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length") and choice.logprobs is None
+    assert 1 <= r.usage.completion_tokens <= 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_streaming_matches_non_streaming_and_reports_usage(client):
+    kwargs = dict(model="tiny", messages=HELLO, max_tokens=8, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_streaming_without_usage_has_no_usage_chunk(client):
+    chunks = list(client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3, stream=True))
+    assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
+
+
+def test_chat_logprobs_and_top_logprobs(client):
+    r = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy picks the top token
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+    streamed = list(client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=6, temperature=0,
+                                                   logprobs=True, top_logprobs=3, stream=True))
+    tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert tokens == [e.token for e in content]
+
+
+def test_completions_stream_and_logprobs(client):
+    kwargs = dict(model="tiny", prompt="The river Alna flows", max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert whole.object == "text_completion" and isinstance(choice.text, str)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == whole.usage.completion_tokens
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_rag_extra_field_adds_retrieved_chunks_and_reuses_them(client):
+    plain = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2, temperature=0)
+    rag = dict(model="tiny", messages=HELLO, max_tokens=2, temperature=0, extra_body={"rag": {"top_k": 2}})
+    first = client.chat.completions.create(**rag)
+    again = client.chat.completions.create(**rag)
+    assert first.usage.prompt_tokens > plain.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens > plain.usage.prompt_tokens_details.cached_tokens
+    only = client.chat.completions.create(**{**rag, "extra_body": {"rag": {"top_k": 5, "document_ids": ["firm-brill"]}}})
+    assert only.usage.prompt_tokens < first.usage.prompt_tokens  # one document instead of two
+
+
+def test_explicit_segments_are_cached_independently(client):
+    docs = ["Segment one says Varo is old.", "Segment two says Brill is new."]
+    first = client.completions.create(model="tiny", prompt="Which is new?", max_tokens=2, extra_body={"segments": docs})
+    swapped = client.completions.create(model="tiny", prompt="Which is new?", max_tokens=2,
+                                        extra_body={"segments": docs[::-1]})
+    assert first.usage.prompt_tokens == swapped.usage.prompt_tokens
+    assert swapped.usage.prompt_tokens_details.cached_tokens > 0  # reused in another position
+
+
+@pytest.mark.parametrize("kwargs,error,param", [
+    (dict(model="gpt-4"), openai.NotFoundError, "model"),
+    (dict(n=2), openai.BadRequestError, "n"),
+    (dict(top_logprobs=30, logprobs=True), openai.BadRequestError, "top_logprobs"),
+    (dict(top_logprobs=2), openai.BadRequestError, "top_logprobs"),
+    (dict(temperature=3), openai.BadRequestError, "temperature"),
+    (dict(max_tokens=0), openai.BadRequestError, "max_tokens"),
+    (dict(max_tokens=10_000), openai.BadRequestError, "max_tokens"),
+    (dict(messages=[]), openai.BadRequestError, "messages"),
+    (dict(messages=[{"role": "assistant", "content": "hi"}]), openai.BadRequestError, "messages"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), openai.BadRequestError, "messages[0].role"),
+    (dict(extra_body={"rag": {"top_k": 0}}), openai.BadRequestError, "rag.top_k"),
+    (dict(extra_body={"rag": {"document_ids": ["nope"]}}), openai.BadRequestError, "rag.document_ids"),
+    (dict(extra_body={"mode": "bogus"}), openai.BadRequestError, "mode"),
+    (dict(messages=[{"role": "user", "content": "Varo " * 3000}]), openai.BadRequestError, "prompt"),
+], ids=["unknown-model", "n", "top_logprobs-range", "top_logprobs-without-logprobs", "temperature", "max_tokens-zero",
+        "max_tokens-too-big", "no-messages", "last-not-user", "bad-role", "rag-top_k", "rag-unknown-document",
+        "mode", "prompt-too-long"])
+def test_chat_bad_input_names_the_field(client, kwargs, error, param):
+    with pytest.raises(error) as caught:
+        client.chat.completions.create(**{"model": "tiny", "messages": HELLO, "max_tokens": 2, **kwargs})
+    assert caught.value.body["param"] == param and caught.value.body["message"].startswith(param)
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=["a", "b"]), "prompt"),
+    (dict(echo=True), "echo"),
+    (dict(logprobs=50), "logprobs"),
+], ids=["empty-prompt", "two-prompts", "echo", "logprobs-range"])
+def test_completions_bad_input_names_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**{"model": "tiny", "prompt": "x", "max_tokens": 2, **kwargs})
+    assert caught.value.body["param"] == param
