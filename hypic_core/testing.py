@@ -14,7 +14,14 @@ SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attentio
 LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_conv_kernel_dim=4)
 
-FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama")
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+              mamba_chunk_size=16)
+# Mamba2 mixers pass through a gated norm: at the default init scale (0.02) the carried state barely moves the
+# logits, so a test that stitching changes anything would have nothing to see.
+WIDE_INIT = dict(initializer_range=0.1)
+
+FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama",
+            "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1")
 
 
 def tiny_config(family: str, **overrides):
@@ -32,6 +39,24 @@ def tiny_config(family: str, **overrides):
                                      "pad_token_id": 0, "eos_token_id": 1, **overrides})
         if family.endswith("nope"):
             cfg.rope_parameters = None  # released OLMo-hybrid checkpoints use no positions
+    elif family == "bamba":
+        cfg = tf.BambaConfig(**{**SMALL, **MAMBA2, **WIDE_INIT, "num_hidden_layers": 4, "attn_layer_indices": [2], **overrides})
+    elif family == "granitemoehybrid":  # Granite 4.0-H: NoPE attention, MoE
+        cfg = tf.GraniteMoeHybridConfig(**{**SMALL, **MAMBA2, **WIDE_INIT, "num_hidden_layers": 4,
+                                           "layer_types": ["mamba", "mamba", "attention", "mamba"],
+                                           "num_local_experts": 4, "num_experts_per_tok": 2,
+                                           "shared_intermediate_size": 64, **overrides})
+    elif family == "nemotron_h":  # NoPE attention; "-" is an MLP-only layer
+        cfg = tf.NemotronHConfig(**{**SMALL, **WIDE_INIT, "num_hidden_layers": 4, "hybrid_override_pattern": "M-*M",
+                                    "mamba_num_heads": 4, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 1,
+                                    "chunk_size": 16, **overrides})
+    elif family == "zamba2":  # shared attention block inside "hybrid" layers; RoPE on; head_dim = 2 * hidden / heads
+        small = {k: v for k, v in SMALL.items() if k != "head_dim"}
+        cfg = tf.Zamba2Config(**{**small, **WIDE_INIT, "tie_word_embeddings": True, "num_hidden_layers": 4,
+                                 "layers_block_type": ["mamba", "mamba", "hybrid", "mamba"], "n_mamba_heads": 4,
+                                 "mamba_d_state": 16, "chunk_size": 16, "use_mem_rope": True, **overrides})
+    elif family == "falcon_h1":  # attention and Mamba in parallel in every layer
+        cfg = tf.FalconH1Config(**{**SMALL, **MAMBA2, **WIDE_INIT, "mamba_d_ssm": 128, "num_hidden_layers": 3, **overrides})
     elif family == "qwen3":
         cfg = tf.Qwen3Config(**{**SMALL, "num_hidden_layers": 3, **overrides})
     elif family == "llama":

@@ -21,7 +21,9 @@ def first_attention_keys(model, adapter, ids, start):
     return cache.layers[adapter.attention_layers[0]].keys[0]
 
 
-@pytest.mark.parametrize("family,rotary", [("qwen3_5", 4), ("llama", 16), ("olmo_hybrid", 16), ("olmo_hybrid_nope", 0)])
+@pytest.mark.parametrize("family,rotary", [("qwen3_5", 4), ("llama", 16), ("olmo_hybrid", 16), ("olmo_hybrid_nope", 0),
+                                           ("bamba", 8), ("granitemoehybrid", 0), ("nemotron_h", 0), ("zamba2", 32),
+                                           ("falcon_h1", 16)])
 @pytest.mark.parametrize("offset", [1, 37, 1500])
 def test_rerotation_matches_absolute_rotation(family, rotary, offset):
     model = tiny_model(family)

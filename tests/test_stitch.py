@@ -16,8 +16,10 @@ from hypic_core.engine import Engine
 from hypic_core.testing import tiny_model
 from conftest import random_segments
 
-FAMILIES = ["qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama"]
-HYBRIDS = ["qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope"]
+FAMILIES = ["qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama",
+            "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1"]
+HYBRIDS = ["qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "bamba", "granitemoehybrid", "nemotron_h",
+           "zamba2", "falcon_h1"]
 LENGTHS = (14, 40, 31, 23, 9, 6)  # system prompt, four chunks, question
 
 

@@ -8,8 +8,9 @@ from ..errors import UnsupportedArchitectureError
 from .base import Capture, ModelAdapter
 from .dense import DenseAdapter
 from .gated_deltanet import GatedDeltaNetAdapter
+from .mamba2 import Mamba2Adapter
 
-ADAPTERS: tuple[type[ModelAdapter], ...] = (GatedDeltaNetAdapter, DenseAdapter)
+ADAPTERS: tuple[type[ModelAdapter], ...] = (GatedDeltaNetAdapter, Mamba2Adapter, DenseAdapter)
 
 # Hybrids transformers cannot resume from a cached state in a multi-token forward.
 _NOT_RESUMABLE = {

@@ -1,0 +1,171 @@
+"""Mamba2 / SSD hybrids: bamba, granitemoehybrid (Granite 4.0-H), nemotron_h, zamba2, falcon_h1.
+
+Recurrence per head h (state S is [head_dim, d_state], B_t shared by the heads of a group):
+
+    dt_t = clamp(softplus(dt_raw_t + dt_bias), dt_limit)        a_h = -exp(A_log_h)
+    S_t  = exp(dt_t a_h) S_{t-1} + dt_t x_t B_t^T
+
+so A_t = exp(dt_t a_h) is one scalar per head, and a span's transition is the scalar
+T_h = exp(a_h * sum_t dt_t). E is the layer's own chunked scan (`mamba2_chunk_scan`, or the
+mamba_ssm kernel when installed) run from a zero state; `naive_scan` is the plain sequential
+reference beside it. The five families share the mixer code and differ only in layout:
+
+- bamba / granitemoehybrid / nemotron_h: separate Mamba and attention layers (Granite and
+  Nemotron-H attention is NoPE; Nemotron-H also has MLP-only / MoE-only layers, no state);
+- zamba2: "hybrid" layers run a shared attention block, then a Mamba mixer, on one cache layer;
+- falcon_h1: every layer runs attention and Mamba in parallel on one cache layer.
+A cache layer holding both is listed in `attention_layers` and in `linear_layers`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..operators import LinearOperator
+from .base import Capture, ModelAdapter, require
+
+_MODELING = {
+    "bamba": "transformers.models.bamba.modeling_bamba",
+    "granitemoehybrid": "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+    "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h",
+    "zamba2": "transformers.models.zamba2.modeling_zamba2",
+    "falcon_h1": "transformers.models.falcon_h1.modeling_falcon_h1",
+}
+# config.layer_types entry -> (has attention K/V, has a Mamba state)
+_LAYER_KINDS = {
+    "linear_attention": (False, True),
+    "full_attention": (True, False),
+    "hybrid": (True, True),
+    "mlp": (False, False),
+    "moe": (False, False),
+}
+
+
+class Mamba2Adapter(ModelAdapter):
+    family = "mamba2"
+    model_types = tuple(_MODELING)
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        self._modeling = importlib.import_module(_MODELING[self.config.model_type])
+        layers = self.model.base_model.layers
+        self._mixers = [_find_mixer(layers[i]) for i in self.linear_layers]
+
+    def _classify_layers(self) -> None:
+        model_type = self.config.model_type
+        for i, kind in enumerate(self.config.layer_types[: self.num_layers]):
+            require(kind in _LAYER_KINDS, model_type, f"layer {i} has unknown type {kind!r}")
+            attention, linear = _LAYER_KINDS[kind]
+            if attention:
+                self.attention_layers.append(i)
+            if linear:
+                self.linear_layers.append(i)
+
+    @property
+    def uses_nope(self) -> bool:
+        return getattr(self.model.base_model, "rotary_emb", None) is None
+
+    # --- capture ------------------------------------------------------------------------
+    def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
+        mod = self._modeling
+        conv_fn = mod.causal_conv1d_fn
+        scan_fn = mod.mamba2_chunk_scan
+
+        def conv_wrapper(hidden_states, *args, **kwargs):
+            cap.conv_inputs.append(hidden_states.detach())
+            return conv_fn(hidden_states, *args, **kwargs)
+
+        def scan_wrapper(hidden_states, dt, A, B, C, *args, **kwargs):
+            cap.scan_args.append(dict(
+                x=hidden_states.detach(), dt=dt.detach(), A=A.detach(), B=B.detach(),
+                chunk_size=kwargs["chunk_size"] if "chunk_size" in kwargs else args[0],
+                dt_bias=kwargs.get("dt_bias"), dt_softplus=kwargs.get("dt_softplus", False),
+                dt_limit=kwargs.get("dt_limit", (0.0, float("inf")))))
+            return scan_fn(hidden_states, dt, A, B, C, *args, **kwargs)
+
+        return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "mamba2_chunk_scan"): scan_wrapper}
+
+    def conv_tail(self, cap: Capture, layer_pos: int, row: int, end: int) -> torch.Tensor:
+        # A fresh cache left-pads conv inputs shorter than K: the real tokens are the last seq_len columns.
+        x = cap.conv_inputs[layer_pos]
+        seq_len = cap.scan_args[layer_pos]["x"].shape[1]
+        x = x[row, :, x.shape[-1] - seq_len :]
+        return x[:, max(0, end - self.conv_kernel(layer_pos)) : end].clone()
+
+    # --- operators ----------------------------------------------------------------------
+    def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:
+        ops = []
+        for a in cap.scan_args:
+            x, dt, B = (a[n][row : row + 1, start:end] for n in ("x", "dt", "B"))
+            ops.append(self.operator(x, dt, a["A"], B, a["dt_bias"], a["dt_softplus"], a["dt_limit"], a["chunk_size"]))
+        return ops
+
+    def operator(self, x, dt, A, B, dt_bias, dt_softplus: bool, dt_limit, chunk_size: int) -> LinearOperator:
+        """(T, E) of one span. x [1, L, H, P], dt [1, L, H] (raw), A [H], B [1, L, G, N].
+
+        T [H] = exp(A * sum of effective dt); E [H, P, N] = the layer's chunked scan from zero.
+        """
+        kernel = self._modeling.mamba2_chunk_scan
+        _, E = kernel(x, dt, A, B, torch.zeros_like(B), chunk_size=chunk_size, D=None, dt_bias=dt_bias,
+                      initial_states=None, dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=True)
+        step = effective_dt(dt[0], dt_bias, dt_softplus, dt_limit)  # [L, H]
+        T = torch.exp((A.float()[None, :] * step).sum(0))
+        return LinearOperator(T, E[0].float())
+
+    def conv_kernel(self, layer_pos: int) -> int:
+        return int(self._mixers[layer_pos].conv_kernel_size)
+
+    def conv_shape(self, layer_pos: int) -> tuple[int, int]:
+        m = self._mixers[layer_pos]
+        return (int(m.conv_dim), int(m.conv_kernel_size))
+
+    def state_shape(self, layer_pos: int) -> tuple[int, ...]:
+        m = self._mixers[layer_pos]
+        return (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))
+
+    def decay_parameters(self, layer_pos: int) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+        """(A_log, dt_bias) of a Mamba layer: what tests set to make heads decay slowly."""
+        m = self._mixers[layer_pos]
+        return m.A_log, m.dt_bias
+
+
+def _find_mixer(layer: torch.nn.Module) -> torch.nn.Module:
+    """The Mamba2 mixer inside a decoder layer: the submodule holding A_log and the conv."""
+    for module in layer.modules():
+        if hasattr(module, "A_log") and hasattr(module, "conv1d") and hasattr(module, "ssm_state_size"):
+            return module
+    raise ValueError(f"no Mamba2 mixer in {type(layer).__name__}")
+
+
+def effective_dt(dt, dt_bias, dt_softplus: bool, dt_limit) -> torch.Tensor:
+    """The step the scan uses: clamp(softplus(dt + dt_bias), dt_limit), fp32. dt [..., H]."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    return torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+
+
+def naive_scan(x, dt, A, B, dt_bias=None, dt_softplus: bool = True, dt_limit=(0.0, float("inf")),
+               initial_state=None) -> torch.Tensor:
+    """Plain sequential Mamba2 recurrence, token by token, fp32. Returns the final state [B, H, P, N].
+
+    Shapes as the kernel: x [B, L, H, P], dt [B, L, H] (raw), A [H], B [B, L, G, N].
+    """
+    batch, L, H, P = x.shape
+    Bh = B.float().repeat_interleave(H // B.shape[2], dim=2)  # [B, L, H, N]
+    step = effective_dt(dt, dt_bias, dt_softplus, dt_limit)  # [B, L, H]
+    S = (torch.zeros(batch, H, P, B.shape[-1]) if initial_state is None
+         else initial_state.to(torch.float32).clone())
+    for t in range(L):
+        decay = torch.exp(step[:, t] * A.float())  # [B, H]
+        S = decay[..., None, None] * S + step[:, t, :, None, None] * x[:, t].float()[..., None] * Bh[:, t, :, None, :]
+    return S
+
+
+__all__ = ["Mamba2Adapter", "effective_dt", "naive_scan"]
