@@ -117,7 +117,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     reply = _Reply(rt, "chat.completion", body, chat=True)
     if body.stream:
         return sse.response(reply.stream(stream))
-    return await reply.whole(stream)
+    return await reply.whole(stream, request)
 
 
 @router.post("/completions")
@@ -138,7 +138,7 @@ async def completions(body: CompletionRequest, request: Request):
     reply = _Reply(rt, "text_completion", body, chat=False)
     if body.stream:
         return sse.response(reply.stream(stream))
-    return await reply.whole(stream)
+    return await reply.whole(stream, request)
 
 
 def _ready(request: Request, body: _Common) -> Runtime:
@@ -178,16 +178,10 @@ class _Reply:
         self.created = int(time.time())
         self._offset = 0  # completions text_offset of the next token
 
-    async def whole(self, stream: TokenStream) -> dict:
-        events: list[StepEvent] = []
-        try:
-            async for batch in stream.batches():
-                events += batch
-        except InvalidRequestError as exc:
-            raise from_engine(exc) from None
+    async def whole(self, stream: TokenStream, request: Request) -> dict:
+        events = await pipeline.collect(stream, request)
         text = "".join(e.text for e in events)
-        finish = events[-1].finish_reason if events else None
-        choice = {"index": 0, "finish_reason": finish, "logprobs": self._logprobs(events)}
+        choice = {"index": 0, "finish_reason": events[-1].finish_reason, "logprobs": self._logprobs(events)}
         choice |= {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.rt.model_name,
                 "choices": [choice], "usage": _usage(stream)}

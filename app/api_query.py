@@ -63,14 +63,8 @@ async def query(body: QueryRequest, request: Request):
                 "score": round(h.score, 6), "text": h.chunk.text} for h in found.hits]
     if body.stream:
         return sse.response(_events(stream, sources, found.ms))
-    parts, finish = [], None
-    try:
-        async for batch in stream.batches():
-            parts += [e.text for e in batch]
-            finish = batch[-1].finish_reason or finish
-    except InvalidRequestError as exc:
-        raise from_engine(exc) from None
-    return {"answer": "".join(parts), "finish_reason": finish, "sources": sources,
+    events = await pipeline.collect(stream, request)
+    return {"answer": "".join(e.text for e in events), "finish_reason": events[-1].finish_reason, "sources": sources,
             "usage": pipeline.usage(stream), "timings": _timings(stream, found.ms)}
 
 

@@ -101,7 +101,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message, param = str(exc.detail), None
-        if exc.status_code == 413:  # FastAPI's body limit (settings.max_body_bytes)
-            message, param = f"body: {message} (limit {request.app.state.runtime.settings.max_body_bytes} bytes)", "body"
-        return APIError(exc.status_code, message, type=kind, param=param, headers=dict(exc.headers or {})).response()
+        message, param, code = str(exc.detail), None, None
+        if exc.status_code == 413:  # middleware.BodyLimit, for a body sent without Content-Length
+            message, param, code = f"body: {message}", "body", "body_too_large"
+        return APIError(exc.status_code, message, type=kind, param=param, code=code, headers=dict(exc.headers or {})).response()

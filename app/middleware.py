@@ -4,6 +4,8 @@
   one, else a new one), sets it for the logs, counts the request by route and status, and writes
   one access-log line when the response has been sent. An exception that escaped every handler
   is logged and answered with a 500 in the usual error shape.
+- `BodyLimit`: answers 413 for a body over `max_body_bytes`, before reading it when
+  Content-Length says so, else as soon as the chunks received pass the limit.
 - `ApiKey`: when a key is configured, refuses requests without `Authorization: Bearer <key>`
   (401), except the probes /health, /ready and /metrics.
 """
@@ -16,6 +18,7 @@ import re
 import time
 import uuid
 
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import logs
@@ -79,3 +82,35 @@ class ApiKey:
                              headers={"WWW-Authenticate": "Bearer"})
             return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` once a chunked body passes the limit; the error handlers answer 413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            error = BodyTooLarge(self.max_bytes)
+            return await APIError(413, f"body: {error.detail}", param="body", code="body_too_large").response()(scope, receive, send)
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted, send)

@@ -6,17 +6,21 @@ the OpenAI endpoints name their nested fields), so nothing invalid reaches the w
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import anyio
+from fastapi import Request
 
 from hypic_core.config import GenerationRequest, Mode, SamplingParams
+from hypic_core.engine import StepEvent
+from hypic_core.errors import InvalidRequestError
 from retrieval.errors import DocumentNotFoundError, RetrievalError
 from retrieval.index import SearchHit
 
-from .errors import APIError, from_retrieval
+from .errors import APIError, from_engine, from_retrieval
 from .runtime import Runtime
 from .worker import QueueFullError, TokenStream
 
@@ -62,6 +66,27 @@ def start(rt: Runtime, request: GenerationRequest, started: float, route: str) -
     except QueueFullError as exc:
         raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(rt.settings.retry_after_s)}) from None
+
+
+async def collect(stream: TokenStream, request: Request) -> list[StepEvent]:
+    """Every event of `stream` (non-streaming responses). If the client disconnects first, the
+    generation is aborted at once rather than run to the end for nobody."""
+
+    async def abort_on_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        stream.abort.abort()
+
+    watcher = asyncio.create_task(abort_on_disconnect())
+    events: list[StepEvent] = []
+    try:
+        async for batch in stream.batches():
+            events += batch
+    except InvalidRequestError as exc:
+        raise from_engine(exc) from None
+    finally:
+        watcher.cancel()
+    return events
 
 
 def usage(stream: TokenStream) -> dict:

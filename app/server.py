@@ -3,11 +3,11 @@
     app = create_app(Settings())                        # loads settings.model_path and index_dir
     app = create_app(settings, engine=eng, index=idx)   # or given objects / zero-arg factories
 
-A request's life: `RequestContext` tags it with a request id -> `ApiKey` checks the key -> the
-route validates the body (pydantic; errors become 400s naming the field) -> `pipeline`
-retrieves on a thread, builds segments (`Prompter`) and checks them against the engine ->
-`Worker` admits it (or 429) and runs prefill + decode on an engine thread -> the route reads
-the `TokenStream` on the event loop and answers with JSON or SSE.
+A request's life: `RequestContext` tags it with a request id -> `ApiKey` checks the key ->
+`BodyLimit` caps the body -> the route validates the body (pydantic; errors become 400s naming
+the field) -> `pipeline` retrieves on a thread, builds segments (`Prompter`) and checks them
+against the engine -> `Worker` admits it (or 429) and runs prefill + decode on an engine
+thread -> the route reads the `TokenStream` on the event loop and answers with JSON or SSE.
 Loading starts when the app starts (lifespan) and runs in the background: /ready is 503 until
 it finishes. The worker threads are stopped when the app shuts down.
 """
@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from . import api_documents, api_openai, api_ops, api_query, errors, logs
-from .middleware import ApiKey, RequestContext
+from .middleware import ApiKey, BodyLimit, RequestContext
 from .runtime import EngineSource, IndexSource, Runtime
 from .settings import Settings
 
@@ -35,11 +35,12 @@ def create_app(settings: Settings | None = None, engine: EngineSource = None, in
         yield
         runtime.close()
 
-    app = FastAPI(title="hypic-gateway", version="0.1.0", lifespan=lifespan, max_body_size=settings.max_body_bytes)
+    app = FastAPI(title="hypic-gateway", version="0.1.0", lifespan=lifespan)
     app.state.runtime = runtime
     errors.install(app)
     for module in (api_query, api_openai, api_documents, api_ops):
         app.include_router(module.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKey, key=settings.api_key.get_secret_value())
     app.add_middleware(RequestContext, metrics=runtime.metrics)  # added last: outermost

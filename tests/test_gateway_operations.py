@@ -1,0 +1,217 @@
+"""Operations against live servers: readiness, metrics, concurrency, admission, disconnects,
+API keys and the body limit.
+
+The engine never stops at EOS here (`stop_at_eos=False`), so a generation runs to max_tokens
+unless something stops it: a long request that ends early was aborted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.server import create_app
+from app.settings import Settings
+from app.sse import parse
+from app.testing import LiveServer, tiny_engine
+from retrieval import HashingEmbedder, VectorIndex
+
+LONG = 1000  # tokens: several seconds of decoding, far longer than any test waits
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_tokenizer):
+    return tiny_engine(tiny_tokenizer, stop_at_eos=False)
+
+
+def settings_for(tmp_path, **overrides) -> Settings:
+    return Settings(_env_file=None, index_dir=tmp_path / "index", corpus_path=None, **overrides)
+
+
+def empty_index(tmp_path) -> VectorIndex:
+    return VectorIndex(tmp_path / "index", HashingEmbedder(64))
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateway-ops")
+    settings = settings_for(root, max_running=2, max_queue=1, max_body_bytes=4096, retry_after_s=3)
+    with LiveServer(create_app(settings, engine=engine, index=empty_index(root))) as live:
+        live.wait_ready()
+        yield live
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """The value of sample `name` with `labels` on /metrics (0 if absent)."""
+    text = httpx.get(f"{url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def idle(url: str) -> bool:
+    return metric(url, "hypic_requests_running") == 0 and metric(url, "hypic_requests_waiting") == 0
+
+
+def open_stream(url: str, max_tokens: int = LONG):
+    """Start a streaming /query; returns (client, response) once its headers arrived."""
+    client = httpx.Client(timeout=30)
+    request = client.build_request("POST", f"{url}/query", json={"question": "a long story", "max_tokens": max_tokens, "stream": True})
+    return client, client.send(request, stream=True)
+
+
+def test_metrics_increase_after_a_request(server):
+    before_ok = metric(server.url, "hypic_requests_total", route="/query", status="200")
+    before_ttft = metric(server.url, "hypic_time_to_first_token_seconds_count", route="/query")
+    before_tokens = metric(server.url, "hypic_generated_tokens_total")
+    r = httpx.post(f"{server.url}/query", json={"question": "count to five", "max_tokens": 5}, timeout=30)
+    assert r.status_code == 200
+    assert metric(server.url, "hypic_requests_total", route="/query", status="200") == before_ok + 1
+    assert metric(server.url, "hypic_time_to_first_token_seconds_count", route="/query") == before_ttft + 1
+    assert metric(server.url, "hypic_generated_tokens_total") == before_tokens + 5
+    assert metric(server.url, "hypic_inter_token_latency_seconds_count") >= 4
+    assert metric(server.url, "hypic_e2e_latency_seconds_count", route="/query") >= 1
+    assert metric(server.url, "hypic_retrieval_seconds_count") >= 1
+    assert metric(server.url, "hypic_prompt_tokens_total", kind="recomputed") > 0
+    text = httpx.get(f"{server.url}/metrics").text
+    assert "hypic_cache_hits_total" in text and "hypic_cache_misses_total" in text
+    assert "hypic_requests_running" in text and "hypic_requests_waiting" in text
+
+
+def test_concurrent_streams_interleave(server):
+    """Two streams served at once: each gets its first token before the other one finishes."""
+    marks: dict[int, dict[str, float]] = {0: {}, 1: {}}
+
+    def run(i: int) -> None:
+        with httpx.stream("POST", f"{server.url}/query", json={"question": f"stream {i}", "max_tokens": 60, "stream": True}, timeout=30) as r:
+            for name, _ in parse(r.iter_lines()):
+                if name == "delta":
+                    marks[i].setdefault("first", time.monotonic())
+                elif name == "done":
+                    marks[i]["done"] = time.monotonic()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all("done" in m for m in marks.values()), marks
+    assert marks[0]["first"] < marks[1]["done"] and marks[1]["first"] < marks[0]["done"]
+
+
+def test_client_disconnect_mid_stream_aborts_generation(server):
+    wait_for(lambda: idle(server.url))
+    aborted = metric(server.url, "hypic_generations_finished_total", reason="abort")
+    tokens = metric(server.url, "hypic_generated_tokens_total")
+    client, response = open_stream(server.url)
+    for name, _ in parse(response.iter_lines()):
+        if name == "delta":
+            break
+    response.close()
+    client.close()
+    started = time.monotonic()
+    wait_for(lambda: metric(server.url, "hypic_generations_finished_total", reason="abort") == aborted + 1, timeout=5)
+    wait_for(lambda: idle(server.url), timeout=5)
+    assert time.monotonic() - started < 5
+    assert metric(server.url, "hypic_generated_tokens_total") - tokens < LONG / 2
+
+
+def test_client_disconnect_during_non_streaming_request_aborts_generation(server):
+    wait_for(lambda: idle(server.url))
+    aborted = metric(server.url, "hypic_generations_finished_total", reason="abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/query", json={"question": "a long story", "max_tokens": LONG}, timeout=0.5)
+    wait_for(lambda: metric(server.url, "hypic_generations_finished_total", reason="abort") == aborted + 1, timeout=5)
+    wait_for(lambda: idle(server.url), timeout=5)
+
+
+def test_full_queue_answers_429_with_retry_after(server):
+    wait_for(lambda: idle(server.url))
+    streams = [open_stream(server.url) for _ in range(3)]  # 2 running + 1 waiting = capacity
+    try:
+        wait_for(lambda: metric(server.url, "hypic_requests_waiting") == 1)
+        r = httpx.post(f"{server.url}/query", json={"question": "one more", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 429 and r.headers["retry-after"] == "3"
+        assert r.json()["error"]["code"] == "queue_full"
+        oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            oai.completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert metric(server.url, "hypic_requests_rejected_total") >= 2
+    finally:
+        for client, response in streams:
+            response.close()
+            client.close()
+    wait_for(lambda: idle(server.url), timeout=10)
+    assert httpx.post(f"{server.url}/query", json={"question": "after", "max_tokens": 2}, timeout=30).status_code == 200
+
+
+def test_body_limit_is_413(server):
+    big = "x" * 5000
+    r = httpx.post(f"{server.url}/documents?id=big", content=big, headers={"content-type": "text/plain"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+    r = httpx.post(f"{server.url}/query", json={"question": big})
+    assert r.status_code == 413
+    chunked = httpx.post(f"{server.url}/documents?id=big", content=iter([big.encode()] * 2), headers={"content-type": "text/plain"})
+    assert chunked.status_code == 413
+
+
+def test_ready_is_503_until_loaded(engine, tmp_path):
+    gate = threading.Event()
+
+    def slow_engine():
+        gate.wait(30)
+        return engine
+
+    app = create_app(settings_for(tmp_path), engine=slow_engine, index=lambda: empty_index(tmp_path))
+    with LiveServer(app) as live:
+        r = httpx.get(f"{live.url}/ready")
+        assert r.status_code == 503 and r.json()["status"] == "loading" and r.headers["retry-after"]
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        q = httpx.post(f"{live.url}/query", json={"question": "too early"})
+        assert q.status_code == 503 and q.json()["error"]["code"] == "not_ready"
+        gate.set()
+        live.wait_ready(timeout=10)
+        assert httpx.get(f"{live.url}/ready").json()["status"] == "ready"
+        assert httpx.post(f"{live.url}/query", json={"question": "now", "max_tokens": 2}, timeout=30).status_code == 200
+
+
+def test_failed_loading_is_reported_by_ready(tmp_path):
+    def broken():
+        raise OSError("no weights here")
+
+    with LiveServer(create_app(settings_for(tmp_path), engine=broken, index=lambda: empty_index(tmp_path))) as live:
+        wait_for(lambda: httpx.get(f"{live.url}/ready").json()["status"] == "failed")
+        assert "no weights here" in httpx.get(f"{live.url}/ready").json()["error"]
+        assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def test_api_key_is_enforced(engine, tmp_path):
+    app = create_app(settings_for(tmp_path, api_key="sekret"), engine=engine, index=empty_index(tmp_path))
+    with LiveServer(app) as live:
+        live.wait_ready()
+        body = {"question": "q", "max_tokens": 1}
+        missing = httpx.post(f"{live.url}/query", json=body)
+        assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+        assert missing.json()["error"]["param"] == "authorization" and missing.headers["x-request-id"]
+        assert httpx.post(f"{live.url}/query", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(f"{live.url}/documents").status_code == 401
+        assert httpx.post(f"{live.url}/query", json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        for open_path in ("/health", "/ready", "/metrics"):
+            assert httpx.get(f"{live.url}{open_path}").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{live.url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=f"{live.url}/v1", api_key="sekret", max_retries=0).models.list().data[0].id == "tiny"
