@@ -67,17 +67,44 @@ class ModelRunner:
             ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
         pos = torch.arange(width, device=self.device)[None].expand(len(segs), -1)
         cache = self.new_cache()
-        with self.adapter.capture() as cap:
-            self.model.base_model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
-        n_linear = len(self.adapter.linear_layers)
+        adapter = self.adapter
+        fused = bool(adapter.linear_layers) and adapter.supports_fused_body and width > seam
+        if fused:  # seam heads, then the bodies with their operators computed in the same pass
+            head = seam
+            if head:
+                self.model.base_model(input_ids=ids[:, :head], position_ids=pos[:, :head], cache=cache, use_cache=True)
+            body_lengths = [max(0, len(s) - head) for s in segs]
+            with adapter.capture_body(body_lengths, head, width - head) as cap:
+                self.model.base_model(input_ids=ids[:, head:], position_ids=pos[:, head:], cache=cache, use_cache=True)
+        else:  # reference: one plain forward, operators computed afterwards from its recorded inputs
+            with adapter.capture(0, width) as cap:
+                self.model.base_model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
         for row, (s, slot) in enumerate(zip(segs, slots)):
-            L = len(s)
-            w = min(seam, L)
-            keys = tuple(cache.layers[i].keys[row, :, w:L].clone() for i in self.adapter.attention_layers)
-            values = tuple(cache.layers[i].values[row, :, w:L].clone() for i in self.adapter.attention_layers)
-            ops = tuple(self.adapter.span_operators(cap, row, w, L)) if (n_linear and w < L) else ()
-            tails = tuple(self.adapter.conv_tail(cap, p, row, L) for p in range(n_linear)) if w < L else ()
-            out[slot] = SegmentEntry(tuple(s), w, keys, values, ops, tails)
+            out[slot] = self._entry(cache, cap, row, s, seam, fused)
+
+    def _entry(self, cache, cap, row: int, segment: tuple[int, ...], seam: int, fused: bool) -> SegmentEntry:
+        adapter = self.adapter
+        L = len(segment)
+        w = min(seam, L)
+        keys = tuple(cache.layers[i].keys[row, :, w:L].clone() for i in adapter.attention_layers)
+        values = tuple(cache.layers[i].values[row, :, w:L].clone() for i in adapter.attention_layers)
+        ops, tails = (), ()
+        if adapter.linear_layers and w < L:
+            ops = tuple(adapter.fused_operators(cap, row) if fused else adapter.span_operators(cap, row, w, L))
+            tails = tuple(adapter.conv_tail(cap, p, row, L) for p in range(len(adapter.linear_layers)))
+        return SegmentEntry(tuple(segment), w, keys, values, ops, tails)
+
+    def compute_entries_reference(self, segments: Sequence[tuple[int, ...]], seam: int) -> list[SegmentEntry]:
+        """The plain path, one segment at a time with no fused operators: what tests compare against."""
+        out: list[SegmentEntry | None] = [None] * len(segments)
+        for i, seg in enumerate(segments):
+            ids = torch.tensor([seg], dtype=torch.long, device=self.device)
+            pos = torch.arange(len(seg), device=self.device)[None]
+            cache = self.new_cache()
+            with self.adapter.capture(0, len(seg)) as cap:
+                self.model.base_model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
+            out[i] = self._entry(cache, cap, 0, seg, seam, fused=False)
+        return out  # type: ignore[return-value]
 
     # --- stitching --------------------------------------------------------------------------
     def append_body(self, cache: DynamicCache, entry: SegmentEntry, offset: int, compose: bool = True) -> None:

@@ -24,14 +24,20 @@ from ..operators import LinearOperator
 
 @dataclass
 class Capture:
-    """Per-token inputs of every linear layer, recorded during one forward, in layer order.
+    """What every linear layer saw during one captured forward, in layer order.
 
-    `conv_inputs[i]` is layer i's pre-conv projection [B, C, L] (what its conv state keeps);
-    `scan_args[i]` are the keyword arguments its recurrence kernel received.
+    `start` is the segment position of the forward's first token and `seq_len` its (padded)
+    length. `conv_inputs[i]` is layer i's pre-conv input [B, C, X]: the forward's tokens are
+    its last `seq_len` columns, preceded by whatever conv state the layer already held.
+    `scan_args[i]` are the arguments its recurrence kernel received (reference path);
+    `operators[i]` is (T, E) batched over rows, computed inside the kernel call (fused path).
     """
 
+    start: int = 0
+    seq_len: int = 0
     conv_inputs: list[torch.Tensor] = field(default_factory=list)
     scan_args: list[dict[str, Any]] = field(default_factory=list)
+    operators: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelAdapter(ABC):
@@ -63,14 +69,40 @@ class ModelAdapter(ABC):
 
     # --- linear layers ------------------------------------------------------------------
     @contextlib.contextmanager
-    def capture(self) -> Iterator[Capture]:
-        """Record every linear layer's per-token inputs during the forward passes run inside.
+    def capture(self, start: int = 0, seq_len: int = 0) -> Iterator[Capture]:
+        """Record every linear layer's per-token inputs during the forward run inside (reference path).
 
-        The engine runs one model at a time on its worker thread; the patch is process-wide
-        for the duration of the block.
+        The engine runs one model at a time under its lock; the patch is process-wide for the
+        duration of the block.
         """
-        cap = Capture()
-        patches = self._capture_patches(cap)
+        with self._patched(Capture(start, seq_len), self._capture_patches) as cap:
+            yield cap
+
+    # Fused path: a family that can compute its body operators inside the forward's own kernel
+    # call sets this and implements `_fused_patches` and `fused_operators`.
+    supports_fused_body = False
+
+    @contextlib.contextmanager
+    def capture_body(self, body_lengths: list[int], start: int, seq_len: int) -> Iterator[Capture]:
+        """Compute every linear layer's body (T, E) during the body forward run inside.
+
+        The forward continues, on the same cache, from each row's seam head; row r's body is
+        its first `body_lengths[r]` tokens (the rest is padding and must not touch the state).
+        """
+        cap = Capture(start, seq_len)
+        with self._patched(cap, lambda c: self._fused_patches(c, body_lengths)) as cap:
+            yield cap
+
+    def _fused_patches(self, cap: Capture, body_lengths: list[int]) -> dict[tuple[Any, str], Callable]:
+        raise NotImplementedError(f"{self.family} has no fused body path")
+
+    def fused_operators(self, cap: Capture, row: int) -> list[LinearOperator]:
+        """Row `row`'s body operators recorded by `capture_body`, one per linear layer."""
+        return [LinearOperator(T[row].float(), E[row].float()) for T, E in cap.operators]
+
+    @contextlib.contextmanager
+    def _patched(self, cap: Capture, make_patches) -> Iterator[Capture]:
+        patches = make_patches(cap)
         saved = {}
         try:
             for (module, name), wrapper in patches.items():
@@ -90,9 +122,15 @@ class ModelAdapter(ABC):
         raise NotImplementedError(f"{self.family} has no linear layers")
 
     def conv_tail(self, cap: Capture, layer_pos: int, row: int, end: int) -> torch.Tensor:
-        """Pre-conv inputs of the last (up to K) tokens before `end`: [C, min(end, K)]."""
+        """Pre-conv inputs of the segment's last (up to K) tokens before position `end`: [C, min(end, K)].
+
+        Token t sits at column X - seq_len + (t - start) of the captured conv input; the
+        columns before the forward's own tokens hold the conv state it started from (the seam
+        head's last inputs on the fused path), so tails reaching into the head are exact.
+        """
         x = cap.conv_inputs[layer_pos][row]
-        return x[:, max(0, end - self.conv_kernel(layer_pos)) : end].clone()
+        col = lambda t: x.shape[-1] - cap.seq_len + (t - cap.start)  # noqa: E731
+        return x[:, col(max(0, end - self.conv_kernel(layer_pos))) : col(end)].clone()
 
     def conv_kernel(self, layer_pos: int) -> int:
         raise NotImplementedError

@@ -68,13 +68,40 @@ class GatedDeltaNetAdapter(ModelAdapter):
 
         return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "torch_chunk_gated_delta_rule"): scan_wrapper}
 
-    def conv_tail(self, cap: Capture, layer_pos: int, row: int, end: int) -> torch.Tensor:
-        # The canonical forward starts from a fresh cache, which left-pads conv inputs shorter
-        # than K with zeros: the real tokens are always the last `seq_len` columns.
-        x = cap.conv_inputs[layer_pos]
-        seq_len = cap.scan_args[layer_pos]["key"].shape[1]
-        x = x[row, :, x.shape[-1] - seq_len :]
-        return x[:, max(0, end - self.conv_kernel(layer_pos)) : end].clone()
+    supports_fused_body = True
+
+    def _fused_patches(self, cap: Capture, body_lengths: list[int]) -> dict[tuple[Any, str], Callable]:
+        """Compute (T, E) inside the body forward's own kernel call, batched over rows.
+
+        The recurrence is linear in (state, values) jointly, so running the kernel once with
+        values [v | 0] from the initial state [S_w | I] yields [S_L | T] in its final state:
+        one kernel pass instead of a separate one per operator. E = S_L - T S_w. Padding
+        tokens get beta = 0 and g = 0, i.e. A_t = I and B_t = 0: they leave the state alone.
+        """
+        mod = self._modeling
+        conv_fn = mod.causal_conv1d_fn
+        scan_fn = mod.torch_chunk_gated_delta_rule
+        lengths = torch.tensor(body_lengths)
+
+        def conv_wrapper(hidden_states, *args, **kwargs):
+            cap.conv_inputs.append(hidden_states.detach())
+            return conv_fn(hidden_states, *args, **kwargs)
+
+        def scan_wrapper(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
+            B, L, hv, dv = value.shape
+            dk = key.shape[-1]
+            real = (torch.arange(L)[None, :] < lengths[:, None]).to(value.device)[..., None]  # [B, L, 1]
+            g, beta = g * real, beta * real
+            values = torch.cat([value, value.new_zeros(B, L, hv, dk)], dim=-1)
+            s_w = value.new_zeros(B, hv, dk, dv, dtype=torch.float32) if initial_state is None else initial_state.float()
+            eye = torch.eye(dk, dtype=torch.float32, device=value.device).expand(B, hv, dk, dk)
+            out, state = scan_fn(query, key, values, g=g, beta=beta, initial_state=torch.cat([s_w, eye], dim=-1),
+                                 output_final_state=True, **kwargs)
+            s_l, T = state[..., :dv], state[..., dv:]
+            cap.operators.append((T, s_l - torch.matmul(T, s_w)))
+            return out[..., :dv].contiguous(), (s_l.contiguous() if output_final_state else None)
+
+        return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "torch_chunk_gated_delta_rule"): scan_wrapper}
 
     # --- operators ----------------------------------------------------------------------
     def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:
