@@ -37,6 +37,18 @@ def serve_command(
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False)
 
 
+@cli.command("demo")
+def demo_command(
+    documents: Annotated[int, typer.Option(help="Documents in the request (sources + distractors).")] = 6,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate per mode.")] = 16,
+) -> None:
+    """Run one multi-segment request in every mode on the bundled model and compare TTFT and answers."""
+    from app.demo import run_demo
+    from app.settings import Settings
+
+    run_demo(Settings(), n_docs=documents, max_tokens=max_tokens)
+
+
 @cli.command("query")
 def query_command(
     question: Annotated[str, typer.Argument(help="The question to ask.")],

@@ -1,0 +1,76 @@
+"""`hypic demo`: one multi-segment request in every mode on the bundled model, side by side.
+
+Loads the bundled model, takes a demo question with its source documents plus distractors
+from the demo corpus, and runs the same request as full, prefix, pic-naive, hypic (cold:
+empty segment store) and hypic (warm: the documents cached by an earlier request that saw
+them in another order). Prints TTFT, reuse and the answer of each.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
+from hypic_core.engine import Engine
+
+from .prompter import Prompter
+from .settings import Settings
+
+
+def demo_questions(path: Path) -> list[tuple[str, str, list[str]]]:
+    """(question, answer, source document ids) rows of the demo questions table."""
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] in ("single", "two_hop"):
+            rows.append((cells[1], cells[2], re.findall(r"`([^`]+)`", cells[3])))
+    return rows
+
+
+def run_demo(settings: Settings, n_docs: int = 6, max_tokens: int = 16, console: Console | None = None) -> None:
+    console = console or Console()
+    corpus = {d["id"]: d for d in map(json.loads, Path(settings.corpus_path).read_text().splitlines()) if d}
+    questions = demo_questions(Path(settings.corpus_path).with_name("demo_questions.md"))
+    question, answer, sources = questions[0]
+    rng = random.Random(0)
+    distractors = rng.sample([i for i in corpus if i not in sources], n_docs - len(sources))
+    docs = [corpus[i]["text"] for i in sources + distractors]
+
+    t = time.perf_counter()
+    with console.status(f"loading {settings.model_path}"):
+        engine = Engine.from_pretrained(settings.model_path, EngineConfig(seam=settings.seam))
+    console.print(f"loaded {settings.model_path} ({engine.adapter.family}: {len(engine.adapter.linear_layers)} linear + "
+                  f"{len(engine.adapter.attention_layers)} attention layers) in {time.perf_counter() - t:.1f} s")
+    prompter = Prompter(engine.tokenizer, settings)
+
+    def request(order: list[str], mode: str) -> GenerationRequest:
+        segs = prompter.question(question, [prompter.document_template.format(text=d, title="") for d in order])
+        return GenerationRequest(tuple(segs), mode=mode, sampling=SamplingParams(max_tokens=max_tokens))
+
+    shuffled = docs[:]
+    rng.shuffle(shuffled)
+    runs = [("full", "full", docs), ("prefix", "prefix", docs), ("hypic (cold)", "hypic", docs),
+            ("pic-naive", "pic-naive", shuffled), ("hypic (warm, new order)", "hypic", shuffled)]
+    table = Table(title=f"Q: {question}  (expected: {answer})")
+    for col in ("mode", "TTFT ms", "prompt", "cached", "seam", "hits/misses", "answer"):
+        table.add_column(col, justify="right" if col not in ("mode", "answer") else "left")
+    for label, mode, order in runs:
+        req = request(order, mode)
+        t = time.perf_counter()
+        prefill = engine.prefill(req)
+        events = iter(engine.generate(req, prefilled=prefill))
+        first = next(events)
+        ttft = (time.perf_counter() - t) * 1000
+        text = first.text + "".join(e.text for e in events)
+        s = prefill.stats
+        table.add_row(label, f"{ttft:.0f}", str(s.prompt_tokens), str(s.cached_tokens), str(s.seam_tokens),
+                      f"{s.segment_hits}/{s.segment_misses}", text.strip())
+    console.print(table)
+    console.print(f"segment store: {engine.store.stats()}")
