@@ -8,9 +8,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from typing import Iterator
 
 import httpx
 import uvicorn
@@ -20,6 +22,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def single_torch_thread() -> Iterator[None]:
+    """Run torch with one intra-op thread inside the block (restored after).
+
+    Every engine worker thread gets its own OpenMP team; on a small shared machine idle teams
+    spin and starve the one working, measured 10-50x slower per request with 2 threads on 2 cores.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tiny_engine(tokenizer, seed: int = 0, stop_at_eos: bool = True):

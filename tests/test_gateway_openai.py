@@ -9,7 +9,7 @@ import pytest
 
 from app.server import create_app
 from app.settings import Settings
-from app.testing import LiveServer, tiny_engine
+from app.testing import LiveServer, single_torch_thread, tiny_engine
 from retrieval import HashingEmbedder, VectorIndex
 
 CORPUS = [
@@ -27,7 +27,7 @@ def server(tiny_tokenizer, tmp_path_factory):
     corpus.write_text("\n".join(json.dumps(d) for d in CORPUS) + "\n")
     settings = Settings(_env_file=None, index_dir=root / "index", corpus_path=corpus, max_new_tokens=64)
     index = VectorIndex(settings.index_dir, HashingEmbedder(64))
-    with LiveServer(create_app(settings, engine=tiny_engine(tiny_tokenizer), index=index)) as live:
+    with single_torch_thread(), LiveServer(create_app(settings, engine=tiny_engine(tiny_tokenizer), index=index)) as live:
         live.wait_ready()
         yield live
 

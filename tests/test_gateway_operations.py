@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.server import create_app
 from app.settings import Settings
 from app.sse import parse
-from app.testing import LiveServer, tiny_engine
+from app.testing import LiveServer, single_torch_thread, tiny_engine
 from retrieval import HashingEmbedder, VectorIndex
 
 LONG = 1000  # tokens: several seconds of decoding, far longer than any test waits
@@ -26,7 +26,8 @@ LONG = 1000  # tokens: several seconds of decoding, far longer than any test wai
 
 @pytest.fixture(scope="module")
 def engine(tiny_tokenizer):
-    return tiny_engine(tiny_tokenizer, stop_at_eos=False)
+    with single_torch_thread():
+        yield tiny_engine(tiny_tokenizer, stop_at_eos=False)
 
 
 def settings_for(tmp_path, **overrides) -> Settings:

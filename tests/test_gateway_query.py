@@ -14,7 +14,7 @@ import pytest
 from app.server import create_app
 from app.settings import Settings
 from app.sse import parse
-from app.testing import LiveServer, tiny_engine
+from app.testing import LiveServer, single_torch_thread, tiny_engine
 from retrieval import HashingEmbedder, VectorIndex
 
 CORPUS = [
@@ -32,7 +32,7 @@ def server(tiny_tokenizer, tmp_path_factory):
     corpus.write_text("\n".join(json.dumps(d) for d in CORPUS) + "\n")
     settings = Settings(_env_file=None, index_dir=root / "index", corpus_path=corpus, max_top_k=8, max_new_tokens=256)
     index = VectorIndex(settings.index_dir, HashingEmbedder(64))
-    with LiveServer(create_app(settings, engine=tiny_engine(tiny_tokenizer), index=index)) as live:
+    with single_torch_thread(), LiveServer(create_app(settings, engine=tiny_engine(tiny_tokenizer), index=index)) as live:
         live.wait_ready()
         yield live
 
