@@ -53,6 +53,9 @@ class SegmentStore(ABC):
     @abstractmethod
     def stats(self) -> StoreStats: ...
 
+    def close(self) -> None:
+        """Release the store's resources (a tiered store finishes queued disk writes). Default: none."""
+
 
 class MemorySegmentStore(SegmentStore):
     """LRU under a byte budget, holding entries on whatever device they were inserted on."""

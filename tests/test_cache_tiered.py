@@ -182,3 +182,16 @@ def test_concurrent_threads_keep_budgets_and_return_right_entries(disk):
     assert not errors, errors[:3]
     s = store.stats()
     assert sum(s.hits.values()) + s.misses == 600 and s.corrupt == 0
+
+
+def test_close_finishes_writes_and_keeps_memory_serving(tmp_path):
+    e, later = make_entry(n=40, seed=1), make_entry(n=40, seed=2)
+    store = two_tiers(4, 4, e.nbytes, DiskTier(tmp_path / "c", size_limit=1 << 30))
+    store.insert(key_of(e), e)
+    store.close()
+    store.close()
+    store.insert(key_of(later), later)
+    assert store.lookup(key_of(later), later.token_ids) is not None
+    reopened = DiskTier(tmp_path / "c", size_limit=1 << 30)
+    assert store.disk_key(key_of(e)) in reopened and store.disk_key(key_of(later)) not in reopened
+    reopened.close()

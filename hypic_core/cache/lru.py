@@ -40,6 +40,10 @@ class LRUTier:
             self._entries.move_to_end(key)
         return entry
 
+    def peek(self, key: str) -> SegmentEntry | None:
+        """The entry without touching its recency, or None."""
+        return self._entries.get(key)
+
     def put(self, key: str, entry: SegmentEntry) -> list[tuple[str, SegmentEntry]]:
         """Hold `entry` (moved to this tier's device); return what left to stay in budget.
 

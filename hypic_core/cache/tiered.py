@@ -61,16 +61,12 @@ class TieredSegmentStore(SegmentStore):
         self._stats = StoreStats(hits=dict.fromkeys(names, 0), bytes=dict.fromkeys(names, 0),
                                  tier_misses=dict.fromkeys(names, 0), load_seconds=dict.fromkeys(names, 0.0))
 
-    @property
-    def tier_names(self) -> tuple[str, ...]:
-        return tuple(self._stats.hits)
-
     def disk_key(self, key: SegmentKey) -> str:
         return f"{key.to_str()}/{self.storage_dtype}"
 
     # --- SegmentStore ---------------------------------------------------------------------
     def lookup(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None:
-        k, token_ids, t0 = key.to_str(), tuple(token_ids), time.perf_counter()
+        k, token_ids, t0, disk = key.to_str(), tuple(token_ids), time.perf_counter(), self.disk
         with self._lock:
             for tier in self._tiers:
                 entry = tier.get(k)
@@ -85,28 +81,28 @@ class TieredSegmentStore(SegmentStore):
                 else:
                     if tier is not self._tiers[0]:
                         tier.pop(k)
-                        self._place(k, entry)
+                        entry = self._place(k, entry)
                     self._hit(tier.spec.name, t0)
                     return entry.to(self.device)
             else:
                 collided = False
-                if self.disk is None or len(token_ids) < self.disk_min_tokens:
+                if disk is None or len(token_ids) < self.disk_min_tokens:
                     self._stats.misses += 1
                     return None
         if collided:
             log.warning("segment %s: stored token ids differ from the lookup's; evicted", k)
-            if self.disk is not None:
-                self.disk.delete(self.disk_key(key))
+            if disk is not None:
+                disk.delete(self.disk_key(key))
             return None
-        return self._lookup_disk(key, token_ids, t0)  # disk I/O and decoding run outside the lock
+        return self._lookup_disk(disk, key, token_ids, t0)  # disk I/O and decoding run outside the lock
 
-    def _lookup_disk(self, key: SegmentKey, token_ids: tuple[int, ...], t0: float) -> SegmentEntry | None:
+    def _lookup_disk(self, disk: DiskTier, key: SegmentKey, token_ids: tuple[int, ...], t0: float) -> SegmentEntry | None:
         dk = self.disk_key(key)
         try:
-            data = self.disk.get(dk)
+            data = disk.get(dk)
             entry = None if data is None else decode(data, key, token_ids, self.storage_dtype)
         except CorruptEntry as e:
-            self.disk.delete(dk)
+            disk.delete(dk)
             log.warning("segment %s on disk: %s; evicted, will recompute", dk, e)
             with self._lock:
                 self._stats.corrupt += 1
@@ -118,11 +114,10 @@ class TieredSegmentStore(SegmentStore):
                 self._stats.tier_misses["disk"] += 1
                 self._stats.misses += 1
             return None
-        entry = entry.to(self.device)
         with self._lock:
-            self._place(key.to_str(), entry)
+            entry = self._place(key.to_str(), entry)
             self._hit("disk", t0)
-        return entry
+        return entry.to(self.device)
 
     def insert(self, key: SegmentKey, entry: SegmentEntry) -> None:
         """Hold `entry` in the hot tier and queue its disk copy (never blocks on disk)."""
@@ -130,45 +125,59 @@ class TieredSegmentStore(SegmentStore):
         with self._lock:
             self._drop_memory(k)
             self._place(k, entry)
-        if self.disk is not None and entry.length >= self.disk_min_tokens:
-            self.disk.put_later(self.disk_key(key), lambda: encode(entry, key, self.storage_dtype))
+        disk = self.disk
+        if disk is not None and entry.length >= self.disk_min_tokens:
+            disk.put_later(self.disk_key(key), lambda: encode(entry, key, self.storage_dtype))
 
     def evict(self, key: SegmentKey) -> None:
         """Remove `key` from every tier (disk synchronously; I/O failures are logged, not raised)."""
+        disk = self.disk
         with self._lock:
             self._drop_memory(key.to_str())
-        if self.disk is not None:
-            self.disk.delete(self.disk_key(key))
+        if disk is not None:
+            disk.delete(self.disk_key(key))
 
     def stats(self) -> StoreStats:
-        disk = self.disk.stats() if self.disk is not None else None
+        disk = self.disk
+        disk_stats = disk.stats() if disk is not None else None
         with self._lock:
             s = self._stats
             out = StoreStats(dict(s.hits), s.misses, s.evictions, s.corrupt, dict(s.bytes), dict(s.tier_misses),
                              dict(s.load_seconds))
-        if disk is not None:
-            out.bytes["disk"] = disk.bytes
-            out.dropped_writes, out.disk_errors = disk.dropped_writes, disk.errors
+        if disk_stats is not None:
+            out.bytes["disk"] = disk_stats.bytes
+            out.dropped_writes, out.disk_errors = disk_stats.dropped_writes, disk_stats.errors
         return out
 
     def flush(self) -> None:
         """Block until queued disk writes are done (tests, benchmarks, shutdown)."""
-        if self.disk is not None:
-            self.disk.flush()
+        disk = self.disk
+        if disk is not None:
+            disk.flush()
 
     def close(self) -> None:
-        """Finish queued disk writes and close the disk tier."""
-        if self.disk is not None:
-            self.disk.close()
+        """Finish queued disk writes and detach the disk tier; the memory tiers stay usable."""
+        disk, self.disk = self.disk, None
+        if disk is not None:
+            disk.close()
 
     # --- internals (lock held) -------------------------------------------------------------
-    def _place(self, k: str, entry: SegmentEntry) -> None:
-        """Put `entry` in the hot tier and cascade budget overflow down the memory tiers."""
+    def _place(self, k: str, entry: SegmentEntry) -> SegmentEntry:
+        """Put `entry` in the hot tier and cascade budget overflow down the memory tiers.
+
+        Returns the copy the memory tiers now hold (on its tier's device), or `entry` when
+        it fitted in none of them.
+        """
         moving = [(k, entry)]
         for tier in self._tiers:
             moving = [out for k2, e2 in moving for out in tier.put(k2, e2)]
             self._stats.bytes[tier.spec.name] = tier.nbytes
         self._stats.evictions += len(moving)
+        for tier in self._tiers:
+            held = tier.peek(k)
+            if held is not None:
+                return held
+        return entry
 
     def _drop_memory(self, k: str) -> None:
         for tier in self._tiers:
