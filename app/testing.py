@@ -28,8 +28,8 @@ def free_port() -> int:
 def single_torch_thread() -> Iterator[None]:
     """Run torch with one intra-op thread inside the block (restored after).
 
-    Every engine worker thread gets its own OpenMP team; on a small shared machine idle teams
-    spin and starve the one working, measured 10-50x slower per request with 2 threads on 2 cores.
+    The tiny test model's ops are too small to split: with 2 intra-op threads on 2 cores shared
+    with other jobs, gateway requests were measured 10-100x slower than with 1.
     """
     import torch
 

@@ -1,25 +1,28 @@
-"""The engine worker: runs generations on dedicated threads, off the event loop.
+"""The engine worker: one dedicated thread that runs every generation, off the event loop.
 
-`Worker.submit` admits a request (or raises `QueueFullError` when `max_running + max_queue`
-are already admitted), queues it on a pool of `max_running` threads, and returns a
-`TokenStream` that the async endpoint reads. Each thread runs `engine.prefill` then
-`engine.generate`; the engine serialises model calls per step, so running generations
-interleave token by token and none blocks another's streaming. Events cross to the event loop
-through `loop.call_soon_threadsafe`, never blocking the thread on a slow client.
+`Worker.submit` admits a request (or raises `QueueFullError` when `max_running + max_queue` are
+already admitted) and returns a `TokenStream` that the async endpoint reads. The engine thread
+loops schedule -> run -> hand off: it starts waiting requests while fewer than `max_running`
+run (prefill), then advances every running generation by one token, round-robin, so
+concurrent streams interleave token by token and none blocks another. The engine serialises
+model calls anyway; one thread keeps the order fair and predictable and gives torch a single
+caller. Events cross to the event loop through `loop.call_soon_threadsafe`; the thread never
+waits for a slow client.
 
 Closing a stream early (client disconnect, cancelled task) fires its `AbortHandle`: a waiting
-request never starts, a running one stops at its next model call and frees its slot.
+request is dropped without running, a running one stops at its next step and frees its slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator
 
 from hypic_core.config import GenerationRequest
 from hypic_core.engine import AbortHandle, Engine, PrefillStats, StepEvent
@@ -93,25 +96,41 @@ class TokenStream:
             self.abort.abort()
 
 
+@dataclass(eq=False)  # compared by identity
+class _Job:
+    engine: Engine
+    request: GenerationRequest
+    stream: TokenStream
+    route: str
+    context: contextvars.Context  # the submitting request's, so log lines carry its request id
+    events: Iterator[StepEvent] | None = None
+    last_token_at: float | None = None
+    reason: str = "error"
+
+
 class Worker:
-    """Admission control and the engine thread pool. Thread-safe."""
+    """Admission control and the engine thread. `submit` is called on the event loop; the rest
+    of the state belongs to the engine thread, except the waiting queue (under `_lock`)."""
 
     def __init__(self, max_running: int, max_queue: int, metrics: Metrics) -> None:
         self.max_running = max_running
         self.capacity = max_running + max_queue
         self.metrics = metrics
-        self._pool = ThreadPoolExecutor(max_running, thread_name_prefix="hypic-engine")
         self._lock = threading.Lock()
-        self._admitted: set[TokenStream] = set()
-        self._running = 0
+        self._wake = threading.Condition(self._lock)
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._running: list[_Job] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="hypic-engine", daemon=True)
+        self._thread.start()
 
     @property
     def running(self) -> int:
-        return self._running
+        return len(self._running)
 
     @property
     def waiting(self) -> int:
-        return len(self._admitted) - self._running
+        return len(self._waiting)
 
     def submit(self, engine: Engine, request: GenerationRequest, started: float, route: str) -> TokenStream:
         """Admit and queue `request`; call on the event loop. Raises `QueueFullError` when full.
@@ -121,65 +140,101 @@ class Worker:
         """
         stream = TokenStream(asyncio.get_running_loop(), started)
         with self._lock:
-            if len(self._admitted) >= self.capacity:
+            if len(self._waiting) + len(self._running) >= self.capacity:
                 self.metrics.rejected.inc()
                 raise QueueFullError(self.capacity)
-            self._admitted.add(stream)
+            self._waiting.append(_Job(engine, request, stream, route, contextvars.copy_context()))
             self._publish()
-        # The thread runs in the caller's context, so its log lines carry the request id.
-        self._pool.submit(contextvars.copy_context().run, self._run, engine, request, stream, route)
+            self._wake.notify()
         return stream
 
     def close(self) -> None:
-        """Abort every admitted generation and stop the threads (does not wait for them)."""
+        """Abort every admitted generation and stop the engine thread (waits up to 10 s)."""
         with self._lock:
-            for stream in self._admitted:
-                stream.abort.abort()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+            self._closed = True
+            for job in (*self._waiting, *self._running):
+                job.stream.abort.abort()
+            self._wake.notify()
+        self._thread.join(timeout=10)
 
-    def _run(self, engine: Engine, request: GenerationRequest, stream: TokenStream, route: str) -> None:
-        with self._lock:
-            self._running += 1
-            self._publish()
-        reason = "error"
-        try:
-            if stream.abort.aborted:
-                raise RequestAborted("aborted while queued")
-            result = engine.prefill(request, stream.abort)
-            self.metrics.observe_prefill(result.stats)
-            stream._push(result.stats)
-            last = None
-            for event in engine.generate(request, stream.abort, prefilled=result):
-                now = time.perf_counter()
-                if event.token_id is not None:
-                    if stream.first_token_at is None:
-                        stream.first_token_at = now
-                        self.metrics.ttft.labels(route).observe(now - stream.started)
-                    else:
-                        self.metrics.itl.observe(now - last)
-                    last = now
-                    if event.token_id not in engine.eos_ids:
-                        stream.completion_tokens += 1
-                        self.metrics.generated_tokens.inc()
-                if event.finish_reason is not None:
-                    reason = event.finish_reason
-                    stream.finished_at = now
-                    self.metrics.e2e.labels(route).observe(now - stream.started)
-                stream._push(event)
-        except RequestAborted:
-            reason = "abort"
-            stream._push(StepEvent(0, None, "", finish_reason="abort"))
-        except BaseException as exc:  # handed to the reader, which maps it to a response
-            log.warning("generation failed", extra={"error": repr(exc)})
-            stream._push(exc)
-        finally:
-            self.metrics.finished.labels(reason).inc()
+    # --- engine thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
             with self._lock:
-                self._running -= 1
-                self._admitted.discard(stream)
+                while not self._closed and not self._waiting and not self._running:
+                    self._wake.wait()
+                if self._closed and not self._waiting and not self._running:
+                    return
+                starting = []
+                while self._waiting and len(self._running) + len(starting) < self.max_running:
+                    starting.append(self._waiting.popleft())
+                dropped = [job for job in self._waiting if job.stream.abort.aborted]
+                for job in dropped:
+                    self._waiting.remove(job)
+                self._running += starting
                 self._publish()
-            stream._push(_END)
+            for job in dropped:
+                job.context.run(self._finish, job, abort=True)
+            for job in starting:
+                job.context.run(self._start, job)
+            for job in list(self._running):
+                if job.events is not None:
+                    job.context.run(self._step, job)
+
+    def _start(self, job: _Job) -> None:
+        """Prefill; on success the job decodes from the next round."""
+        try:
+            job.stream.abort.check()
+            result = job.engine.prefill(job.request, job.stream.abort)
+        except RequestAborted:
+            return self._finish(job, abort=True)
+        except Exception as exc:
+            return self._finish(job, error=exc)
+        self.metrics.observe_prefill(result.stats)
+        job.stream._push(result.stats)
+        job.events = job.engine.generate(job.request, job.stream.abort, prefilled=result)
+
+    def _step(self, job: _Job) -> None:
+        """Produce one token of `job` and hand it to its stream."""
+        try:
+            event = next(job.events)
+        except Exception as exc:
+            return self._finish(job, error=exc)
+        now = time.perf_counter()
+        stream = job.stream
+        if event.token_id is not None:
+            if job.last_token_at is None:
+                stream.first_token_at = now
+                self.metrics.ttft.labels(job.route).observe(now - stream.started)
+            else:
+                self.metrics.itl.observe(now - job.last_token_at)
+            job.last_token_at = now
+            if event.token_id not in job.engine.eos_ids:
+                stream.completion_tokens += 1
+                self.metrics.generated_tokens.inc()
+        if event.finish_reason is None:
+            return stream._push(event)
+        job.reason = event.finish_reason
+        stream.finished_at = now
+        self.metrics.e2e.labels(job.route).observe(now - stream.started)
+        stream._push(event)
+        self._finish(job)
+
+    def _finish(self, job: _Job, abort: bool = False, error: Exception | None = None) -> None:
+        """End `job`'s stream (with an abort event or an error if given) and free its slot."""
+        if abort:
+            job.reason = "abort"
+            job.stream._push(StepEvent(0, None, "", finish_reason="abort"))
+        if error is not None:
+            log.warning("generation failed", extra={"error": repr(error)})
+            job.stream._push(error)
+        self.metrics.finished.labels(job.reason).inc()
+        with self._lock:
+            if job in self._running:
+                self._running.remove(job)
+            self._publish()
+        job.stream._push(_END)
 
     def _publish(self) -> None:
-        self.metrics.running.set(self._running)
-        self.metrics.waiting.set(len(self._admitted) - self._running)
+        self.metrics.running.set(len(self._running))
+        self.metrics.waiting.set(len(self._waiting))
