@@ -1,8 +1,9 @@
 """Gateway settings: the only place environment variables are read.
 
 Every field can be set as `HYPIC_<FIELD>` in the environment or in a `.env` file in the working
-directory (environment wins), e.g. `HYPIC_PORT=9000`, `HYPIC_API_KEY=secret`. Paths are
-relative to the working directory. Invalid values fail at startup with the field named.
+directory (environment wins), e.g. `HYPIC_PORT=9000`, `HYPIC_API_KEY=secret`; an empty variable counts as
+unset. Paths are relative to the working directory. Invalid values fail at startup with the
+field named.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ DEFAULT_QUESTION_TEMPLATE = "Question: {question}"
 class Settings(BaseSettings):
     """Configuration of one gateway process."""
 
-    model_config = SettingsConfigDict(env_prefix="HYPIC_", env_file=".env", env_file_encoding="utf-8", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="HYPIC_", env_file=".env", env_file_encoding="utf-8", extra="ignore",
+                                      env_ignore_empty=True)
 
     # model and prompt
     model_path: Path = Path("models/hypic-tiny")
