@@ -69,6 +69,7 @@ class Runtime:
         self._ready = threading.Event()
         self._engine_source = engine
         self._index_source = index
+        self._owns_engine = engine is None  # a given engine (and its store) belongs to the caller
 
     @property
     def ready(self) -> bool:
@@ -87,11 +88,10 @@ class Runtime:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
 
     def close(self) -> None:
-        """Stop the worker; a store with a disk tier finishes its queued writes."""
+        """Stop the worker; the store of an engine loaded here finishes its disk writes (if it has a disk tier)."""
         self.worker.close()
-        close_store = getattr(self.engine.store, "close", None) if self.engine is not None else None
-        if close_store is not None:
-            close_store()
+        if self._owns_engine and self.engine is not None and hasattr(self.engine.store, "close"):
+            self.engine.store.close()
 
     def _load(self) -> None:
         started = time.perf_counter()

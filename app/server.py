@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from . import api_documents, api_openai, api_ops, api_query, errors, logs
+from . import api_documents, api_openai, api_ops, api_query, errors
 from .middleware import ApiKey, BodyLimit, RequestContext
 from .runtime import EngineSource, IndexSource, Runtime
 from .settings import Settings
@@ -46,9 +46,3 @@ def create_app(settings: Settings | None = None, engine: EngineSource = None, in
     app.add_middleware(RequestContext, metrics=runtime.metrics)  # added last: outermost
     return app
 
-
-def app_from_env() -> FastAPI:
-    """`uvicorn app.server:app_from_env --factory`: settings from the environment, JSON logs."""
-    settings = Settings()
-    logs.configure(settings.log_level)
-    return create_app(settings)
