@@ -130,10 +130,14 @@ def test_writer_survives_a_failing_value(tmp_path, caplog):
 
 
 def test_failing_disk_degrades_to_memory(tmp_path, monkeypatch, caplog):
-    """A directory that turns read-only (or full) under a running store: writes and reads fail inside
-    diskcache; the store keeps answering from memory, counts the errors and logs each kind once."""
+    """A directory that turns read-only (or full) under a running store: writes, and reads of a
+    present value, fail inside diskcache; the store keeps answering from memory, counts the
+    errors and logs each kind once."""
     d = DiskTier(tmp_path / "c", size_limit=1 << 30)
     store = memory_store(d)
+    before = make_entry(n=40, seed=99)
+    store.insert(key_of(before), before)
+    store.flush()
 
     def readonly(*args, **kwargs):
         raise sqlite3.OperationalError("attempt to write a readonly database")
@@ -147,10 +151,10 @@ def test_failing_disk_degrades_to_memory(tmp_path, monkeypatch, caplog):
         store.flush()
         assert all(store.lookup(key_of(e), e.token_ids) is not None for e in entries)
         fresh = memory_store(d)
-        assert all(fresh.lookup(key_of(e), e.token_ids) is None for e in entries)
+        assert all(fresh.lookup(key_of(e), e.token_ids) is None for e in [before, before, *entries])
     s, f = store.stats(), fresh.stats()
-    assert s.hits["host"] == 3 and s.dropped_writes == 3 and s.disk_errors >= 3
-    assert f.misses == 3 and f.corrupt == 0
+    assert s.hits["host"] == 3 and s.dropped_writes == 3 and s.disk_errors == 5
+    assert f.misses == 5 and f.corrupt == 0 and f.tier_misses["disk"] == 5
     assert len(caplog.records) == 2  # one line for writes, one for reads
     monkeypatch.undo()
     d.close()

@@ -106,6 +106,10 @@ class DiskTier:
         value; the caller should `delete` it.
         """
         try:
+            # A plain SELECT first: a miss (every cold segment) then never takes SQLite's write
+            # lock, which `get` needs to record the access time of a hit.
+            if key not in self._cache:
+                return None
             return self._cache.get(key)
         except _RefusedValue as e:
             raise CorruptEntry("refused", f"{key}: {e}") from None
