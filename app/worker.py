@@ -69,19 +69,20 @@ class TokenStream:
                 items = [await self._queue.get()]
                 while not self._queue.empty():
                     items.append(self._queue.get_nowait())
-                events = []
+                events, error = [], None
                 for item in items:
                     if item is _END:
                         self._done = True
                     elif isinstance(item, BaseException):
-                        self._done = True
-                        raise item
+                        self._done, error = True, item
                     elif isinstance(item, PrefillStats):
                         self.stats = item
                     else:
                         events.append(item)
-                if events:
+                if events:  # tokens produced before an error are still delivered
                     yield events
+                if error is not None:
+                    raise error
                 if self._done:
                     return
         finally:

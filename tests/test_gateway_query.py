@@ -174,3 +174,18 @@ def test_client_request_id_is_echoed_and_unknown_route_is_json_404(client):
     assert client.get("/health", headers={"X-Request-ID": "bad id\twith spaces"}).headers["x-request-id"] != "bad id\twith spaces"
     r = client.get("/nope")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error" and r.headers["x-request-id"]
+
+
+def test_hypic_query_command_streams_the_answer(server, client):
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+
+    question = "Who is the mayor of Varo?"
+    result = CliRunner().invoke(cli, ["query", question, "--url", server.url, "--max-tokens", "5", "--sources"])
+    assert result.exit_code == 0, result.output
+    answer = client.post("/query", json={"question": question, "max_tokens": 5}).json()["answer"]
+    assert result.stdout == answer + "\n"
+    assert "city-varo" in result.stderr and "tokens" in result.stderr
+    bad = CliRunner().invoke(cli, ["query", question, "--url", server.url, "--mode", "bogus"])
+    assert bad.exit_code == 1 and "mode" in bad.stderr
