@@ -126,12 +126,13 @@ async def completions(body: CompletionRequest, request: Request):
     rt = _ready(request, body)
     if body.echo:
         raise APIError.invalid("echo", "echo is not supported")
-    if isinstance(body.prompt, list):
-        if len(body.prompt) != 1:
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
             raise APIError.invalid("prompt", "exactly one prompt per request is supported")
-        body.prompt = body.prompt[0]
-    documents = await _documents(rt, body, body.prompt)
-    segments = rt.prompter.completion(body.prompt, documents)
+        prompt = prompt[0]
+    documents = await _documents(rt, body, prompt)
+    segments = rt.prompter.completion(prompt, documents)
     want = body.logprobs is not None
     gen = _generation(rt, body, segments, body.max_tokens, want, body.logprobs or 0)
     stream = pipeline.start(rt, gen, started, "/v1/completions")

@@ -57,11 +57,20 @@ def from_retrieval(exc: RetrievalError, param: str) -> APIError:
     return APIError(400, f"{param}: {exc}", param=param, code=code)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def field_path(loc: tuple) -> str:
-    """`("body", "messages", 0, "content")` -> `messages[0].content`; `("body",)` -> `body`."""
+    """`("body", "messages", 0, "content")` -> `messages[0].content`; `("body",)` -> `body`.
+
+    Pydantic appends the member tried to the location of a union error (`str`, `list[str]`,
+    `function-after[...]`); the path stops there, at the field itself.
+    """
     parts = [p for p in loc if p not in ("body", "query", "path")] or list(loc[:1])
     out = ""
     for part in parts:
+        if isinstance(part, str) and (part.lower() in _TYPE_TAGS or "[" in part):
+            break
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
@@ -77,6 +86,7 @@ def from_validation(exc: RequestValidationError) -> APIError:
             problems.append((path, "field required"))
         else:
             problems.append((path, err.get("msg", "invalid value")))
+    problems = list(dict.fromkeys(problems))  # a union reports once per member
     if not problems:
         return APIError(400, "body: invalid request", param="body")
     first = problems[0][0]

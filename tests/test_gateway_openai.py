@@ -130,12 +130,14 @@ def test_explicit_segments_are_cached_independently(client):
     (dict(messages=[]), openai.BadRequestError, "messages"),
     (dict(messages=[{"role": "assistant", "content": "hi"}]), openai.BadRequestError, "messages"),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), openai.BadRequestError, "messages[0].role"),
+    (dict(messages=[{"role": "user", "content": 5}]), openai.BadRequestError, "messages[0].content"),
+    (dict(messages=[{"role": "user"}]), openai.BadRequestError, "messages[0].content"),
     (dict(extra_body={"rag": {"top_k": 0}}), openai.BadRequestError, "rag.top_k"),
     (dict(extra_body={"rag": {"document_ids": ["nope"]}}), openai.BadRequestError, "rag.document_ids"),
     (dict(extra_body={"mode": "bogus"}), openai.BadRequestError, "mode"),
     (dict(messages=[{"role": "user", "content": "Varo " * 3000}]), openai.BadRequestError, "prompt"),
 ], ids=["unknown-model", "n", "top_logprobs-range", "top_logprobs-without-logprobs", "temperature", "max_tokens-zero",
-        "max_tokens-too-big", "no-messages", "last-not-user", "bad-role", "rag-top_k", "rag-unknown-document",
+        "max_tokens-too-big", "no-messages", "last-not-user", "bad-role", "content-type", "content-missing", "rag-top_k", "rag-unknown-document",
         "mode", "prompt-too-long"])
 def test_chat_bad_input_names_the_field(client, kwargs, error, param):
     with pytest.raises(error) as caught:
@@ -148,7 +150,9 @@ def test_chat_bad_input_names_the_field(client, kwargs, error, param):
     (dict(prompt=["a", "b"]), "prompt"),
     (dict(echo=True), "echo"),
     (dict(logprobs=50), "logprobs"),
-], ids=["empty-prompt", "two-prompts", "echo", "logprobs-range"])
+    (dict(prompt=123), "prompt"),
+    (dict(extra_body={"segments": "not a list"}), "segments"),
+], ids=["empty-prompt", "two-prompts", "echo", "logprobs-range", "prompt-type", "segments-type"])
 def test_completions_bad_input_names_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(**{"model": "tiny", "prompt": "x", "max_tokens": 2, **kwargs})
