@@ -46,9 +46,9 @@ class TokenStream:
 
     `batches()` yields lists of `StepEvent`s (everything produced since the last read); the last
     event of the last batch has `finish_reason`. Engine errors are raised from `batches()`.
-    Fields written by the worker thread before the matching event is queued, so they are valid
-    once that event has been read: `stats` (after the first batch), `first_token_at`,
-    `completion_tokens` (EOS excluded), `finished_at` (`time.perf_counter()` values).
+    Fields written by the engine thread before the matching event is queued, so they are valid
+    once that event has been read: `stats` (after the first batch), `first_token_at` (a
+    `time.perf_counter()` value), `completion_tokens` (EOS excluded).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, started: float) -> None:
@@ -56,7 +56,6 @@ class TokenStream:
         self.started = started
         self.stats: PrefillStats | None = None
         self.first_token_at: float | None = None
-        self.finished_at: float | None = None
         self.completion_tokens = 0
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -124,14 +123,6 @@ class Worker:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="hypic-engine", daemon=True)
         self._thread.start()
-
-    @property
-    def running(self) -> int:
-        return len(self._running)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
 
     def submit(self, engine: Engine, request: GenerationRequest, started: float, route: str) -> TokenStream:
         """Admit and queue `request`; call on the event loop. Raises `QueueFullError` when full.
@@ -216,7 +207,6 @@ class Worker:
         if event.finish_reason is None:
             return stream._push(event)
         job.reason = event.finish_reason
-        stream.finished_at = now
         self.metrics.e2e.labels(job.route).observe(now - stream.started)
         stream._push(event)
         self._finish(job)
