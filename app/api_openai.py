@@ -105,7 +105,7 @@ async def models(request: Request) -> dict:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
     started = time.perf_counter()
-    rt = _ready(request, body)
+    rt = _accept(request, body)
     if body.top_logprobs and not body.logprobs:
         raise APIError.invalid("top_logprobs", "requires logprobs: true")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
@@ -123,7 +123,7 @@ async def chat_completions(body: ChatRequest, request: Request):
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
     started = time.perf_counter()
-    rt = _ready(request, body)
+    rt = _accept(request, body)
     if body.echo:
         raise APIError.invalid("echo", "echo is not supported")
     prompt = body.prompt
@@ -142,12 +142,14 @@ async def completions(body: CompletionRequest, request: Request):
     return await reply.whole(stream, request)
 
 
-def _ready(request: Request, body: _Common) -> Runtime:
+def _accept(request: Request, body: _Common) -> Runtime:
+    """The runtime, if it is ready, serves `body.model` and has room for one more request."""
     rt: Runtime = request.app.state.runtime
     rt.require_ready()
     if body.model != rt.model_name:
         raise APIError(404, f"model: {body.model!r} does not exist; this server serves {rt.model_name!r}",
                        param="model", code="model_not_found")
+    pipeline.require_room(rt)
     return rt
 
 

@@ -54,6 +54,7 @@ async def query(body: QueryRequest, request: Request):
     started = time.perf_counter()
     rt: Runtime = request.app.state.runtime
     rt.require_ready()
+    pipeline.require_room(rt)
     found = await pipeline.retrieve(rt, body.question, body.top_k or rt.settings.default_top_k, body.document_ids)
     segments = rt.prompter.question(body.question, rt.prompter.documents(found.hits))
     gen = pipeline.generation_request(rt, segments, body.mode, body.seam, max_tokens=body.max_tokens,

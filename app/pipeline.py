@@ -59,13 +59,24 @@ def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: s
     return request
 
 
+def require_room(rt: Runtime) -> None:
+    """Refuse early (429) when the worker is full, before retrieval spends work on the request."""
+    if not rt.worker.has_room():
+        rt.metrics.rejected.inc()
+        raise _queue_full(rt, QueueFullError(rt.worker.capacity))
+
+
 def start(rt: Runtime, request: GenerationRequest, started: float, route: str) -> TokenStream:
     """Admit `request` to the worker; 429 with Retry-After when the queue is full."""
     try:
         return rt.worker.submit(rt.engine, request, started, route)
     except QueueFullError as exc:
-        raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(rt.settings.retry_after_s)}) from None
+        raise _queue_full(rt, exc) from None
+
+
+def _queue_full(rt: Runtime, exc: QueueFullError) -> APIError:
+    return APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(rt.settings.retry_after_s)})
 
 
 async def collect(stream: TokenStream, request: Request) -> list[StepEvent]:

@@ -124,6 +124,11 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name="hypic-engine", daemon=True)
         self._thread.start()
 
+    def has_room(self) -> bool:
+        """Whether `submit` would admit a request now (a hint: it checks again)."""
+        with self._lock:
+            return len(self._waiting) + len(self._running) < self.capacity
+
     def submit(self, engine: Engine, request: GenerationRequest, started: float, route: str) -> TokenStream:
         """Admit and queue `request`; call on the event loop. Raises `QueueFullError` when full.
 
