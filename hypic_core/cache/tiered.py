@@ -27,6 +27,7 @@ from .lru import LRUTier, MemoryTier
 from .serde import STORAGE_DTYPES, CorruptEntry, decode, encode
 
 log = logging.getLogger(__name__)
+_COLLISION = object()  # a memory entry under the lookup's key holds other token ids
 
 
 class TieredSegmentStore(SegmentStore):
@@ -68,33 +69,37 @@ class TieredSegmentStore(SegmentStore):
     def lookup(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None:
         k, token_ids, t0, disk = key.to_str(), tuple(token_ids), time.perf_counter(), self.disk
         with self._lock:
-            for tier in self._tiers:
-                entry = tier.get(k)
-                if entry is None:
-                    self._stats.tier_misses[tier.spec.name] += 1
-                elif entry.token_ids != token_ids:  # a hash collision: never serve it
-                    self._drop_memory(k)
-                    self._stats.corrupt += 1
-                    self._stats.misses += 1
-                    collided = True
-                    break
-                else:
-                    if tier is not self._tiers[0]:
-                        tier.pop(k)
-                        entry = self._place(k, entry)
-                    self._hit(tier.spec.name, t0)
-                    return entry.to(self.device)
-            else:
-                collided = False
-                if disk is None or len(token_ids) < self.disk_min_tokens:
-                    self._stats.misses += 1
-                    return None
-        if collided:
+            found = self._lookup_memory(k, token_ids, t0)
+            if found is None and (disk is None or len(token_ids) < self.disk_min_tokens):
+                self._stats.misses += 1
+                return None
+        if found is _COLLISION:
             log.warning("segment %s: stored token ids differ from the lookup's; evicted", k)
             if disk is not None:
                 disk.delete(self.disk_key(key))
             return None
+        if found is not None:
+            return found.to(self.device)
         return self._lookup_disk(disk, key, token_ids, t0)  # disk I/O and decoding run outside the lock
+
+    def _lookup_memory(self, k: str, token_ids: tuple[int, ...], t0: float):
+        """(Lock held.) The memory tiers' entry, promoted to the hot tier; None; or _COLLISION."""
+        for tier in self._tiers:
+            entry = tier.get(k)
+            if entry is None:
+                self._stats.tier_misses[tier.spec.name] += 1
+                continue
+            if entry.token_ids != token_ids:  # a hash collision: never serve it
+                self._drop_memory(k)
+                self._stats.corrupt += 1
+                self._stats.misses += 1
+                return _COLLISION
+            if tier is not self._tiers[0]:
+                tier.pop(k)
+                entry = self._place(k, entry)
+            self._hit(tier.spec.name, t0)
+            return entry
+        return None
 
     def _lookup_disk(self, disk: DiskTier, key: SegmentKey, token_ids: tuple[int, ...], t0: float) -> SegmentEntry | None:
         dk = self.disk_key(key)
