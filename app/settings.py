@@ -2,7 +2,7 @@
 
 Every field can be set as `HYPIC_<FIELD>` in the environment or in a `.env` file in the working
 directory (environment wins), e.g. `HYPIC_PORT=9000`, `HYPIC_API_KEY=secret`; an empty variable counts as
-unset. Paths are relative to the working directory. Invalid values fail at startup with the
+unset and `none` sets an optional field to None. Paths are relative to the working directory. Invalid values fail at startup with the
 field named.
 """
 
@@ -27,7 +27,7 @@ class Settings(BaseSettings):
     """Configuration of one gateway process."""
 
     model_config = SettingsConfigDict(env_prefix="HYPIC_", env_file=".env", env_file_encoding="utf-8", extra="ignore",
-                                      env_ignore_empty=True)
+                                      env_ignore_empty=True, env_parse_none_str="none")
 
     # model and prompt
     model_path: Path = Path("models/hypic-tiny")
@@ -35,7 +35,9 @@ class Settings(BaseSettings):
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     document_template: str = Field(DEFAULT_DOCUMENT_TEMPLATE, description="How a retrieved chunk is written into the prompt ({text}, {title}).")
     question_template: str = Field(DEFAULT_QUESTION_TEMPLATE, description="How a /query question is written into the prompt ({question}).")
-    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: torch's choice.")
+    # One engine thread drives the model; on a small CPU shared with other work, a second
+    # intra-op thread made the bundled model's prefill 7-100x slower (docs/api.md), so 1.
+    torch_threads: int | None = Field(1, ge=1, description="torch intra-op threads; None: torch's default.")
 
     # retrieval
     index_dir: Path = Path("data/index")

@@ -33,7 +33,7 @@ def engine(tiny_tokenizer):
 
 
 def settings_for(tmp_path, **overrides) -> Settings:
-    return Settings(_env_file=None, index_dir=tmp_path / "index", corpus_path=None, **overrides)
+    return Settings(_env_file=None, torch_threads=None, index_dir=tmp_path / "index", corpus_path=None, **overrides)
 
 
 def empty_index(tmp_path) -> VectorIndex:

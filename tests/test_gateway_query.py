@@ -30,7 +30,7 @@ def server(tiny_tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway-query")
     corpus = root / "corpus.jsonl"
     corpus.write_text("\n".join(json.dumps(d) for d in CORPUS) + "\n")
-    settings = Settings(_env_file=None, index_dir=root / "index", corpus_path=corpus, max_top_k=8, max_new_tokens=256)
+    settings = Settings(_env_file=None, torch_threads=None, index_dir=root / "index", corpus_path=corpus, max_top_k=8, max_new_tokens=256)
     index = VectorIndex(settings.index_dir, HashingEmbedder(64))
     with single_torch_thread(), LiveServer(create_app(settings, engine=tiny_engine(tiny_tokenizer), index=index)) as live:
         live.wait_ready()
