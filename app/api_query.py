@@ -1,4 +1,5 @@
-"""POST /query: retrieve, build segments (system prompt, chunks, question), stitched prefill, answer.
+"""POST /query (and GET /query): retrieve, build segments (system prompt, chunks, question),
+stitched prefill, answer.
 
 Non-streaming: `{answer, finish_reason, sources, usage, timings}`.
 Streaming (`"stream": true`): SSE named events, in order: `sources` once, `delta` per token
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
@@ -49,8 +51,24 @@ class QueryRequest(BaseModel):
         return value
 
 
+class QueryParams(QueryRequest):
+    """GET /query takes the same fields as query parameters (`document_ids` repeated) and
+    streams by default, so a browser `EventSource` can read it."""
+
+    stream: bool = True
+
+
 @router.post("/query")
 async def query(body: QueryRequest, request: Request):
+    return await _answer(body, request)
+
+
+@router.get("/query")
+async def query_get(params: Annotated[QueryParams, Query()], request: Request):
+    return await _answer(params, request)
+
+
+async def _answer(body: QueryRequest, request: Request):
     started = time.perf_counter()
     rt: Runtime = request.app.state.runtime
     rt.require_ready()

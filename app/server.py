@@ -3,7 +3,8 @@
     app = create_app(Settings())                        # loads settings.model_path and index_dir
     app = create_app(settings, engine=eng, index=idx)   # or given objects / zero-arg factories
 
-A request's life: `RequestContext` tags it with a request id -> `ApiKey` checks the key ->
+A request's life: `RequestContext` tags it with a request id -> CORS (when origins are set) ->
+`ApiKey` checks the key ->
 `BodyLimit` caps the body -> the route validates the body (pydantic; errors become 400s naming
 the field) -> `pipeline` retrieves on a thread, builds segments (`Prompter`) and checks them
 against the engine -> `Worker` admits it (or 429) and runs prefill + decode on an engine
@@ -17,6 +18,7 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from . import api_documents, api_openai, api_ops, api_query, errors
 from .middleware import ApiKey, BodyLimit, RequestContext
@@ -43,6 +45,9 @@ def create_app(settings: Settings | None = None, engine: EngineSource = None, in
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKey, key=settings.api_key.get_secret_value())
+    if settings.cors_origins:  # outside ApiKey: browsers send preflight requests without credentials
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-ID"], expose_headers=["X-Request-ID"])
     app.add_middleware(RequestContext, metrics=runtime.metrics)  # added last: outermost
     return app
 

@@ -62,6 +62,7 @@ class Settings(BaseSettings):
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and with 503 while loading.")
     max_body_bytes: int = Field(8 << 20, ge=1)
     api_key: SecretStr | None = Field(None, description="When set, requests need 'Authorization: Bearer <key>'.")
+    cors_origins: list[str] = Field([], description='Browser origins allowed to call the API, e.g. ["http://localhost:3000"].')
 
     # server
     host: str = "127.0.0.1"

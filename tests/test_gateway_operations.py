@@ -202,8 +202,9 @@ def test_failed_loading_is_reported_by_ready(tmp_path):
         assert httpx.get(f"{live.url}/health").status_code == 200
 
 
-def test_api_key_is_enforced(engine, tmp_path):
-    app = create_app(settings_for(tmp_path, api_key="sekret"), engine=engine, index=empty_index(tmp_path))
+def test_api_key_is_enforced_and_cors_preflight_passes(engine, tmp_path):
+    settings = settings_for(tmp_path, api_key="sekret", cors_origins=["http://ui.example"])
+    app = create_app(settings, engine=engine, index=empty_index(tmp_path))
     with LiveServer(app) as live:
         live.wait_ready()
         body = {"question": "q", "max_tokens": 1}
@@ -218,6 +219,14 @@ def test_api_key_is_enforced(engine, tmp_path):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{live.url}/v1", api_key="wrong", max_retries=0).models.list()
         assert openai.OpenAI(base_url=f"{live.url}/v1", api_key="sekret", max_retries=0).models.list().data[0].id == "tiny"
+        preflight = httpx.options(f"{live.url}/query", headers={
+            "Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
+        cross = httpx.post(f"{live.url}/query", json=body, headers={"Authorization": "Bearer sekret", "Origin": "http://ui.example"})
+        assert cross.headers["access-control-allow-origin"] == "http://ui.example"
+        assert "x-request-id" in cross.headers["access-control-expose-headers"].lower()
 
 
 class FailingEngine(Engine):

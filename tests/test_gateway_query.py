@@ -83,6 +83,17 @@ def test_sse_events_in_order_and_match_non_streaming_answer(client):
     assert streamed == client.post("/query", json=body).json()["answer"]  # greedy: same answer
 
 
+def test_get_query_streams_sse_for_event_source(client):
+    params = {"question": "Who founded Brill?", "top_k": 2, "max_tokens": 4, "document_ids": ["firm-brill", "cafe"]}
+    with client.stream("GET", "/query", params=params) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = [(name, json.loads(data)) for name, data in parse(response.iter_lines())]
+    assert events[0][0] == "sources" and events[-1][0] == "done"
+    assert {s["document_id"] for s in events[0][1]["sources"]} == {"firm-brill", "cafe"}
+    bad = client.get("/query", params={"question": "q", "top_k": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
+
+
 def test_repeat_request_reuses_cached_segments_and_full_mode_does_not(client):
     body = {"question": "When did the cafe open?", "top_k": 3, "max_tokens": 4, "mode": "hypic"}
     first = client.post("/query", json=body).json()
