@@ -34,7 +34,9 @@ def serve_command(
     overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
     settings = Settings(**overrides)
     logs.configure(settings.log_level)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False)
+    # On shutdown, open streams get 5 s to finish; then they are cancelled (and their generations aborted).
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False,
+                timeout_graceful_shutdown=5)
 
 
 @cli.command("demo")
