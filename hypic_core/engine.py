@@ -138,17 +138,16 @@ class Engine:
                 logits = self.runner.forward(ids, 0, cache, logits=True)
                 stats.computed_tokens = len(ids)
                 pos = len(ids)
-            else:
-                if request.mode is Mode.PREFIX:
-                    cache, pos = self._prefill_prefix(request, stats, abort)
-                else:
-                    cache, pos = self._prefill_stitched(request, seam, stats, abort)
+            elif request.mode is Mode.PREFIX:
+                cache, pos = self._prefill_prefix(request, stats, abort)
                 _check(abort)
                 t = time.perf_counter()
                 logits = self.runner.forward(request.question, pos, cache, logits=True)
                 stats.timings_ms["question"] = _ms(t)
                 stats.computed_tokens += len(request.question)
                 pos += len(request.question)
+            else:
+                cache, pos, logits = self._prefill_stitched(request, seam, stats, abort)
         stats.timings_ms["prefill"] = _ms(t0)
         return PrefillResult(cache, pos, logits, stats)
 
@@ -187,19 +186,14 @@ class Engine:
     def _prefill_stitched(self, request: GenerationRequest, seam: int, stats: PrefillStats, abort):
         entries, hits = self.segment_entries(request.context, seam, stats)
         stats.cached_tokens = sum(e.body_length for e, hit in zip(entries, hits) if hit)
+        stats.seam_tokens = sum(e.seam for e in entries)
+        stats.computed_tokens += stats.seam_tokens + len(request.question)
+        _check(abort)
         t = time.perf_counter()
-        cache, pos = self.runner.new_cache(), 0
-        compose = request.mode is Mode.HYPIC
-        for seg, entry in zip(request.context, entries):
-            _check(abort)
-            if entry.seam:
-                self.runner.forward(seg[: entry.seam], pos, cache)
-            self.runner.append_body(cache, entry, pos, compose=compose)
-            stats.seam_tokens += entry.seam
-            pos += len(seg)
-        stats.computed_tokens += stats.seam_tokens
+        cache = self.runner.new_cache()
+        logits = self.runner.stitch(cache, request.context, entries, request.question, compose=request.mode is Mode.HYPIC)
         stats.timings_ms["stitch"] = _ms(t)
-        return cache, pos
+        return cache, request.prompt_tokens, logits
 
     def _prefill_prefix(self, request: GenerationRequest, stats: PrefillStats, abort):
         digests = [SegmentKey.of(self.fingerprint, 0, s).tokens for s in request.context]
@@ -239,7 +233,7 @@ class Engine:
     def _restore(self, cache, snap: PrefixSnapshot, n: int) -> None:
         upto = snap.boundaries[n - 1]
         for j, i in enumerate(self.adapter.attention_layers):
-            cache.layers[i].update(snap.keys[j][None, :, :upto].clone(), snap.values[j][None, :, :upto].clone())
+            cache.update(snap.keys[j][None, :, :upto].clone(), snap.values[j][None, :, :upto].clone(), i)
         for p, (conv, state) in enumerate(snap.linear[n - 1]):
             self.adapter.read_linear_state(cache, p)
             self.adapter.write_linear_state(cache, p, conv, state)

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from .adapters import ModelAdapter
+from .adapters.base import StitchSpan
 from .entry import SegmentEntry
 
 
@@ -25,7 +26,7 @@ class ModelRunner:
         self.device = model.device
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        return self.adapter.new_cache()
 
     def forward(self, token_ids: Sequence[int], start: int, cache: DynamicCache, logits: bool = False):
         """Run `token_ids` at positions start.. on top of `cache` (mutated).
@@ -107,6 +108,63 @@ class ModelRunner:
         return out  # type: ignore[return-value]
 
     # --- stitching --------------------------------------------------------------------------
+    def stitch(self, cache, context: Sequence[tuple[int, ...]], entries: Sequence[SegmentEntry],
+               question: tuple[int, ...], compose: bool = True) -> torch.Tensor:
+        """Stitched prefill of `context` (with their entries) then `question` on an empty `cache`.
+
+        Returns the first-token logits. Uses the fused path (one forward for every seam head
+        and the question) when the adapter supports it, else `stitch_sequential`.
+        """
+        if not self.adapter.supports_fused_stitch:
+            return self.stitch_sequential(cache, context, entries, question, compose)
+        adapter = self.adapter
+        run_ids: list[int] = []
+        run_pos: list[int] = []
+        spans: list[StitchSpan] = []
+        body_pos: list[torch.Tensor] = []
+        body_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in adapter.attention_layers]
+        offset = 0
+        for seg, entry in zip(context, entries):
+            w = entry.seam
+            has_body = entry.body_length > 0
+            spans.append(StitchSpan(len(run_ids), len(run_ids) + w, entry if has_body else None))
+            run_ids += seg[:w]
+            run_pos += range(offset, offset + w)
+            if has_body:
+                body_pos.append(torch.arange(offset + w, offset + len(seg)))
+                for j in range(len(adapter.attention_layers)):
+                    body_kv[j].append((adapter.rotate_keys(entry.keys[j], offset), entry.values[j]))
+            offset += len(seg)
+        spans.append(StitchSpan(len(run_ids), len(run_ids) + len(question)))
+        run_ids += question
+        run_pos += range(offset, offset + len(question))
+        for j, layer in enumerate(adapter.attention_layers):
+            if body_kv[j]:
+                k = torch.cat([k for k, _ in body_kv[j]], dim=1)[None]
+                v = torch.cat([v for _, v in body_kv[j]], dim=1)[None]
+                cache.update(k, v, layer)
+        for p in range(len(adapter.linear_layers)):
+            adapter.read_linear_state(cache, p)  # start every linear layer from a zero state
+        qpos = torch.tensor(run_pos)
+        kpos = torch.cat([*body_pos, qpos])
+        mask = (kpos[None, :] <= qpos[:, None])[None, None].to(self.device)
+        ids = torch.tensor([run_ids], dtype=torch.long, device=self.device)
+        with adapter.stitch(spans, compose) as cap:
+            out = self.model(input_ids=ids, position_ids=qpos[None].to(self.device), cache=cache, use_cache=True,
+                             attention_mask=adapter.mask_argument(mask), logits_to_keep=1)
+        adapter.finish_stitch(cache, cap)
+        return out.logits[0, -1].float()
+
+    def stitch_sequential(self, cache, context, entries, question, compose: bool = True) -> torch.Tensor:
+        """Reference stitch: each seam head through all layers, then its body appended; then the question."""
+        offset = 0
+        for seg, entry in zip(context, entries):
+            if entry.seam:
+                self.forward(seg[: entry.seam], offset, cache)
+            self.append_body(cache, entry, offset, compose=compose)
+            offset += len(seg)
+        return self.forward(question, offset, cache, logits=True)
+
     def append_body(self, cache: DynamicCache, entry: SegmentEntry, offset: int, compose: bool = True) -> None:
         """Append `entry`'s body after its (already run) seam head, the segment starting at `offset`.
 
@@ -118,7 +176,7 @@ class ModelRunner:
             return
         for j, layer in enumerate(self.adapter.attention_layers):
             k = self.adapter.rotate_keys(entry.keys[j], offset)[None]
-            cache.layers[layer].update(k, entry.values[j][None])
+            cache.update(k, entry.values[j][None], layer)  # creates the layer in lazily built caches
         for p in range(len(self.adapter.linear_layers)):
             conv, state = self.adapter.read_linear_state(cache, p)
             op = entry.operators[p]

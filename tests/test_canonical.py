@@ -48,3 +48,25 @@ def test_batches_split_by_token_budget():
         big = engine.runner.compute_entries(segs, 4, max_batch_tokens=4096)
     for a, b in zip(small, big):
         assert all(rel(x.end, y.end) <= 1e-5 for x, y in zip(a.operators, b.operators))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "llama"])
+@pytest.mark.parametrize("seam", [0, 2, 8, 100])
+def test_fused_stitch_equals_sequential_stitch(family, seam):
+    engine = Engine(tiny_model(family))
+    assert engine.adapter.supports_fused_stitch
+    segs = random_segments((12, 40, 2, 17, 3, 33, 7), seed=seam)
+    context, question = segs[:-1], segs[-1]
+    entries, _ = engine.segment_entries(context, seam)
+    with torch.inference_mode():
+        for compose in (True, False):
+            fused_cache, seq_cache = engine.runner.new_cache(), engine.runner.new_cache()
+            fused = engine.runner.stitch(fused_cache, context, entries, question, compose)
+            seq = engine.runner.stitch_sequential(seq_cache, context, entries, question, compose)
+            assert maxdiff(seq, fused) <= 1e-5
+            # The caches continue identically: decode one more token on each.
+            nxt = [int(seq.argmax())]
+            pos = sum(map(len, segs))
+            a = engine.runner.forward(nxt, pos, fused_cache, logits=True)
+            b = engine.runner.forward(nxt, pos, seq_cache, logits=True)
+            assert maxdiff(b, a) <= 1e-5

@@ -67,6 +67,12 @@ class ModelAdapter(ABC):
     def max_positions(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 0) or 0) or 1 << 20
 
+    def new_cache(self):
+        """An empty transformers cache for one sequence of this model (families with their own cache class override)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
     # --- linear layers ------------------------------------------------------------------
     @contextlib.contextmanager
     def capture(self, start: int = 0, seq_len: int = 0) -> Iterator[Capture]:
@@ -99,6 +105,37 @@ class ModelAdapter(ABC):
     def fused_operators(self, cap: Capture, row: int) -> list[LinearOperator]:
         """Row `row`'s body operators recorded by `capture_body`, one per linear layer."""
         return [LinearOperator(T[row].float(), E[row].float()) for T, E in cap.operators]
+
+    # Fused stitch: every seam head and the question in ONE forward. Attention sees the cached
+    # bodies through a position mask; linear layers advance S <- T S + E between spans inside
+    # their own kernel call. Families that set this implement `_stitch_patches`.
+    supports_fused_stitch = False
+
+    @contextlib.contextmanager
+    def stitch(self, spans: list[StitchSpan], compose: bool) -> Iterator[Capture]:
+        """Patch the linear layers for one fused stitch forward over `spans` (run-token ranges, in order).
+
+        After the forward, `finish_stitch` writes each layer's true final conv state.
+        """
+        with self._patched(Capture(), lambda c: self._stitch_patches(c, spans, compose)) as cap:
+            yield cap
+
+    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], compose: bool) -> dict[tuple[Any, str], Callable]:
+        return {}
+
+    def finish_stitch(self, cache, cap: Capture) -> None:
+        """Copy the conv contexts recorded during a fused stitch into the cache (row 0)."""
+        for p, ctx in enumerate(cap.conv_inputs):
+            cache.layers[self.linear_layers[p]].conv_states[0][0].copy_(ctx)
+
+    def mask_argument(self, mask: torch.Tensor):
+        """What the model's forward takes as `attention_mask` for a prepared 4D mask [1, 1, Q, K] (bool, True = attend)."""
+        if getattr(self.config, "_attn_implementation", "sdpa") == "eager":
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(self.model.dtype).min)
+        if self.linear_layers:  # hybrids build one mask per layer type; linear layers take none (no padding)
+            return {"full_attention": mask, "linear_attention": None}
+        return mask
 
     @contextlib.contextmanager
     def _patched(self, cap: Capture, make_patches) -> Iterator[Capture]:
@@ -210,6 +247,15 @@ class ModelAdapter(ABC):
         out = keys_unrotated.clone()
         out[..., :d] = (rot * cos + rotated_half * sin).to(keys_unrotated.dtype)
         return out
+
+
+@dataclass(frozen=True)
+class StitchSpan:
+    """Run tokens [start, end) of a fused stitch, then the cached body of `entry` (None: nothing follows)."""
+
+    start: int
+    end: int
+    entry: Any = None  # SegmentEntry with a non-empty body
 
 
 def require(condition: bool, model_type: str, why: str) -> None:

@@ -8,6 +8,7 @@ from .base import ModelAdapter
 class DenseAdapter(ModelAdapter):
     family = "dense"
     model_types = ("llama", "qwen2", "qwen3", "mistral")
+    supports_fused_stitch = True  # attention only: the position mask is all a fused stitch needs
 
     def _classify_layers(self) -> None:
         window = getattr(self.config, "sliding_window", None)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from ..operators import LinearOperator
-from .base import Capture, ModelAdapter
+from .base import Capture, ModelAdapter, StitchSpan
 
 _MODELING = {
     "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
@@ -100,6 +100,57 @@ class GatedDeltaNetAdapter(ModelAdapter):
             s_l, T = state[..., :dv], state[..., dv:]
             cap.operators.append((T, s_l - torch.matmul(T, s_w)))
             return out[..., :dv].contiguous(), (s_l.contiguous() if output_final_state else None)
+
+        return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "torch_chunk_gated_delta_rule"): scan_wrapper}
+
+    supports_fused_stitch = True
+
+    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], compose: bool) -> dict[tuple[Any, str], Callable]:
+        """Run the recurrence span by span inside one layer call, applying each body's operator in between.
+
+        The token-parallel work (projections, MLP) of every seam head and the question runs as
+        one batch; only the recurrence and the short conv run per span, as in a sequential stitch.
+        """
+        mod = self._modeling
+        conv_fn = mod.causal_conv1d_fn
+        scan_fn = mod.torch_chunk_gated_delta_rule
+        calls = {"conv": 0, "scan": 0}
+        n_run = spans[-1].end if spans else 0
+
+        def conv_wrapper(hidden_states, *args, **kwargs):
+            lp = calls["conv"]
+            calls["conv"] += 1
+            K = self.conv_kernel(lp)
+            x = hidden_states[..., hidden_states.shape[-1] - n_run :]
+            ctx = hidden_states[..., : hidden_states.shape[-1] - n_run][..., -K:]
+            outs = []
+            for span in spans:
+                piece = x[..., span.start : span.end]
+                if span.end > span.start:
+                    full = torch.cat([ctx, piece], dim=-1)
+                    outs.append(conv_fn(full, *args, **kwargs)[..., -piece.shape[-1] :])
+                    ctx = full[..., -K:]
+                if span.entry is not None:
+                    ctx = torch.cat([ctx, span.entry.conv_tails[lp].to(ctx.dtype)[None]], dim=-1)[..., -K:]
+            cap.conv_inputs.append(ctx[0].clone())
+            return torch.cat(outs, dim=-1)
+
+        def scan_wrapper(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
+            lp = calls["scan"]
+            calls["scan"] += 1
+            B, _, hv, dv = value.shape
+            state = value.new_zeros(B, hv, key.shape[-1], dv, dtype=torch.float32) if initial_state is None else initial_state.float()
+            outs = []
+            for span in spans:
+                a, b = span.start, span.end
+                if b > a:
+                    out, state = scan_fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
+                                         initial_state=state, output_final_state=True, **kwargs)
+                    outs.append(out)
+                if span.entry is not None:
+                    op = span.entry.operators[lp]
+                    state = op.apply(state) if compose else state + op.end
+            return torch.cat(outs, dim=1), (state if output_final_state else None)
 
         return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "torch_chunk_gated_delta_rule"): scan_wrapper}
 
