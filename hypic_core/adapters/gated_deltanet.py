@@ -144,8 +144,10 @@ class GatedDeltaNetAdapter(ModelAdapter):
             for span in spans:
                 a, b = span.start, span.end
                 if b > a:
+                    # Short spans (seam heads) run as one small chunk instead of being padded to 64 tokens.
+                    chunk = min(64, 1 << max(3, (b - a - 1).bit_length()))
                     out, state = scan_fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
-                                         initial_state=state, output_final_state=True, **kwargs)
+                                         chunk_size=chunk, initial_state=state, output_final_state=True, **kwargs)
                     outs.append(out)
                 if span.entry is not None:
                     op = span.entry.operators[lp]
