@@ -21,7 +21,7 @@ MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups
 WIDE_INIT = dict(initializer_range=0.1)
 
 FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama",
-            "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1")
+            "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1", "kimi_linear", "minimax")
 
 
 def tiny_config(family: str, **overrides):
@@ -57,6 +57,15 @@ def tiny_config(family: str, **overrides):
                                  "mamba_d_state": 16, "chunk_size": 16, "use_mem_rope": True, **overrides})
     elif family == "falcon_h1":  # attention and Mamba in parallel in every layer
         cfg = tf.FalconH1Config(**{**SMALL, **MAMBA2, **WIDE_INIT, "mamba_d_ssm": 128, "num_hidden_layers": 3, **overrides})
+    elif family == "kimi_linear":  # KDA layers + MLA attention without positions; layer 0 dense MLP, then MoE
+        cfg = tf.KimiLinearConfig(**{**SMALL, "num_hidden_layers": 4, "layer_types": layers4, "num_key_value_heads": 4,
+                                     "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                                     "v_head_dim": 16, "linear_head_dim": 16, "linear_num_heads": 4,
+                                     "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 32,
+                                     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, **overrides})
+    elif family == "minimax":  # lightning layer 0 like the released checkpoints; blocks of 16 tokens
+        cfg = tf.MiniMaxConfig(**{**SMALL, "num_hidden_layers": 4, "layer_types": layers4, "block_size": 16,
+                                  "num_local_experts": 4, "num_experts_per_tok": 2, **overrides})
     elif family == "qwen3":
         cfg = tf.Qwen3Config(**{**SMALL, "num_hidden_layers": 3, **overrides})
     elif family == "llama":
@@ -79,10 +88,16 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
 def slow_decay(model: torch.nn.Module, seed: int = 0) -> None:
     """Give every linear head a per-token decay close to 1 (exp(g) ~ 0.98 .. 0.999)."""
     from .adapters import adapter_for
+    from .adapters.lightning import LightningAdapter
 
     adapter = adapter_for(model)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        if isinstance(adapter, LightningAdapter):  # fixed decay per head: set the rates themselves
+            for pos in range(len(adapter.linear_layers)):
+                heads = adapter.state_shape(pos)[0]
+                adapter.set_slopes(pos, torch.empty(heads).uniform_(0.002, 0.015, generator=gen))
+            return
         for pos in range(len(adapter.linear_layers)):
             a_log, dt_bias = adapter.decay_parameters(pos)
             a_log.copy_(torch.log(torch.empty(a_log.shape).uniform_(0.01, 0.05, generator=gen)))

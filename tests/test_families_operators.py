@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from hypic_core.adapters import adapter_for
-from hypic_core.adapters import mamba2
+from hypic_core.adapters import kimi, lightning, mamba2
 from hypic_core.operators import compose, compose_tree
 from hypic_core.testing import tiny_model
-from test_operators import assert_close
+from test_operators import assert_close, rel_err
 
 MAMBA2_FAMILIES = ["bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1"]
 SPAN_LENGTHS = torch.randint(1, 40, (32,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -62,3 +62,62 @@ def test_mamba2_operator_exact_for_fast_decay_groups_and_dt_limit():
     # Without the clamp the transition differs: the test can fail.
     unclamped = adapter.operator(x, dt, A, B, dt_bias, True, (0.0, float("inf")), 16)
     assert not torch.allclose(unclamped.transition, op.transition)
+
+
+def kda_span(L, h=4, dk=16, dv=16, seed=0, slow=True):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, L, h, dk, generator=gen)
+    v = torch.randn(1, L, h, dv, generator=gen)
+    lo, hi = (-0.02, -0.001) if slow else (-2.0, -0.1)
+    g = torch.empty(1, L, h, dk).uniform_(lo, hi, generator=gen)  # one decay per key channel
+    beta = torch.rand(1, L, h, generator=gen)
+    return k, v, g, beta
+
+
+def test_kda_composition_equals_sequential_scan_32_spans():
+    adapter = adapter_for(tiny_model("kimi_linear"))
+    spans = [kda_span(L, seed=i) for i, L in enumerate(SPAN_LENGTHS)]
+    ops = [adapter.operator(*span, l2norm=True) for span in spans]
+    cat = [torch.cat([s[i] for s in spans], dim=1) for i in range(4)]
+    s0 = torch.randn(1, 4, 16, 16)
+    ref = kimi.naive_scan(*cat, initial_state=s0)[0]
+    assert_close("kda 32 spans", ref, compose(ops).apply(s0[0]), 1e-5)
+    assert_close("kda tree", ref, compose_tree(ops).apply(s0[0]), 1e-5)
+    assert_close("kda E", kimi.naive_scan(*spans[0])[0], ops[0].end, 1e-5)
+
+
+def test_kda_operator_exact_for_fast_per_channel_decay():
+    adapter = adapter_for(tiny_model("kimi_linear"))
+    k, v, g, beta = kda_span(90, seed=3, slow=False)  # > one 64-token kernel chunk
+    op = adapter.operator(k, v, g, beta, l2norm=True)
+    s0 = torch.randn(1, 4, 16, 16)
+    assert_close("kda fast decay", kimi.naive_scan(k, v, g, beta, initial_state=s0)[0], op.apply(s0[0]), 1e-5)
+    # A per-head decay (GDN's) would give another state: the channel dimension matters.
+    per_head = adapter.operator(k, v, g.mean(-1, keepdim=True).expand_as(g), beta, l2norm=True)
+    assert rel_err(op.end, per_head.end) > 1e-2
+
+
+def test_lightning_composition_equals_sequential_scan_32_spans():
+    gen = torch.Generator().manual_seed(0)
+    slopes = torch.empty(4).uniform_(0.002, 0.3, generator=gen)  # slow and fast heads side by side
+    spans = [(torch.randn(L, 4, 16, generator=gen), torch.randn(L, 4, 16, generator=gen)) for L in SPAN_LENGTHS]
+    ops = [lightning.LightningAdapter.operator(k, v, slopes) for k, v in spans]
+    k, v = (torch.cat([s[i] for s in spans]) for i in range(2))
+    s0 = torch.randn(4, 16, 16, generator=gen)
+    ref = lightning.naive_scan(k, v, slopes, initial_state=s0)
+    assert_close("lightning 32 spans", ref, compose(ops).apply(s0), 1e-5)
+    assert_close("lightning tree", ref, compose_tree(ops).apply(s0), 1e-5)
+    assert_close("lightning E", lightning.naive_scan(*spans[0], slopes), ops[0].end, 1e-5)
+
+
+def test_lightning_operator_matches_the_model_block_scan():
+    """E from the adapter equals the state MiniMax's own block-wise prefill leaves in its cache."""
+    model = tiny_model("minimax")
+    adapter = adapter_for(model)
+    ids = torch.randint(2, 320, (1, 37), generator=torch.Generator().manual_seed(1))  # 3 blocks of 16
+    cache = adapter.new_cache()
+    with torch.inference_mode(), adapter.capture() as cap:
+        model.base_model(input_ids=ids, position_ids=torch.arange(37)[None], cache=cache, use_cache=True)
+    for pos, op in enumerate(adapter.span_operators(cap, 0, 0, 37)):
+        _, state = adapter.read_linear_state(cache, pos)
+        assert_close(f"lightning layer {pos}", state, op.end, 1e-5)

@@ -12,9 +12,7 @@ from conftest import random_segments
 
 def first_attention_keys(model, adapter, ids, start):
     """Keys of the first attention layer for `ids` run alone at positions start.. (its input is position-free)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
+    cache = adapter.new_cache()
     pos = torch.arange(start, start + len(ids))[None]
     with torch.inference_mode():
         model.base_model(input_ids=torch.tensor([ids]), position_ids=pos, cache=cache, use_cache=True)
@@ -23,7 +21,7 @@ def first_attention_keys(model, adapter, ids, start):
 
 @pytest.mark.parametrize("family,rotary", [("qwen3_5", 4), ("llama", 16), ("olmo_hybrid", 16), ("olmo_hybrid_nope", 0),
                                            ("bamba", 8), ("granitemoehybrid", 0), ("nemotron_h", 0), ("zamba2", 32),
-                                           ("falcon_h1", 16)])
+                                           ("falcon_h1", 16), ("kimi_linear", 0), ("minimax", 16)])
 @pytest.mark.parametrize("offset", [1, 37, 1500])
 def test_rerotation_matches_absolute_rotation(family, rotary, offset):
     model = tiny_model(family)

@@ -8,9 +8,13 @@ from ..errors import UnsupportedArchitectureError
 from .base import Capture, ModelAdapter
 from .dense import DenseAdapter
 from .gated_deltanet import GatedDeltaNetAdapter
+from .kimi import KimiDeltaAttentionAdapter
+from .lightning import LightningAdapter
 from .mamba2 import Mamba2Adapter
 
-ADAPTERS: tuple[type[ModelAdapter], ...] = (GatedDeltaNetAdapter, Mamba2Adapter, DenseAdapter)
+ADAPTERS: tuple[type[ModelAdapter], ...] = (
+    GatedDeltaNetAdapter, Mamba2Adapter, KimiDeltaAttentionAdapter, LightningAdapter, DenseAdapter,
+)
 
 # Hybrids transformers cannot resume from a cached state in a multi-token forward.
 _NOT_RESUMABLE = {

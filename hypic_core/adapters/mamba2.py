@@ -89,13 +89,6 @@ class Mamba2Adapter(ModelAdapter):
 
         return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "mamba2_chunk_scan"): scan_wrapper}
 
-    def conv_tail(self, cap: Capture, layer_pos: int, row: int, end: int) -> torch.Tensor:
-        # A fresh cache left-pads conv inputs shorter than K: the real tokens are the last seq_len columns.
-        x = cap.conv_inputs[layer_pos]
-        seq_len = cap.scan_args[layer_pos]["x"].shape[1]
-        x = x[row, :, x.shape[-1] - seq_len :]
-        return x[:, max(0, end - self.conv_kernel(layer_pos)) : end].clone()
-
     # --- operators ----------------------------------------------------------------------
     def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:
         ops = []

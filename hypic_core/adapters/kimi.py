@@ -1,0 +1,121 @@
+"""Kimi delta attention hybrids: kimi_linear (Kimi-Linear).
+
+Recurrence per head (state S is [d_k, d_v], keys L2-normalised inside the kernel), with a
+decay per key channel instead of GDN's one per head:
+
+    S_t = (I - b_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T        g_t in R^{d_k}, g_t < 0
+
+so A_t = (I - b_t k_t k_t^T) diag(exp(g_t)) and T is a dense [H, d_k, d_k] matrix applied from
+the left. T comes from the layer's own chunked kernel (`chunk_kimi_delta_attention`, or FLA's
+`chunk_kda` when installed): one call started from [I | 0] with values [0 | v] gives [T | E].
+`naive_scan` is the plain sequential reference beside it.
+
+Attention layers are MLA without positions: the cache holds the compressed latent
+(`keys` [B, 1, L, kv_lora_rank]) and the shared key part (`values` [B, 1, L, qk_rope_head_dim]),
+both position-free, so cached entries need no rotation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..operators import LinearOperator
+from .base import Capture, ModelAdapter
+
+
+class KimiDeltaAttentionAdapter(ModelAdapter):
+    family = "kimi-delta-attention"
+    model_types = ("kimi_linear",)
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        from transformers.models.kimi_linear import modeling_kimi_linear
+
+        self._modeling = modeling_kimi_linear
+        layers = self.model.base_model.layers
+        self._mixers = [layers[i].self_attn for i in self.linear_layers]
+
+    def _classify_layers(self) -> None:
+        for i, kind in enumerate(self.config.layer_types[: self.num_layers]):
+            (self.linear_layers if kind == "linear_attention" else self.attention_layers).append(i)
+
+    @property
+    def uses_nope(self) -> bool:
+        return True
+
+    # --- capture ------------------------------------------------------------------------
+    def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
+        mod = self._modeling
+        conv_fn = mod.causal_conv1d_fn
+        scan_fn = mod.chunk_kimi_delta_attention
+
+        def conv_wrapper(hidden_states, *args, **kwargs):
+            cap.conv_inputs.append(hidden_states.detach())
+            return conv_fn(hidden_states, *args, **kwargs)
+
+        def scan_wrapper(query, key, value, g, beta, *args, **kwargs):
+            cap.scan_args.append(dict(key=key.detach(), value=value.detach(), g=g.detach(), beta=beta.detach(),
+                                      use_qk_l2norm_in_kernel=kwargs.get("use_qk_l2norm_in_kernel", False)))
+            return scan_fn(query, key, value, g, beta, *args, **kwargs)
+
+        return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "chunk_kimi_delta_attention"): scan_wrapper}
+
+    # --- operators ----------------------------------------------------------------------
+    def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:
+        ops = []
+        for a in cap.scan_args:
+            k, v, g, beta = (a[n][row : row + 1, start:end] for n in ("key", "value", "g", "beta"))
+            ops.append(self.operator(k, v, g, beta, a["use_qk_l2norm_in_kernel"]))
+        return ops
+
+    def operator(self, k, v, g, beta, l2norm: bool) -> LinearOperator:
+        """(T, E) of one span with the family's chunked kernel. k, g [1, L, H, dk], v [1, L, H, dv], beta [1, L, H]."""
+        kernel = self._modeling.chunk_kimi_delta_attention
+        _, L, h, dk = k.shape
+        # Value columns evolve independently under the same A_t, so one call from [I | 0] with
+        # values [0 | v] yields [T | E]: the first dk columns never receive input.
+        start = torch.zeros((1, h, dk, dk + v.shape[-1]), dtype=torch.float32, device=k.device)
+        start[..., :dk] = torch.eye(dk, dtype=torch.float32, device=k.device)
+        values = torch.cat([torch.zeros((1, L, h, dk), dtype=v.dtype, device=v.device), v], dim=-1)
+        _, state = kernel(torch.zeros_like(k), k, values, g=g, beta=beta, initial_state=start,
+                          output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+        state = state[0].float()
+        return LinearOperator(state[..., :dk].contiguous(), state[..., dk:].contiguous())
+
+    def conv_kernel(self, layer_pos: int) -> int:
+        return int(self._mixers[layer_pos].conv_kernel_size)
+
+    def conv_shape(self, layer_pos: int) -> tuple[int, int]:
+        m = self._mixers[layer_pos]
+        return (int(m.conv_dim), int(m.conv_kernel_size))
+
+    def state_shape(self, layer_pos: int) -> tuple[int, ...]:
+        m = self._mixers[layer_pos]
+        return (int(m.num_heads), int(m.head_dim), int(m.head_dim))
+
+    def decay_parameters(self, layer_pos: int) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+        """(A_log, dt_bias) of a KDA layer's forget gate: what tests set to make heads decay slowly."""
+        gate = self._mixers[layer_pos].forget_gate
+        return gate.A_log, gate.dt_bias
+
+
+def naive_scan(k, v, g, beta, initial_state=None, l2norm: bool = True) -> torch.Tensor:
+    """Plain sequential Kimi delta rule, token by token, fp32. Returns the final state [B, H, dk, dv].
+
+    Shapes as the kernel: k, g [B, L, H, dk], v [B, L, H, dv], beta [B, L, H].
+    """
+    k, v, g, beta = (x.to(torch.float32) for x in (k, v, g, beta))
+    if l2norm:
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    B, L, H, dk = k.shape
+    S = torch.zeros(B, H, dk, v.shape[-1]) if initial_state is None else initial_state.to(torch.float32).clone()
+    for t in range(L):
+        S = S * g[:, t].exp()[..., None]  # per key channel: rows of S
+        pred = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+        S = S + torch.einsum("bhk,bhv->bhkv", k[:, t], (v[:, t] - pred) * beta[:, t, :, None])
+    return S
+
+
+__all__ = ["KimiDeltaAttentionAdapter", "naive_scan"]

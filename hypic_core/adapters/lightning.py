@@ -1,0 +1,147 @@
+"""Lightning-attention hybrids: minimax (MiniMax-Text-01 / M1 layout).
+
+Recurrence per head h (state S is [d, d]; k_t, v_t are the SiLU-activated projections, no
+normalisation, no conv), with a decay fixed per head and layer (`slope_rate`, ALiBi-like):
+
+    S_t = lambda_h S_{t-1} + k_t^T v_t        lambda_h = exp(-slope_h)
+
+so A_t is one scalar per head and a span of L tokens has T_h = exp(-slope_h L) and
+E = sum_t lambda_h^(L-1-t) k_t^T v_t, computed here in one fp32 contraction. The layer has no
+kernel function to patch: its inputs are recorded through the module's
+`apply_mask_to_padding_states`, which receives the activated q/k/v of every lightning layer.
+`naive_scan` is the plain sequential reference beside it.
+
+MiniMax keeps linear states in its own cache class (`MiniMaxCache.linear_cache`, created
+lazily per layer) and has no conv. Its K/V layers are created lazily too, and the stock class
+reads the sequence length from layer 0, which is a lightning layer in the released
+checkpoints: a continued forward would then build a mask as if the cache were empty. The
+cache built here reads it from the first full-attention layer instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers.models.minimax import modeling_minimax
+
+from ..operators import LinearOperator
+from .base import Capture, ModelAdapter, require
+
+
+class LightningAdapter(ModelAdapter):
+    family = "lightning"
+    model_types = ("minimax",)
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        self._modeling = modeling_minimax
+        require(not getattr(self.config, "sliding_window", None), self.config.model_type,
+                "sliding-window attention drops old keys, so cached keys cannot be reused at any offset")
+        require(bool(self.attention_layers), self.config.model_type, "no full-attention layer to carry positions")
+        layers = self.model.base_model.layers
+        self._mixers = [layers[i].self_attn for i in self.linear_layers]
+
+    def _classify_layers(self) -> None:
+        for i, kind in enumerate(self.config.layer_types[: self.num_layers]):
+            (self.linear_layers if kind == "linear_attention" else self.attention_layers).append(i)
+
+    def new_cache(self):
+        return PositionedMiniMaxCache(self.attention_layers[0])
+
+    # --- capture ------------------------------------------------------------------------
+    def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
+        mod = self._modeling
+        mask_fn = mod.apply_mask_to_padding_states
+
+        def qkv_wrapper(qkv_states, attention_mask):
+            out = mask_fn(qkv_states, attention_mask)
+            m = self._mixers[len(cap.scan_args)]
+            q, k, v = out.detach().reshape(*out.shape[:2], m.num_attention_heads, 3, m.head_dim).unbind(3)
+            cap.scan_args.append(dict(key=k, value=v))
+            return out
+
+        return {(mod, "apply_mask_to_padding_states"): qkv_wrapper}
+
+    def conv_tail(self, cap: Capture, layer_pos: int, row: int, end: int) -> torch.Tensor:
+        return self._no_conv()
+
+    def _no_conv(self) -> torch.Tensor:
+        return torch.zeros((0, 0), dtype=self.model.dtype, device=self.model.device)
+
+    # --- operators ----------------------------------------------------------------------
+    def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:
+        return [self.operator(a["key"][row, start:end], a["value"][row, start:end], self.slopes(p))
+                for p, a in enumerate(cap.scan_args)]
+
+    @staticmethod
+    def operator(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> LinearOperator:
+        """(T, E) of one span. k, v [L, H, d]; slopes [H]. T [H] = exp(-slope L); E [H, d, d]."""
+        L = k.shape[0]
+        slopes = slopes.float()
+        age = torch.arange(L - 1, -1, -1, dtype=torch.float32, device=k.device)  # tokens after t
+        weight = torch.exp(-age[:, None] * slopes[None, :])  # [L, H]
+        E = torch.einsum("lhk,lh,lhv->hkv", k.float(), weight, v.float())
+        return LinearOperator(torch.exp(-slopes * L), E)
+
+    def slopes(self, layer_pos: int) -> torch.Tensor:
+        """Per-head decay rates of a lightning layer, [H] (the buffer is [H, 1, 1])."""
+        return self._mixers[layer_pos].slope_rate.reshape(-1)
+
+    def set_slopes(self, layer_pos: int, slopes: torch.Tensor) -> None:
+        """Replace a layer's decay rates [H] and the block decay buffers derived from them (tests: slow heads)."""
+        m = self._mixers[layer_pos]
+        rate = slopes.to(m.slope_rate)[:, None, None]
+        query_decay, key_decay, diagonal_decay = m.decay_factors(rate)
+        for name, value in (("slope_rate", rate), ("query_decay", query_decay), ("key_decay", key_decay),
+                            ("diagonal_decay", diagonal_decay)):
+            getattr(m, name).copy_(value)
+
+    def conv_kernel(self, layer_pos: int) -> int:
+        return 0
+
+    def conv_shape(self, layer_pos: int) -> tuple[int, int]:
+        return (0, 0)
+
+    def state_shape(self, layer_pos: int) -> tuple[int, ...]:
+        m = self._mixers[layer_pos]
+        return (int(m.num_attention_heads), int(m.head_dim), int(m.head_dim))
+
+    def read_linear_state(self, cache, layer_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(empty conv, state [H, d, d]) of batch row 0; a zero state is installed if the layer has none."""
+        idx = self.linear_layers[layer_pos]
+        state = cache.linear_cache[idx] if idx < len(cache.linear_cache) else []
+        if isinstance(state, list):  # MiniMaxCache marks a layer without state with []
+            state = torch.zeros((1, *self.state_shape(layer_pos)), dtype=self.model.dtype, device=self.model.device)
+            cache.set_linear_cache(idx, state)
+        return self._no_conv(), state[0]
+
+    def write_linear_state(self, cache, layer_pos: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        cache.linear_cache[self.linear_layers[layer_pos]][0].copy_(state)
+
+
+class PositionedMiniMaxCache(modeling_minimax.MiniMaxCache):
+    """A MiniMaxCache whose sequence length (default positions, mask sizes) comes from a full-attention layer."""
+
+    def __init__(self, attention_layer: int):
+        super().__init__()
+        self.attention_layer = attention_layer
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return super().get_seq_length(layer_idx or self.attention_layer)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return super().get_mask_sizes(query_length, layer_idx or self.attention_layer)
+
+
+def naive_scan(k, v, slopes, initial_state=None) -> torch.Tensor:
+    """Plain sequential lightning recurrence, token by token, fp32. k, v [L, H, d]; returns [H, d, d]."""
+    k, v = k.float(), v.float()
+    decay = torch.exp(-slopes.float())[:, None, None]
+    S = torch.zeros(k.shape[1], k.shape[2], v.shape[2]) if initial_state is None else initial_state.float().clone()
+    for t in range(k.shape[0]):
+        S = decay * S + k[t][:, :, None] * v[t][:, None, :]
+    return S
+
+
+__all__ = ["LightningAdapter", "PositionedMiniMaxCache", "naive_scan"]
