@@ -13,7 +13,7 @@ For each chunk length, on a benchmark-sized random Qwen3.5 model (~45M params, f
 Prints one table with ratios (median recompute time / median tier time) and the policy it
 implies (judged on the fastest recompute, the conservative side on a shared machine).
 
-    python bench/cache_tiers.py [--lengths 128 512 2048] [--threads 2] [--reps 5]
+    python bench/cache_tiers.py [--lengths 128 512 2048] [--threads 1] [--reps 5]
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def timed(fn, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
