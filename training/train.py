@@ -8,7 +8,8 @@ Objective: cross-entropy on the answer tokens (answer word + ``<|im_end|>``), pl
 documents repeat names, which teaches the model to copy a token it attends to; with the answer
 loss alone a run stalled at ~2% single-hop EM while the supervised head already attended to the
 source), plus an optional auxiliary *attention-supervision* loss: for examples whose kind is in
-``--aux-kinds``, head ``AUX_HEAD`` of the last full-attention layer is taught to attend, from
+``--aux-kinds``, head ``AUX_HEAD`` of full-attention layer ``--aux-layer`` (default: the last
+one) is taught to attend, from
 the last prompt token (the position that predicts the answer), to the answer's source token
 in the relevant document: ``-log(sum of that head's attention on the source positions)``.
 It is used only up to ``--aux-until`` steps and must be reported beside accuracy numbers.
@@ -63,10 +64,19 @@ def model_config(tok: PreTrainedTokenizerFast, hidden: int = 192, layers: int = 
     )
 
 
-def build_model(config: Qwen3_5TextConfig) -> Qwen3_5ForCausalLM:
-    """Eager attention so the full-attention layers can return their weights (aux loss)."""
+def build_model(config: Qwen3_5TextConfig, embed_std: float | None = None) -> Qwen3_5ForCausalLM:
+    """Eager attention so the full-attention layers can return their weights (aux loss).
+
+    ``embed_std`` re-initialises the (tied) embeddings with a larger spread than the default
+    0.02: with small embeddings a name token is a tiny part of the residual stream at its
+    position, and the supervised head attended to the answer's source yet could not copy it
+    (a run stalled at ~2% single-hop EM).
+    """
     config._attn_implementation = "eager"
-    return Qwen3_5ForCausalLM(config)
+    model = Qwen3_5ForCausalLM(config)
+    if embed_std is not None:
+        torch.nn.init.normal_(model.model.embed_tokens.weight, std=embed_std)
+    return model
 
 
 # ----------------------------------------------------------------------------- data
@@ -205,9 +215,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-docs", type=int, default=10)
     p.add_argument("--advance-at", type=float, default=0.9)
     p.add_argument("--level-patience", type=int, default=400)
+    p.add_argument("--embed-std", type=float, default=0.1, help="embedding init std (fresh runs)")
     p.add_argument("--lm-weight", type=float, default=0.5)
     p.add_argument("--aux-weight", type=float, default=1.0)
     p.add_argument("--aux-kinds", default="single")
+    p.add_argument("--aux-layer", type=int, default=-1, help="which full-attention layer (-1: last)")
     p.add_argument("--aux-until", type=int, default=10**9, help="no aux loss from this step on")
     p.add_argument("--max-steps", type=int, default=10**9)
     p.add_argument("--max-minutes", type=float, default=60.0)
@@ -228,7 +240,7 @@ def main(argv=None) -> None:
     resume = torch.load(last_path, weights_only=False) if os.path.exists(last_path) else None
 
     config = Qwen3_5TextConfig.from_dict(resume["config"]) if resume else model_config(tok, args.hidden, args.layers)
-    model = build_model(config)
+    model = build_model(config, None if resume else args.embed_std)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     step, best = 0, -1.0
     if resume:
@@ -259,7 +271,7 @@ def main(argv=None) -> None:
         use_aux = args.aux_weight > 0 and step < args.aux_until and bool(aux_kinds)
         out = model(input_ids=batch.input_ids, output_attentions=use_aux)
         loss, exact = answer_scores(out.logits, batch.labels)
-        aux = aux_attention_loss(out.attentions[-1], batch, aux_kinds) if use_aux else torch.zeros(())
+        aux = aux_attention_loss(out.attentions[args.aux_layer], batch, aux_kinds) if use_aux else torch.zeros(())
         lm = lm_loss(out.logits, batch.input_ids, tok.pad_token_id) if args.lm_weight > 0 else torch.zeros(())
         (loss + args.lm_weight * lm + args.aux_weight * aux * use_aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
