@@ -27,7 +27,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("hypic_requests", "HTTP requests by route and status code.", ["route", "status"], registry=r)
+        self.requests = Counter("hypic_requests", "HTTP requests by route template ('unmatched': refused before "
+                                "routing, e.g. 401, 413, 404) and status code.", ["route", "status"], registry=r)
         self.ttft = Histogram("hypic_time_to_first_token_seconds", "Request arrival to first generated token.",
                               ["route"], buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("hypic_inter_token_latency_seconds", "Time between consecutive generated tokens.",

@@ -48,8 +48,7 @@ class RequestContext:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
             await send(message)
 
         try:

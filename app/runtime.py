@@ -75,10 +75,9 @@ class Runtime:
     def ready(self) -> bool:
         return self._ready.is_set()
 
-    def start_loading(self) -> threading.Thread:
-        thread = threading.Thread(target=self._load, name="hypic-loader", daemon=True)
-        thread.start()
-        return thread
+    def start_loading(self) -> None:
+        """Load on a background thread; `ready` turns true when done, `load_error` says why not."""
+        threading.Thread(target=self._load, name="hypic-loader", daemon=True).start()
 
     def require_ready(self) -> None:
         """Raise a 503 (with Retry-After) unless the model and index are loaded."""
@@ -111,7 +110,7 @@ class Runtime:
                 log.info("ingested corpus", extra={"corpus": str(corpus), "documents": summary.documents, "chunks": summary.chunks})
             self.engine, self.index, self.chunker = engine, index, chunker
             self.prompter = Prompter(engine.tokenizer, self.settings)
-            if self._engine_source is not None:
+            if not self._owns_engine:
                 self.model_name = self.settings.model_name or engine.model_id
             self.metrics.watch_store(engine.store)
             self._ready.set()
