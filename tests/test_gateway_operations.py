@@ -253,3 +253,25 @@ def test_engine_failure_mid_stream_ends_with_an_error_event(engine, tmp_path):
         whole = httpx.post(f"{live.url}/query", json={"question": "q", "max_tokens": 5})
         assert whole.status_code == 500 and whole.json()["error"]["type"] == "server_error" and whole.headers["x-request-id"]
         assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def test_loads_model_index_and_disk_cache_from_settings(engine, tmp_path):
+    """No injected objects: the app loads the checkpoint, builds a hashing index, ingests the
+    corpus and caches segments on disk, all from settings."""
+    model_dir = tmp_path / "model"
+    engine.model.save_pretrained(model_dir)
+    engine.tokenizer.save_pretrained(model_dir)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "a", "text": "Varo lies on the Alna."}\n{"id": "b", "text": "Brill was founded by Tam Oke."}\n')
+    settings = Settings(_env_file=None, torch_threads=None, model_path=model_dir, index_dir=tmp_path / "index",
+                        corpus_path=corpus, embedder="hashing-64", cache_dir=tmp_path / "cache", seam=2)
+    with LiveServer(create_app(settings)) as live:
+        live.wait_ready()
+        assert httpx.get(f"{live.url}/ready").json() == {"status": "ready", "model": "model", "chunks": 2}
+        body = {"question": "Where is Varo?", "top_k": 2, "max_tokens": 2}
+        first = httpx.post(f"{live.url}/query", json=body, timeout=30).json()
+        second = httpx.post(f"{live.url}/query", json=body, timeout=30).json()
+        assert {s["document_id"] for s in first["sources"]} == {"a", "b"}
+        assert second["usage"]["cached_tokens"] > first["usage"]["cached_tokens"]
+        assert metric(live.url, "hypic_cache_hits_total", tier="host") >= 3  # system prompt + two documents
+        wait_for(lambda: metric(live.url, "hypic_cache_bytes", tier="disk") > 0)  # written in the background
