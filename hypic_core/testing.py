@@ -40,7 +40,8 @@ def tiny_config(family: str, **overrides):
         if family.endswith("nope"):
             cfg.rope_parameters = None  # released OLMo-hybrid checkpoints use no positions
     elif family == "bamba":
-        cfg = tf.BambaConfig(**{**SMALL, **MAMBA2, **WIDE_INIT, "num_hidden_layers": 4, "attn_layer_indices": [2], **overrides})
+        cfg = tf.BambaConfig(**{**SMALL, **MAMBA2, **WIDE_INIT, "num_hidden_layers": 4, "attn_layer_indices": [2],
+                                **overrides})
     elif family == "granitemoehybrid":  # Granite 4.0-H: NoPE attention, MoE
         cfg = tf.GraniteMoeHybridConfig(**{**SMALL, **MAMBA2, **WIDE_INIT, "num_hidden_layers": 4,
                                            "layer_types": ["mamba", "mamba", "attention", "mamba"],
@@ -56,7 +57,8 @@ def tiny_config(family: str, **overrides):
                                  "layers_block_type": ["mamba", "mamba", "hybrid", "mamba"], "n_mamba_heads": 4,
                                  "mamba_d_state": 16, "chunk_size": 16, "use_mem_rope": True, **overrides})
     elif family == "falcon_h1":  # attention and Mamba in parallel in every layer
-        cfg = tf.FalconH1Config(**{**SMALL, **MAMBA2, **WIDE_INIT, "mamba_d_ssm": 128, "num_hidden_layers": 3, **overrides})
+        cfg = tf.FalconH1Config(**{**SMALL, **MAMBA2, **WIDE_INIT, "mamba_d_ssm": 128, "num_hidden_layers": 3,
+                                   **overrides})
     elif family == "kimi_linear":  # KDA layers + MLA attention without positions; layer 0 dense MLP, then MoE
         cfg = tf.KimiLinearConfig(**{**SMALL, "num_hidden_layers": 4, "layer_types": layers4, "num_key_value_heads": 4,
                                      "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,

@@ -66,7 +66,7 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
     def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:
         ops = []
         for a in cap.scan_args:
-            k, v, g, beta = (a[n][row : row + 1, start:end] for n in ("key", "value", "g", "beta"))
+            k, v, g, beta = (a[n][row : row + 1, start:end].contiguous() for n in ("key", "value", "g", "beta"))
             ops.append(self.operator(k, v, g, beta, a["use_qk_l2norm_in_kernel"]))
         return ops
 

@@ -93,7 +93,7 @@ class Mamba2Adapter(ModelAdapter):
     def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:
         ops = []
         for a in cap.scan_args:
-            x, dt, B = (a[n][row : row + 1, start:end] for n in ("x", "dt", "B"))
+            x, dt, B = (a[n][row : row + 1, start:end].contiguous() for n in ("x", "dt", "B"))  # GPU kernels want dense
             ops.append(self.operator(x, dt, a["A"], B, a["dt_bias"], a["dt_softplus"], a["dt_limit"], a["chunk_size"]))
         return ops
 
