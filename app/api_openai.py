@@ -247,11 +247,10 @@ class _Reply:
             "top_logprobs": [self._token_entry(t, lp) for t, lp in event.top_logprobs]}
 
     def _token_entry(self, token_id: int, logprob: float) -> dict:
-        text = self._token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": self._token_text(token_id), "logprob": logprob, "bytes": self.rt.tokens.bytes(token_id)}
 
     def _token_text(self, token_id: int) -> str:
-        return self.rt.engine.tokenizer.decode([token_id])
+        return self.rt.tokens.text(token_id)
 
 
 def _usage(stream: TokenStream) -> dict:

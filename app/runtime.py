@@ -24,6 +24,7 @@ from .errors import APIError
 from .metrics import Metrics
 from .prompter import Prompter
 from .settings import Settings
+from .tokens import TokenText
 from .worker import Worker
 
 log = logging.getLogger("hypic.runtime")
@@ -53,7 +54,7 @@ def load_index(settings: Settings) -> VectorIndex:
 
 
 class Runtime:
-    """Shared state of one app. `engine`, `index`, `chunker`, `prompter` are set once `ready`."""
+    """Shared state of one app. `engine`, `index`, `chunker`, `prompter`, `tokens` are set once `ready`."""
 
     def __init__(self, settings: Settings, engine: EngineSource = None, index: IndexSource = None) -> None:
         self.settings = settings
@@ -63,6 +64,7 @@ class Runtime:
         self.index: VectorIndex | None = None
         self.chunker: Chunker | None = None
         self.prompter: Prompter | None = None
+        self.tokens: TokenText | None = None
         self.model_name = settings.served_model_name
         self.load_error: str | None = None
         self.created = int(time.time())
@@ -110,6 +112,7 @@ class Runtime:
                 log.info("ingested corpus", extra={"corpus": str(corpus), "documents": summary.documents, "chunks": summary.chunks})
             self.engine, self.index, self.chunker = engine, index, chunker
             self.prompter = Prompter(engine.tokenizer, self.settings)
+            self.tokens = TokenText(engine.tokenizer)
             if not self._owns_engine:
                 self.model_name = self.settings.model_name or engine.model_id
             self.metrics.watch_store(engine.store)

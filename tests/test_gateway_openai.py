@@ -79,11 +79,21 @@ def test_chat_logprobs_and_top_logprobs(client):
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy picks the top token
-        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token or "\ufffd" in entry.token
     streamed = list(client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=6, temperature=0,
                                                    logprobs=True, top_logprobs=3, stream=True))
     tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert tokens == [e.token for e in content]
+
+
+def test_token_bytes_are_exact_for_partial_characters(tiny_tokenizer):
+    from app.tokens import TokenText
+
+    tokens = TokenText(tiny_tokenizer)
+    ids = tiny_tokenizer.encode("naïve émigrés café", add_special_tokens=False)
+    assert b"".join(bytes(tokens.bytes(i)) for i in ids) == "naïve émigrés café".encode()
+    partial = [i for i in range(len(tiny_tokenizer)) if "\ufffd" in tokens.text(i)]
+    assert partial and all(tokens.bytes(i) != list("\ufffd".encode()) for i in partial)
 
 
 def test_completions_stream_and_logprobs(client):
