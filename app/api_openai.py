@@ -10,7 +10,9 @@ Extra fields: `rag: {top_k, document_ids}` retrieves chunks for the last user me
 the prompt (completions) and adds them as segments; `segments: [text, ...]` are cached
 independently (chat: placed before the last user message, like retrieved documents;
 completions: before the prompt, verbatim); `mode` and `seam` as in /query. Without `rag` or
-`segments`, a chat is plain chat. Unknown fields are ignored, as OpenAI-compatible servers do.
+`segments`, a chat is plain chat. Fields this server cannot honour (`tools`, `logit_bias`,
+penalties, `response_format` other than text, ...) are refused with a 400 naming them when
+they ask for something; other unknown fields are ignored, as OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
@@ -59,8 +61,15 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+# OpenAI fields this server cannot honour, with the values that ask for nothing (accepted).
+UNSUPPORTED = {"tools": ([], None), "functions": ([], None), "tool_choice": ("none", "auto", None),
+               "function_call": ("none", "auto", None), "logit_bias": ({}, None), "presence_penalty": (0, None),
+               "frequency_penalty": (0, None), "response_format": ({"type": "text"}, None), "best_of": (1, None),
+               "suffix": ("", None), "audio": (None,), "prediction": (None,)}
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -143,7 +152,11 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 def _accept(request: Request, body: _Common) -> Runtime:
-    """The runtime, if it is ready, serves `body.model` and has room for one more request."""
+    """The runtime, if `body` asks for nothing unsupported, the runtime is ready, serves
+    `body.model` and has room for one more request."""
+    for name, value in (body.model_extra or {}).items():
+        if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+            raise APIError.invalid(name, f"is not supported by this server (got {value!r})")
     rt: Runtime = request.app.state.runtime
     rt.require_ready()
     if body.model != rt.model_name:

@@ -43,7 +43,8 @@ def test_models_lists_the_served_model(client):
 
 
 def test_chat_non_streaming(client):
-    r = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=5, temperature=0)
+    r = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=5, temperature=0, presence_penalty=0,
+                                       user="someone", response_format={"type": "text"})
     choice = r.choices[0]
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
@@ -146,9 +147,12 @@ def test_explicit_segments_are_cached_independently(client):
     (dict(extra_body={"rag": {"document_ids": ["nope"]}}), openai.BadRequestError, "rag.document_ids"),
     (dict(extra_body={"mode": "bogus"}), openai.BadRequestError, "mode"),
     (dict(messages=[{"role": "user", "content": "Varo " * 3000}]), openai.BadRequestError, "prompt"),
+    (dict(presence_penalty=0.5), openai.BadRequestError, "presence_penalty"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), openai.BadRequestError, "tools"),
+    (dict(response_format={"type": "json_object"}), openai.BadRequestError, "response_format"),
 ], ids=["unknown-model", "n", "top_logprobs-range", "top_logprobs-without-logprobs", "temperature", "max_tokens-zero",
         "max_tokens-too-big", "no-messages", "last-not-user", "bad-role", "content-type", "content-missing", "rag-top_k", "rag-unknown-document",
-        "mode", "prompt-too-long"])
+        "mode", "prompt-too-long", "presence_penalty", "tools", "response_format"])
 def test_chat_bad_input_names_the_field(client, kwargs, error, param):
     with pytest.raises(error) as caught:
         client.chat.completions.create(**{"model": "tiny", "messages": HELLO, "max_tokens": 2, **kwargs})
