@@ -34,9 +34,10 @@ IndexSource = Union[VectorIndex, Callable[[], VectorIndex], None]
 
 
 def build_store(settings: Settings) -> SegmentStore:
-    """An LRU of `cache_memory_bytes` in host memory, plus a disk tier in `cache_dir` when set."""
-    return build_segment_store(settings.cache_memory_bytes, directory=settings.cache_dir,
-                               disk_bytes=settings.cache_disk_bytes, storage_dtype=settings.cache_storage_dtype)
+    """A hot tier on the model's device (GPU), host memory, and a disk tier in `cache_dir` when set."""
+    return build_segment_store(settings.cache_memory_bytes, device=settings.device, device_bytes=settings.cache_device_bytes,
+                               directory=settings.cache_dir, disk_bytes=settings.cache_disk_bytes,
+                               storage_dtype=settings.cache_storage_dtype)
 
 
 def load_engine(settings: Settings) -> Engine:
@@ -44,7 +45,7 @@ def load_engine(settings: Settings) -> Engine:
     config = EngineConfig(seam=settings.seam, default_mode=settings.default_mode,
                           memory_budget_bytes=settings.cache_memory_bytes, prefix_budget_bytes=settings.prefix_cache_bytes,
                           model_id=settings.served_model_name)
-    return Engine.from_pretrained(settings.model_path, config, build_store(settings))
+    return Engine.from_pretrained(settings.model_path, config, build_store(settings), device=settings.device)
 
 
 def load_index(settings: Settings) -> VectorIndex:

@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     # engine and cache
     seam: int = Field(DEFAULT_SEAM, ge=0)
     default_mode: str = Mode.HYPIC.value
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Where the model runs: cpu or cuda[:N].")
+    cache_device_bytes: int = Field(0, ge=0, description="Hot tier of the segment cache in the model's device memory (GPU only).")
     cache_memory_bytes: int = Field(2 << 30, ge=0, description="Host-memory tier of the segment cache.")
     cache_dir: Path | None = Field(None, description="Adds a disk tier here (tiered store); None: memory only.")
     cache_disk_bytes: int = Field(16 << 30, ge=0)

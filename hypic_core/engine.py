@@ -102,11 +102,12 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, store: SegmentStore | None = None,
-                        dtype: torch.dtype = torch.float32) -> "Engine":
-        """Load a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer). Offline only."""
+                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> "Engine":
+        """Load a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer) onto `device`. Offline only."""
         from .loader import load_local
 
         model, tokenizer = load_local(path, dtype=dtype)
+        model = model.to(device)
         return cls(model, tokenizer, config, store, model_id=Path(path).name)
 
     @property
