@@ -70,13 +70,9 @@ class ModelRunner:
         cache = self.new_cache()
         adapter = self.adapter
         fused = bool(adapter.linear_layers) and adapter.supports_fused_body and width > seam
-        if fused:  # seam heads, then the bodies with their operators computed in the same pass
-            head = seam
-            if head:
-                self.model.base_model(input_ids=ids[:, :head], position_ids=pos[:, :head], cache=cache, use_cache=True)
-            body_lengths = [max(0, len(s) - head) for s in segs]
-            with adapter.capture_body(body_lengths, head, width - head) as cap:
-                self.model.base_model(input_ids=ids[:, head:], position_ids=pos[:, head:], cache=cache, use_cache=True)
+        if fused:  # one forward; the body operators are computed inside its linear layers' kernel calls
+            with adapter.capture_body(seam, [max(0, len(s) - seam) for s in segs], width) as cap:
+                self.model.base_model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
         else:  # reference: one plain forward, operators computed afterwards from its recorded inputs
             with adapter.capture(0, width) as cap:
                 self.model.base_model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)

@@ -89,17 +89,18 @@ class ModelAdapter(ABC):
     supports_fused_body = False
 
     @contextlib.contextmanager
-    def capture_body(self, body_lengths: list[int], start: int, seq_len: int) -> Iterator[Capture]:
-        """Compute every linear layer's body (T, E) during the body forward run inside.
+    def capture_body(self, seam: int, body_lengths: list[int], seq_len: int) -> Iterator[Capture]:
+        """Compute every linear layer's body (T, E) during the canonical forward run inside.
 
-        The forward continues, on the same cache, from each row's seam head; row r's body is
-        its first `body_lengths[r]` tokens (the rest is padding and must not touch the state).
+        The forward runs whole segments from an empty state; tokens [0, seam) are the seam
+        heads, and row r's body is the next `body_lengths[r]` tokens (the rest is padding,
+        which must not touch the state).
         """
-        cap = Capture(start, seq_len)
-        with self._patched(cap, lambda c: self._fused_patches(c, body_lengths)) as cap:
+        cap = Capture(0, seq_len)
+        with self._patched(cap, lambda c: self._fused_patches(c, seam, body_lengths)) as cap:
             yield cap
 
-    def _fused_patches(self, cap: Capture, body_lengths: list[int]) -> dict[tuple[Any, str], Callable]:
+    def _fused_patches(self, cap: Capture, seam: int, body_lengths: list[int]) -> dict[tuple[Any, str], Callable]:
         raise NotImplementedError(f"{self.family} has no fused body path")
 
     def fused_operators(self, cap: Capture, row: int) -> list[LinearOperator]:

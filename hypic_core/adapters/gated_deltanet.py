@@ -70,13 +70,14 @@ class GatedDeltaNetAdapter(ModelAdapter):
 
     supports_fused_body = True
 
-    def _fused_patches(self, cap: Capture, body_lengths: list[int]) -> dict[tuple[Any, str], Callable]:
-        """Compute (T, E) inside the body forward's own kernel call, batched over rows.
+    def _fused_patches(self, cap: Capture, seam: int, body_lengths: list[int]) -> dict[tuple[Any, str], Callable]:
+        """Compute (T, E) inside the canonical forward's own kernel call, batched over rows.
 
-        The recurrence is linear in (state, values) jointly, so running the kernel once with
-        values [v | 0] from the initial state [S_w | I] yields [S_L | T] in its final state:
-        one kernel pass instead of a separate one per operator. E = S_L - T S_w. Padding
-        tokens get beta = 0 and g = 0, i.e. A_t = I and B_t = 0: they leave the state alone.
+        The kernel runs the seam heads [0, seam) as usual, then the bodies. The recurrence is
+        linear in (state, values) jointly, so running the bodies with values [v | 0] from the
+        state [S_w | I] yields [S_L | T] in the final state: no separate pass per operator.
+        E = S_L - T S_w. Padding tokens get beta = 0 and g = 0, i.e. A_t = I and B_t = 0:
+        they leave the state alone.
         """
         mod = self._modeling
         conv_fn = mod.causal_conv1d_fn
@@ -90,16 +91,23 @@ class GatedDeltaNetAdapter(ModelAdapter):
         def scan_wrapper(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
             B, L, hv, dv = value.shape
             dk = key.shape[-1]
-            real = (torch.arange(L)[None, :] < lengths[:, None]).to(value.device)[..., None]  # [B, L, 1]
-            g, beta = g * real, beta * real
-            values = torch.cat([value, value.new_zeros(B, L, hv, dk)], dim=-1)
             s_w = value.new_zeros(B, hv, dk, dv, dtype=torch.float32) if initial_state is None else initial_state.float()
+            head_out = []
+            if seam:
+                out, s_w = scan_fn(query[:, :seam], key[:, :seam], value[:, :seam], g=g[:, :seam], beta=beta[:, :seam],
+                                   initial_state=s_w, output_final_state=True, **kwargs)
+                head_out.append(out)
+            q, k, v, g, beta = (x[:, seam:] for x in (query, key, value, g, beta))
+            real = (torch.arange(L - seam)[None, :] < lengths[:, None]).to(value.device)[..., None]  # [B, Lb, 1]
+            g, beta = g * real, beta * real
+            values = torch.cat([v, v.new_zeros(B, L - seam, hv, dk)], dim=-1)
             eye = torch.eye(dk, dtype=torch.float32, device=value.device).expand(B, hv, dk, dk)
-            out, state = scan_fn(query, key, values, g=g, beta=beta, initial_state=torch.cat([s_w, eye], dim=-1),
+            out, state = scan_fn(q, k, values, g=g, beta=beta, initial_state=torch.cat([s_w, eye], dim=-1),
                                  output_final_state=True, **kwargs)
             s_l, T = state[..., :dv], state[..., dv:]
             cap.operators.append((T, s_l - torch.matmul(T, s_w)))
-            return out[..., :dv].contiguous(), (s_l.contiguous() if output_final_state else None)
+            out = torch.cat([*head_out, out[..., :dv]], dim=1).contiguous()
+            return out, (s_l.contiguous() if output_final_state else None)
 
         return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "torch_chunk_gated_delta_rule"): scan_wrapper}
 
