@@ -50,8 +50,8 @@ def test_batches_split_by_token_budget():
         assert all(rel(x.end, y.end) <= 1e-5 for x, y in zip(a.operators, b.operators))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "llama"])
-@pytest.mark.parametrize("seam", [0, 2, 8, 100])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "olmo_hybrid_nope", "llama"])
+@pytest.mark.parametrize("seam", [0, 3, 100])
 def test_fused_stitch_equals_sequential_stitch(family, seam):
     engine = Engine(tiny_model(family))
     assert engine.adapter.supports_fused_stitch
