@@ -223,30 +223,24 @@ class ModelAdapter(ABC):
         """
         if self._inv_freq is None or delta == 0:
             return keys
-        angles = float(delta) * self._inv_freq  # float64 for large offsets
-        cos = torch.cat([angles.cos(), angles.cos()]).to(keys.device, torch.float32)
-        sin = torch.cat([angles.sin(), angles.sin()]).to(keys.device, torch.float32)
-        d = self.rotary_dim
-        rot = keys[..., :d].to(torch.float32)
-        half = d // 2
-        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        out = keys.clone()
-        out[..., :d] = (rot * cos + rotated_half * sin).to(keys.dtype)
-        return out
+        return self._rotate(keys, float(delta) * self._inv_freq, 1.0)  # float64 angles for large offsets
 
     def rope_at(self, keys_unrotated: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Reference: rotate position-free keys [..., L, D] at absolute `positions` [L] (tests)."""
         if self._inv_freq is None:
             return keys_unrotated
         angles = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
-        cos = torch.cat([angles.cos(), angles.cos()], -1).to(torch.float32) * self._rope_scaling
-        sin = torch.cat([angles.sin(), angles.sin()], -1).to(torch.float32) * self._rope_scaling
-        d = self.rotary_dim
-        rot = keys_unrotated[..., :d].to(torch.float32)
-        half = d // 2
+        return self._rotate(keys_unrotated, angles, self._rope_scaling)
+
+    def _rotate(self, keys: torch.Tensor, angles: torch.Tensor, scale: float) -> torch.Tensor:
+        """Rotate the rotary dims of `keys` by `angles` ([d/2] or [L, d/2], rotate-half layout), times `scale`."""
+        cos = (torch.cat([angles.cos(), angles.cos()], -1) * scale).to(keys.device, torch.float32)
+        sin = (torch.cat([angles.sin(), angles.sin()], -1) * scale).to(keys.device, torch.float32)
+        d, half = self.rotary_dim, self.rotary_dim // 2
+        rot = keys[..., :d].to(torch.float32)
         rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        out = keys_unrotated.clone()
-        out[..., :d] = (rot * cos + rotated_half * sin).to(keys_unrotated.dtype)
+        out = keys.clone()
+        out[..., :d] = (rot * cos + rotated_half * sin).to(keys.dtype)
         return out
 
 
