@@ -64,6 +64,26 @@ def model_config(tok: PreTrainedTokenizerFast, hidden: int = 192, layers: int = 
     )
 
 
+def full_attention_layers(model: Qwen3_5ForCausalLM) -> list[int]:
+    return [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
+
+
+def copy_init(model: Qwen3_5ForCausalLM, aux_layer: int) -> None:
+    """Initialise head AUX_HEAD of the supervised layer as a copy head: W_O W_V = Q^T Q.
+
+    Q is a random orthonormal (head_dim x hidden) matrix, so the head passes a projection of
+    the attended token's (normalised) residual, and hence of its embedding, to the output.
+    Only the starting point changes; every weight is trained as usual.
+    """
+    attn = model.model.layers[full_attention_layers(model)[aux_layer]].self_attn
+    d = attn.head_dim
+    kv = AUX_HEAD // (model.config.num_attention_heads // model.config.num_key_value_heads)
+    q = torch.linalg.qr(torch.randn(model.config.hidden_size, d))[0].T  # [d, hidden], orthonormal rows
+    with torch.no_grad():
+        attn.v_proj.weight[kv * d:(kv + 1) * d] = q
+        attn.o_proj.weight[:, AUX_HEAD * d:(AUX_HEAD + 1) * d] = q.T
+
+
 def build_model(config: Qwen3_5TextConfig, embed_std: float | None = None) -> Qwen3_5ForCausalLM:
     """Eager attention so the full-attention layers can return their weights (aux loss).
 
@@ -220,6 +240,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--aux-weight", type=float, default=1.0)
     p.add_argument("--aux-kinds", default="single")
     p.add_argument("--aux-layer", type=int, default=-1, help="which full-attention layer (-1: last)")
+    p.add_argument("--copy-init", action="store_true", help="start the supervised head as a copy head")
     p.add_argument("--aux-until", type=int, default=10**9, help="no aux loss from this step on")
     p.add_argument("--max-steps", type=int, default=10**9)
     p.add_argument("--max-minutes", type=float, default=60.0)
@@ -241,6 +262,8 @@ def main(argv=None) -> None:
 
     config = Qwen3_5TextConfig.from_dict(resume["config"]) if resume else model_config(tok, args.hidden, args.layers)
     model = build_model(config, None if resume else args.embed_std)
+    if args.copy_init and not resume:
+        copy_init(model, args.aux_layer)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     step, best = 0, -1.0
     if resume:
