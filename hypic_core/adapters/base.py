@@ -170,15 +170,25 @@ class ModelAdapter(ABC):
         col = lambda t: x.shape[-1] - cap.seq_len + (t - cap.start)  # noqa: E731
         return x[:, col(max(0, end - self.conv_kernel(layer_pos))) : col(end)].clone()
 
+    # Families keep their linear layers' mixer modules here; the defaults below read the
+    # attribute names the transformers mixers share (conv_kernel_size, conv_dim, A_log, dt_bias).
+    _mixers: list[torch.nn.Module] = []
+
     def conv_kernel(self, layer_pos: int) -> int:
-        raise NotImplementedError
+        return int(self._mixers[layer_pos].conv_kernel_size)
+
+    def conv_shape(self, layer_pos: int) -> tuple[int, int]:
+        m = self._mixers[layer_pos]
+        return (int(m.conv_dim), int(m.conv_kernel_size))
 
     def state_shape(self, layer_pos: int) -> tuple[int, ...]:
         """Shape of one sequence's recurrent state in linear layer `layer_pos`."""
         raise NotImplementedError
 
-    def conv_shape(self, layer_pos: int) -> tuple[int, int]:
-        raise NotImplementedError
+    def decay_parameters(self, layer_pos: int) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+        """(A_log, dt_bias) of a linear layer: what tests set to make heads decay slowly."""
+        m = self._mixers[layer_pos]
+        return m.A_log, m.dt_bias
 
     def read_linear_state(self, cache, layer_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv [C, K], recurrent state) of batch row 0; zeros (and initialised) if the layer is fresh."""

@@ -186,21 +186,9 @@ class GatedDeltaNetAdapter(ModelAdapter):
                       use_qk_l2norm_in_kernel=l2norm)
         return LinearOperator(T[0].float(), E[0].float())
 
-    def conv_kernel(self, layer_pos: int) -> int:
-        return int(self._mixers[layer_pos].conv_kernel_size)
-
-    def conv_shape(self, layer_pos: int) -> tuple[int, int]:
-        m = self._mixers[layer_pos]
-        return (int(m.conv_dim), int(m.conv_kernel_size))
-
     def state_shape(self, layer_pos: int) -> tuple[int, ...]:
         m = self._mixers[layer_pos]
         return (int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim))
-
-    def decay_parameters(self, layer_pos: int) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
-        """(A_log, dt_bias) of a linear layer: what tests set to make heads decay slowly."""
-        m = self._mixers[layer_pos]
-        return m.A_log, m.dt_bias
 
 
 def naive_scan(k, v, g, beta, initial_state=None, l2norm: bool = True) -> torch.Tensor:

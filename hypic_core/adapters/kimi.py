@@ -84,13 +84,6 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
         state = state[0].float()
         return LinearOperator(state[..., :dk].contiguous(), state[..., dk:].contiguous())
 
-    def conv_kernel(self, layer_pos: int) -> int:
-        return int(self._mixers[layer_pos].conv_kernel_size)
-
-    def conv_shape(self, layer_pos: int) -> tuple[int, int]:
-        m = self._mixers[layer_pos]
-        return (int(m.conv_dim), int(m.conv_kernel_size))
-
     def state_shape(self, layer_pos: int) -> tuple[int, ...]:
         m = self._mixers[layer_pos]
         return (int(m.num_heads), int(m.head_dim), int(m.head_dim))

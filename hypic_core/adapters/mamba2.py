@@ -109,21 +109,9 @@ class Mamba2Adapter(ModelAdapter):
         T = torch.exp((A.float()[None, :] * step).sum(0))
         return LinearOperator(T, E[0].float())
 
-    def conv_kernel(self, layer_pos: int) -> int:
-        return int(self._mixers[layer_pos].conv_kernel_size)
-
-    def conv_shape(self, layer_pos: int) -> tuple[int, int]:
-        m = self._mixers[layer_pos]
-        return (int(m.conv_dim), int(m.conv_kernel_size))
-
     def state_shape(self, layer_pos: int) -> tuple[int, ...]:
         m = self._mixers[layer_pos]
         return (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))
-
-    def decay_parameters(self, layer_pos: int) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
-        """(A_log, dt_bias) of a Mamba layer: what tests set to make heads decay slowly."""
-        m = self._mixers[layer_pos]
-        return m.A_log, m.dt_bias
 
 
 def _find_mixer(layer: torch.nn.Module) -> torch.nn.Module:
