@@ -103,7 +103,6 @@ def run(args) -> tuple[dict[str, list[float]], dict[str, int], int]:
         times["prefix"].append(ttft(engine, segs, "prefix"))
         times["pic-naive"].append(ttft(engine, segs, "pic-naive"))
         cold = Engine(model, config=engine.config, store=MemorySegmentStore(4 << 30))
-        cold.fingerprint = engine.fingerprint
         times["hypic-cold"].append(ttft(cold, segs, "hypic"))
         times["hypic-warm"].append(ttft(engine, segs, "hypic"))
         times["floor"].append(floor(engine, segs, args.seam))
@@ -200,8 +199,10 @@ def main() -> None:
     ap.add_argument("--seam", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="also measure TTFT vs context length and plot it")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared 2-core machine)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     times, bytes_by_kind, params = run(args)
     rows = sweep(args) if args.sweep else []
     if rows:
