@@ -46,14 +46,16 @@ class ModelRunner:
         """Canonical entries of `segments`, each computed alone from an empty state at positions 0..L-1.
 
         Segments are batched (right-padded: causal layers never see the padding of earlier
-        tokens) in groups of at most `max_batch_tokens` padded tokens, longest first.
+        tokens) in groups of at most `max_batch_tokens` padded tokens, longest first; a
+        segment shorter than half its group's width starts a new group, so padding stays
+        under half of any row.
         """
         order = sorted(range(len(segments)), key=lambda i: -len(segments[i]))
         out: list[SegmentEntry | None] = [None] * len(segments)
         group: list[int] = []
         for i in order:
             width = len(segments[group[0]]) if group else len(segments[i])
-            if group and width * (len(group) + 1) > max_batch_tokens:
+            if group and (width * (len(group) + 1) > max_batch_tokens or 2 * len(segments[i]) < width):
                 self._compute_group([segments[j] for j in group], seam, out, group)
                 group = []
             group.append(i)

@@ -95,7 +95,7 @@ class GatedDeltaNetAdapter(ModelAdapter):
             head_out = []
             if seam:
                 out, s_w = scan_fn(query[:, :seam], key[:, :seam], value[:, :seam], g=g[:, :seam], beta=beta[:, :seam],
-                                   initial_state=s_w, output_final_state=True, **kwargs)
+                                   chunk_size=_small_chunk(seam), initial_state=s_w, output_final_state=True, **kwargs)
                 head_out.append(out)
             q, k, v, g, beta = (x[:, seam:] for x in (query, key, value, g, beta))
             real = (torch.arange(L - seam)[None, :] < lengths[:, None]).to(value.device)[..., None]  # [B, Lb, 1]
@@ -152,10 +152,9 @@ class GatedDeltaNetAdapter(ModelAdapter):
             for span in spans:
                 a, b = span.start, span.end
                 if b > a:
-                    # Short spans (seam heads) run as one small chunk instead of being padded to 64 tokens.
-                    chunk = min(64, 1 << max(3, (b - a - 1).bit_length()))
                     out, state = scan_fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
-                                         chunk_size=chunk, initial_state=state, output_final_state=True, **kwargs)
+                                         chunk_size=_small_chunk(b - a), initial_state=state, output_final_state=True,
+                                         **kwargs)
                     outs.append(out)
                 if span.entry is not None:
                     op = span.entry.operators[lp]
@@ -189,6 +188,12 @@ class GatedDeltaNetAdapter(ModelAdapter):
     def state_shape(self, layer_pos: int) -> tuple[int, ...]:
         m = self._mixers[layer_pos]
         return (int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim))
+
+
+def _small_chunk(n: int) -> int:
+    """Kernel chunk size for a span of n tokens: short spans (seam heads) run as one small chunk
+    instead of being padded to the default 64."""
+    return min(64, 1 << max(3, (n - 1).bit_length()))
 
 
 def naive_scan(k, v, g, beta, initial_state=None, l2norm: bool = True) -> torch.Tensor:
