@@ -138,7 +138,7 @@ def plot(rows, path: Path) -> None:
     ax.plot([r[0] for r in rows], [r[2] * 1000 for r in rows], "s-", label="hypic (warm)")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (ms)")
-    ax.set_title("TTFT vs context length (CPU, 40M qwen3_5, 512-token chunks)")
+    ax.set_title("TTFT vs context length (CPU, 37M random qwen3_5, 512-token chunks)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
