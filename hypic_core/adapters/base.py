@@ -138,6 +138,16 @@ class ModelAdapter(ABC):
             return {"full_attention": mask, "linear_attention": None}
         return mask
 
+    @staticmethod
+    def _recording_conv(cap: Capture, conv_fn: Callable) -> Callable:
+        """Wrap a conv function so every call's pre-conv input is appended to `cap.conv_inputs`."""
+
+        def conv_wrapper(hidden_states, *args, **kwargs):
+            cap.conv_inputs.append(hidden_states.detach())
+            return conv_fn(hidden_states, *args, **kwargs)
+
+        return conv_wrapper
+
     @contextlib.contextmanager
     def _patched(self, cap: Capture, make_patches) -> Iterator[Capture]:
         patches = make_patches(cap)
@@ -217,8 +227,11 @@ class ModelAdapter(ABC):
 
     @property
     def uses_nope(self) -> bool:
-        """True when attention layers use no positional rotation (keys are position-free)."""
-        return False
+        """True when attention layers use no positional rotation (keys are position-free).
+
+        By default: the model has no rotary embedding module (OLMo-hybrid, Granite, Nemotron).
+        """
+        return getattr(self.model.base_model, "rotary_emb", None) is None
 
     @property
     def rotary_dim(self) -> int:

@@ -43,19 +43,11 @@ class GatedDeltaNetAdapter(ModelAdapter):
         for i, kind in enumerate(self.config.layer_types[: self.num_layers]):
             (self.linear_layers if kind == "linear_attention" else self.attention_layers).append(i)
 
-    @property
-    def uses_nope(self) -> bool:
-        return getattr(self.model.base_model, "rotary_emb", None) is None
-
     # --- capture ------------------------------------------------------------------------
     def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
         mod = self._modeling
-        conv_fn = mod.causal_conv1d_fn
+        conv_wrapper = self._recording_conv(cap, mod.causal_conv1d_fn)
         scan_fn = mod.torch_chunk_gated_delta_rule
-
-        def conv_wrapper(hidden_states, *args, **kwargs):
-            cap.conv_inputs.append(hidden_states.detach())
-            return conv_fn(hidden_states, *args, **kwargs)
 
         def scan_wrapper(query, key, value, *args, **kwargs):
             g = kwargs["g"] if "g" in kwargs else args[0]
@@ -80,13 +72,9 @@ class GatedDeltaNetAdapter(ModelAdapter):
         they leave the state alone.
         """
         mod = self._modeling
-        conv_fn = mod.causal_conv1d_fn
+        conv_wrapper = self._recording_conv(cap, mod.causal_conv1d_fn)
         scan_fn = mod.torch_chunk_gated_delta_rule
         lengths = torch.tensor(body_lengths)
-
-        def conv_wrapper(hidden_states, *args, **kwargs):
-            cap.conv_inputs.append(hidden_states.detach())
-            return conv_fn(hidden_states, *args, **kwargs)
 
         def scan_wrapper(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
             B, L, hv, dv = value.shape

@@ -48,12 +48,8 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
     # --- capture ------------------------------------------------------------------------
     def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
         mod = self._modeling
-        conv_fn = mod.causal_conv1d_fn
+        conv_wrapper = self._recording_conv(cap, mod.causal_conv1d_fn)
         scan_fn = mod.chunk_kimi_delta_attention
-
-        def conv_wrapper(hidden_states, *args, **kwargs):
-            cap.conv_inputs.append(hidden_states.detach())
-            return conv_fn(hidden_states, *args, **kwargs)
 
         def scan_wrapper(query, key, value, g, beta, *args, **kwargs):
             cap.scan_args.append(dict(key=key.detach(), value=value.detach(), g=g.detach(), beta=beta.detach(),

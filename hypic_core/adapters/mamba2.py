@@ -65,19 +65,11 @@ class Mamba2Adapter(ModelAdapter):
             if linear:
                 self.linear_layers.append(i)
 
-    @property
-    def uses_nope(self) -> bool:
-        return getattr(self.model.base_model, "rotary_emb", None) is None
-
     # --- capture ------------------------------------------------------------------------
     def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
         mod = self._modeling
-        conv_fn = mod.causal_conv1d_fn
+        conv_wrapper = self._recording_conv(cap, mod.causal_conv1d_fn)
         scan_fn = mod.mamba2_chunk_scan
-
-        def conv_wrapper(hidden_states, *args, **kwargs):
-            cap.conv_inputs.append(hidden_states.detach())
-            return conv_fn(hidden_states, *args, **kwargs)
 
         def scan_wrapper(hidden_states, dt, A, B, C, *args, **kwargs):
             cap.scan_args.append(dict(
