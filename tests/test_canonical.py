@@ -70,3 +70,15 @@ def test_fused_stitch_equals_sequential_stitch(family, seam):
             a = engine.runner.forward(nxt, pos, fused_cache, logits=True)
             b = engine.runner.forward(nxt, pos, seq_cache, logits=True)
             assert maxdiff(b, a) <= 1e-5
+
+
+def test_fused_stitch_with_eager_attention():
+    model = tiny_model("qwen3_5")
+    model.set_attn_implementation("eager")
+    engine = Engine(model)
+    segs = random_segments((12, 30, 5, 21, 6), seed=4)
+    entries, _ = engine.segment_entries(segs[:-1], 3)
+    with torch.inference_mode():
+        fused = engine.runner.stitch(engine.runner.new_cache(), segs[:-1], entries, segs[-1])
+        seq = engine.runner.stitch_sequential(engine.runner.new_cache(), segs[:-1], entries, segs[-1])
+    assert maxdiff(seq, fused) <= 1e-5
