@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def read(path: str) -> tuple[list[dict], list[dict]]:
-    """(training rows, validation rows) of a metrics file."""
+    """(training rows, validation rows) of a metrics file (10-step averages, evaluations)."""
     rows = [json.loads(line) for line in open(path) if line.strip()]
     return [r for r in rows if "loss" in r], [r for r in rows if "valid" in r]
 
@@ -25,6 +25,7 @@ def plot(metrics: str, out: str) -> None:
     fig, (ax_loss, ax_em) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [r["step"] for r in train]
     ax_loss.plot(steps, [r["loss"] for r in train], label="answer loss")
+    ax_loss.plot(steps, [r["lm"] for r in train], label="next-token loss (whole sequence)", alpha=0.7)
     ax_loss.plot(steps, [r["aux"] for r in train], label="attention-supervision loss", alpha=0.7)
     ax_loss.set_yscale("log")
     ax_loss.set_xlabel("step")
