@@ -96,3 +96,37 @@ def _same_kind_values(word: str) -> list[str]:
         if word in pool:
             return [v for v in pool if v != word]
     raise ValueError(word)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    import torch
+
+    from hypic_core.config import EngineConfig
+    from hypic_core.engine import Engine
+    torch.set_num_threads(1)
+    return Engine.from_pretrained(MODEL_DIR, EngineConfig(seam=8))
+
+
+def _engine_answer(engine, ex: world.Example, mode: str) -> str:
+    from hypic_core.config import GenerationRequest, SamplingParams
+
+    texts, _ = world.prompt_segments(ex)
+    segments = tuple(tuple(engine.tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+    request = GenerationRequest(segments, mode=mode, sampling=SamplingParams(max_tokens=8))
+    return "".join(e.text for e in engine.generate(request)).strip()
+
+
+def test_engine_answers_with_full_and_hypic(engine):
+    """The serving engine answers the fixed questions in `full` and in `hypic` (cached documents reused)."""
+    examples = world.heldout_examples(20, k_values=(1,), kinds=("single",), seed=123)
+    full = [_engine_answer(engine, ex, "full") for ex in examples]
+    hypic = [_engine_answer(engine, ex, "hypic") for ex in examples]
+    gold = [ex.answer for ex in examples]
+    assert sum(a == g for a, g in zip(full, gold)) >= MIN_FIXED, list(zip(full, gold))
+    assert sum(a == g for a, g in zip(hypic, gold)) >= MIN_FIXED, list(zip(hypic, gold))
+    before = engine.store.stats()
+    warm = [_engine_answer(engine, ex, "hypic") for ex in examples]
+    after = engine.store.stats()
+    assert after.misses == before.misses and after.hits["memory"] - before.hits["memory"] == 2 * len(examples)
+    assert warm == hypic  # every segment from the cache now, and the same answers
