@@ -41,7 +41,7 @@ def serve_command(
 
 @cli.command("demo")
 def demo_command(
-    documents: Annotated[int, typer.Option(help="Documents in the request (sources + distractors).")] = 6,
+    documents: Annotated[int, typer.Option(help="Documents in the request (sources + distractors).")] = 3,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate per mode.")] = 16,
 ) -> None:
     """Run one multi-segment request in every mode on the bundled model and compare TTFT and answers."""

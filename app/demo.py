@@ -25,16 +25,18 @@ from .settings import Settings
 
 
 def demo_questions(path: Path) -> list[tuple[str, str, list[str]]]:
-    """(question, answer, source document ids) rows of the demo questions table."""
+    """(question, answer, source document ids) rows of the demo questions table, those the
+    bundled model answered correctly (its "model answer" column) first."""
     rows = []
     for line in path.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and cells[0] in ("single", "two_hop"):
-            rows.append((cells[1], cells[2], re.findall(r"`([^`]+)`", cells[3])))
-    return rows
+        if len(cells) >= 4 and cells[0] in ("single", "two_hop"):
+            answered = len(cells) > 4 and cells[4] == cells[2]
+            rows.append((not answered, (cells[1], cells[2], re.findall(r"`([^`]+)`", cells[3]))))
+    return [row for _, row in sorted(rows, key=lambda r: r[0])]
 
 
-def run_demo(settings: Settings, n_docs: int = 6, max_tokens: int = 16, console: Console | None = None) -> None:
+def run_demo(settings: Settings, n_docs: int = 3, max_tokens: int = 16, console: Console | None = None) -> None:
     console = console or Console()
     corpus = {d["id"]: d for d in map(json.loads, Path(settings.corpus_path).read_text().splitlines()) if d}
     questions = demo_questions(Path(settings.corpus_path).with_name("demo_questions.md"))
