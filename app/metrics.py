@@ -69,24 +69,21 @@ class _StoreCollector:
 
     def collect(self):
         stats = self._read()
-        hits = CounterMetricFamily("hypic_cache_hits", "Segment-store hits by tier.", labels=["tier"])
-        for tier, n in sorted(stats.hits.items()):
-            hits.add_metric([tier], n)
-        size = GaugeMetricFamily("hypic_cache_bytes", "Bytes held by each segment-store tier.", labels=["tier"])
-        for tier, n in sorted(stats.bytes.items()):
-            size.add_metric([tier], n)
-        tier_misses = CounterMetricFamily("hypic_cache_tier_misses", "Lookups that reached a tier and missed there.", labels=["tier"])
-        for tier, n in sorted(stats.tier_misses.items()):
-            tier_misses.add_metric([tier], n)
-        load = CounterMetricFamily("hypic_cache_load_seconds", "Time spent serving hits, by tier.", labels=["tier"])
-        for tier, seconds in sorted(stats.load_seconds.items()):
-            load.add_metric([tier], seconds)
-        yield hits
-        yield tier_misses
-        yield load
+        yield _by_tier(CounterMetricFamily, "hypic_cache_hits", "Segment-store hits by tier.", stats.hits)
+        yield _by_tier(CounterMetricFamily, "hypic_cache_tier_misses", "Lookups that reached a tier and missed there.",
+                       stats.tier_misses)
+        yield _by_tier(CounterMetricFamily, "hypic_cache_load_seconds", "Time spent serving hits, by tier.", stats.load_seconds)
         yield CounterMetricFamily("hypic_cache_misses", "Segment-store lookups no tier answered.", value=stats.misses)
         yield CounterMetricFamily("hypic_cache_dropped_writes", "Disk writes skipped (queue full or I/O error).", value=stats.dropped_writes)
         yield CounterMetricFamily("hypic_cache_disk_errors", "Disk-tier I/O failures.", value=stats.disk_errors)
         yield CounterMetricFamily("hypic_cache_evictions", "Segment-store entries evicted for space.", value=stats.evictions)
         yield CounterMetricFamily("hypic_cache_corrupt", "Segment-store entries found damaged or foreign.", value=stats.corrupt)
-        yield size
+        yield _by_tier(GaugeMetricFamily, "hypic_cache_bytes", "Bytes held by each segment-store tier.", stats.bytes)
+
+
+def _by_tier(family_cls, name: str, documentation: str, values: dict):
+    """One metric family with a `tier` label and one sample per tier, tiers in name order."""
+    family = family_cls(name, documentation, labels=["tier"])
+    for tier, value in sorted(values.items()):
+        family.add_metric([tier], value)
+    return family
