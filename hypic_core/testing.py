@@ -20,7 +20,7 @@ MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups
 # logits, so a test that stitching changes anything would have nothing to see.
 WIDE_INIT = dict(initializer_range=0.1)
 
-FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama",
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama",
             "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1", "kimi_linear", "minimax")
 
 
@@ -30,6 +30,10 @@ def tiny_config(family: str, **overrides):
     layers4 = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
     if family == "qwen3_5":
         cfg = tf.Qwen3_5TextConfig(**{**SMALL, **LINEAR, "num_hidden_layers": 4, "layer_types": layers4, **overrides})
+    elif family == "qwen3_5_moe":
+        cfg = tf.Qwen3_5MoeTextConfig(**{**SMALL, **LINEAR, "num_hidden_layers": 4, "layer_types": layers4,
+                                         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                         "shared_expert_intermediate_size": 32, **overrides})
     elif family == "qwen3_next":
         cfg = tf.Qwen3NextConfig(**{**SMALL, **LINEAR, "num_hidden_layers": 4, "layer_types": layers4,
                                     "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

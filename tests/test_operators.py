@@ -10,7 +10,7 @@ from hypic_core.adapters.gated_deltanet import naive_scan
 from hypic_core.operators import LinearOperator, compose, compose_tree
 from hypic_core.testing import tiny_model
 
-GDN_FAMILIES = ["qwen3_5", "qwen3_next", "olmo_hybrid"]
+GDN_FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
 
 
 def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:

@@ -16,9 +16,9 @@ from hypic_core.engine import Engine
 from hypic_core.testing import tiny_model
 from conftest import random_segments
 
-FAMILIES = ["qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama",
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama",
             "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1", "kimi_linear", "minimax"]
-HYBRIDS = ["qwen3_5", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "bamba", "granitemoehybrid", "nemotron_h",
+HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "bamba", "granitemoehybrid", "nemotron_h",
            "zamba2", "falcon_h1", "kimi_linear", "minimax"]
 LENGTHS = (14, 40, 31, 23, 9, 6)  # system prompt, four chunks, question
 
