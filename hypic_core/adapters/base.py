@@ -13,7 +13,7 @@ Adding a family means adding one file with one `ModelAdapter` subclass and regis
 from __future__ import annotations
 
 import contextlib
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator
 
@@ -55,9 +55,14 @@ class ModelAdapter(ABC):
         self._inv_freq, self._rope_scaling = self._find_rotary()
 
     # --- layers -------------------------------------------------------------------------
-    @abstractmethod
     def _classify_layers(self) -> None:
-        """Fill `attention_layers` and `linear_layers` (decoder layer indices, ascending)."""
+        """Fill `attention_layers` and `linear_layers` (decoder layer indices, ascending).
+
+        Default: the config's `layer_types`, where "linear_attention" marks a linear layer and
+        anything else a full-attention one (Gated DeltaNet, KDA, lightning).
+        """
+        for i, kind in enumerate(self.config.layer_types[: self.num_layers]):
+            (self.linear_layers if kind == "linear_attention" else self.attention_layers).append(i)
 
     @property
     def num_layers(self) -> int:

@@ -39,10 +39,6 @@ class GatedDeltaNetAdapter(ModelAdapter):
         layers = self.model.base_model.layers
         self._mixers = [layers[i].linear_attn for i in self.linear_layers]
 
-    def _classify_layers(self) -> None:
-        for i, kind in enumerate(self.config.layer_types[: self.num_layers]):
-            (self.linear_layers if kind == "linear_attention" else self.attention_layers).append(i)
-
     # --- capture ------------------------------------------------------------------------
     def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
         mod = self._modeling

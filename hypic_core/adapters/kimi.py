@@ -37,10 +37,6 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
         layers = self.model.base_model.layers
         self._mixers = [layers[i].self_attn for i in self.linear_layers]
 
-    def _classify_layers(self) -> None:
-        for i, kind in enumerate(self.config.layer_types[: self.num_layers]):
-            (self.linear_layers if kind == "linear_attention" else self.attention_layers).append(i)
-
     @property
     def uses_nope(self) -> bool:
         return True

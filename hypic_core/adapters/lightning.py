@@ -42,10 +42,6 @@ class LightningAdapter(ModelAdapter):
         layers = self.model.base_model.layers
         self._mixers = [layers[i].self_attn for i in self.linear_layers]
 
-    def _classify_layers(self) -> None:
-        for i, kind in enumerate(self.config.layer_types[: self.num_layers]):
-            (self.linear_layers if kind == "linear_attention" else self.attention_layers).append(i)
-
     def new_cache(self):
         return PositionedMiniMaxCache(self.attention_layers[0])
 
