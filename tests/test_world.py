@@ -56,12 +56,31 @@ def test_answers_and_layout(kind):
         segments, answer = world.prompt_segments(ex)
         assert len(segments) == k + 2 and answer == ex.answer
         prompt = "".join(segments)
-        if kind in ("single", "two_hop", "first_last"):
+        if kind in ("single", "two_hop", "first_last", "follows"):
             doc_index, word = ex.sources[0]
             assert word == answer and answer in ex.docs[doc_index].text
         if kind == "count":
             assert 0 <= int(answer) <= k
         assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_follows_answer_is_the_next_documents_name():
+    w, rng = world.World(5), random.Random("follows")
+    for k in range(2, 11):
+        ex = w.example(rng, "follows", k)
+        asked = next(i for i, d in enumerate(ex.docs) if ex.question == world.FOLLOWS_QUESTION.format(name=d.title))
+        assert asked < k - 1 and ex.answer == ex.docs[asked + 1].title
+        assert ex.sources == [(asked + 1, ex.answer)] and ex.answer in ex.docs[asked + 1].text
+        assert len({d.id for d in ex.docs}) == k
+
+
+def test_every_document_names_its_entity_before_any_attribute():
+    """A value's representation can then carry which record it belongs to (causal attention)."""
+    w = world.World(world.HELDOUT_SEED)
+    for ent in w.by_name.values():
+        text = w.docs[ent.name].text
+        first_value = min(text.index(f" {v}") for _, v in ent.attrs)
+        assert text.index(ent.name) < first_value, text
 
 
 def test_single_hop_answer_is_in_exactly_the_source_document():

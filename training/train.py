@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -220,6 +221,28 @@ class Curriculum:
         return {"max_docs": self.max_docs, "steps_at_level": self.steps_at_level}
 
 
+def learning_rate(args: argparse.Namespace, step: int) -> float:
+    """Linear warm-up, then constant, then (with ``--decay-start``) a cosine decay to
+    ``--min-lr-ratio`` of the peak over ``--decay-steps`` steps."""
+    lr = args.lr * min(1.0, (step + 1) / args.warmup)
+    if args.decay_start is not None and step >= args.decay_start:
+        progress = min(1.0, (step - args.decay_start) / max(1, args.decay_steps))
+        ratio = args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        lr = args.lr * ratio
+    return lr
+
+
+def parse_kind_weights(text: str) -> dict[str, float]:
+    """``"single=0.5,count=0.5"`` -> ``{"single": 0.5, "count": 0.5}`` (kinds checked)."""
+    weights = {}
+    for item in text.split(","):
+        kind, _, value = item.partition("=")
+        if kind not in world.KINDS:
+            raise SystemExit(f"--kind-weights: unknown kind {kind!r} (known: {', '.join(world.KINDS)})")
+        weights[kind] = float(value)
+    return weights
+
+
 def save(path: str, **payload) -> None:
     tmp = path + ".tmp"
     torch.save(payload, tmp)
@@ -235,6 +258,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--decay-start", type=int, default=None,
+                   help="cosine-decay the learning rate from this step (default: no decay)")
+    p.add_argument("--decay-steps", type=int, default=1000, help="length of the cosine decay")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / --lr after the decay")
+    p.add_argument("--kind-weights", default=",".join(f"{k}={v}" for k, v in KIND_WEIGHTS.items()),
+                   help="question mix, e.g. single=0.5,two_hop=0.2,count=0.15,first_last=0.15")
     p.add_argument("--max-docs", type=int, default=10)
     p.add_argument("--advance-at", type=float, default=0.9)
     p.add_argument("--level-patience", type=int, default=400)
@@ -258,8 +287,12 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     os.makedirs(args.run_dir, exist_ok=True)
-    tok = build_tokenizer()
-    tok.save_pretrained(os.path.join(args.run_dir, "tokenizer"))
+    tok_dir = os.path.join(args.run_dir, "tokenizer")
+    if os.path.isdir(tok_dir):  # a resumed run keeps its token ids, whatever the templates say now
+        tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    else:
+        tok = build_tokenizer()
+        tok.save_pretrained(tok_dir)
     last_path, best_path = (os.path.join(args.run_dir, n) for n in ("last.pt", "best.pt"))
     resume = torch.load(last_path, weights_only=False) if os.path.exists(last_path) else None
 
@@ -278,7 +311,8 @@ def main(argv=None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params={n_params} vocab={len(tok)} resume_step={step} args={vars(args)}", flush=True)
 
-    stream = world.train_stream(args.seed * 10_000 + step, lambda: curriculum.max_docs, KIND_WEIGHTS)
+    stream = world.train_stream(args.seed * 10_000 + step, lambda: curriculum.max_docs,
+                                parse_kind_weights(args.kind_weights))
     valid = world.heldout_examples(16, k_values=(1, 5, 10), world_seed=world.VALID_SEED)
     aux_kinds = set(args.aux_kinds.split(",")) if args.aux_kinds else set()
     metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "a")
@@ -290,7 +324,7 @@ def main(argv=None) -> None:
              curriculum=curriculum.state(), config=config.to_dict(), args=vars(args))
 
     while step < args.max_steps and time.time() - t0 < args.max_minutes * 60:
-        lr = args.lr * min(1.0, (step + 1) / args.warmup)
+        lr = learning_rate(args, step)
         for group in opt.param_groups:
             group["lr"] = lr
         batch = collate([encode(tok, next(stream)) for _ in range(args.batch_size)], tok.pad_token_id)

@@ -9,7 +9,11 @@ templates. Questions come in four kinds, reported separately:
 - ``two_hop``: the answer needs two documents ("the mayor of the city where X was born");
 - ``count``: how many of the shown records share a property (information carried across
   all documents);
-- ``first_last``: which shown record has the earliest / latest year.
+- ``first_last``: which shown record has the earliest / latest year;
+- ``follows``: which record comes right after the record about X in the prompt. The answer is
+  the next document's name; to read it, that name's representation must know the document
+  before it, which (with attention only inside each cached document) travels through the
+  linear layers' state or a seam recomputed in context.
 
 Every name and attribute value is one word drawn from fixed vocabularies (``vocabulary()``),
 so the tokenizer can make each of them a single token. Names are shared across worlds, but
@@ -40,7 +44,7 @@ HELDOUT_SEED = 7
 VALID_SEED = 8
 DEMO_SEED = 2026
 DEMO_SIZES = {"person": 240, "city": 48, "company": 72, "river": 24, "country": 18, "sea": 12}
-KINDS = ("single", "two_hop", "count", "first_last")
+KINDS = ("single", "two_hop", "count", "first_last", "follows")
 YEARS = tuple(str(y) for y in range(1700, 2000))
 
 PROFESSIONS = (
@@ -135,17 +139,17 @@ class Example:
 _DOC_TEMPLATES = {
     "person": (
         "{name} is a {profession} born in {city} in {year}. {name} works for {employer}.",
-        "Born in {city} in {year}, {name} works as a {profession} at {employer}.",
+        "{name} was born in {city} in {year} and works as a {profession} at {employer}.",
         "{name} was born in {year} in {city} and is a {profession} at {employer}.",
     ),
     "city": (
         "{name} is a city in {country} on the {river} river. Its mayor is {mayor}. It was founded in {year}.",
         "The city of {name} lies in {country} on the {river}. Founded in {year}, it has {mayor} as mayor.",
-        "Founded in {year}, {name} is a city of {country} on the {river} river, with mayor {mayor}.",
+        "{name}, founded in {year}, is a city of {country} on the {river} river, with mayor {mayor}.",
     ),
     "company": (
         "{name} is a {industry} company founded in {year} by {founder} and based in {city}.",
-        "Founded by {founder} in {year}, {name} is a {industry} firm based in {city}.",
+        "{name} was founded by {founder} in {year} and is a {industry} firm based in {city}.",
         "{name}, a {industry} company based in {city}, was founded in {year} by {founder}.",
     ),
     "river": (
@@ -196,6 +200,8 @@ _FIRST_LAST = {
     "city_oldest": ("city", min, "Of the cities in the documents, which was founded first?"),
 }
 
+FOLLOWS_QUESTION = "Which record comes right after the record about {name}?"
+
 
 class World:
     """A consistent set of entities and their documents, fully determined by ``seed``.
@@ -244,7 +250,7 @@ class World:
     def example(self, rng: random.Random, kind: str, k: int) -> Example:
         """One question of ``kind`` over ``k`` documents (``k >= 2`` except for ``single``)."""
         make = {"single": self._single, "two_hop": self._two_hop, "count": self._count,
-                "first_last": self._first_last}[kind]
+                "first_last": self._first_last, "follows": self._follows}[kind]
         return make(rng, k)
 
     def _distractors(self, rng, exclude: set[str], n: int) -> list[str]:
@@ -298,6 +304,13 @@ class World:
         answer = chosen[years.index(pick(years))].name
         return self._assemble(rng, "first_last", relation, question, answer,
                               [e.name for e in chosen], [answer], k)
+
+    def _follows(self, rng, k) -> Example:
+        names = rng.sample(sorted(self.docs), k)
+        i = rng.randrange(k - 1)
+        docs = [self.docs[n] for n in names]
+        return Example("follows", "follows", FOLLOWS_QUESTION.format(name=names[i]), names[i + 1], docs,
+                       [(i + 1, names[i + 1])], [docs[i].id, docs[i + 1].id])
 
 
 def _draw(make, reserved: frozenset) -> Entity:
