@@ -13,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from training import world  # noqa: E402
+
 
 def read(path: str) -> tuple[list[dict], list[dict]]:
     """(training rows, validation rows) of a metrics file (10-step averages, evaluations)."""
@@ -33,8 +35,10 @@ def plot(metrics: str, out: str) -> None:
     twin.plot(steps, [r["max_docs"] for r in train], color="gray", linestyle="--", label="curriculum max docs")
     twin.set_ylabel("max documents per prompt")
     ax_loss.legend(loc="upper right")
-    for kind in ("single", "two_hop", "count", "first_last"):
-        ax_em.plot([r["step"] for r in valid], [100 * r["valid"].get(kind, 0) for r in valid], marker=".", label=kind)
+    kinds = [k for k in world.KINDS if any(k in r["valid"] for r in valid)]
+    for kind in kinds:  # a kind added mid-run is plotted from its first evaluation on
+        rows = [r for r in valid if kind in r["valid"]]
+        ax_em.plot([r["step"] for r in rows], [100 * r["valid"][kind] for r in rows], marker=".", label=kind)
     ax_em.set_xlabel("step")
     ax_em.set_ylabel("validation exact match (%), k in {1, 5, 10}")
     ax_em.set_ylim(0, 100)
