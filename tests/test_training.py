@@ -68,3 +68,31 @@ def test_training_resumes_with_its_own_tokenizer(tmp_path):
     assert json.load(open(os.path.join(run, "tokenizer", "tokenizer.json")))["model"]["vocab"] == vocab
     lines = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     assert lines == [] or all("step" in line for line in lines)
+
+
+def test_length_buckets_keep_every_example_and_cut_padding(tok):
+    w, rng = world.World(5), random.Random(0)
+    items = [train.encode(tok, w.example(rng, "single", rng.randint(1, 10))) for _ in range(64)]
+    batches = train.length_buckets(items, 16, random.Random(1))
+    assert sorted(id(e) for b in batches for e in b) == sorted(id(e) for e in items)
+    assert [len(b) for b in batches] == [16] * 4
+
+    def padded(bs):
+        return sum(max(len(e.ids) for e in b) * len(b) for b in bs)
+    assert padded(batches) < padded([items[i:i + 16] for i in range(0, 64, 16)])
+
+
+def test_memory_heads_stay_pinned_through_training(tmp_path):
+    import math
+
+    import torch
+    run = str(tmp_path / "run")
+    train.main(["--run-dir", run, "--hidden", "32", "--layers", "4", "--batch-size", "2", "--max-docs", "2",
+                "--eval-every", "1000", "--ckpt-every", "1", "--kind-weights", "single=1", "--lr", "0.05",
+                "--warmup", "1", "--memory-heads", "0:1,2:0", "--memory-decay", "0.002", "--max-steps", "3"])
+    state = torch.load(os.path.join(run, "last.pt"), weights_only=False)["model"]
+    for layer, head in ((0, 1), (2, 0)):
+        assert state[f"model.layers.{layer}.linear_attn.A_log"][head].item() == pytest.approx(math.log(0.002))
+        assert state[f"model.layers.{layer}.linear_attn.dt_bias"][head].item() == 0.0
+    # the other heads trained as usual (a large learning rate moves them off their init of 1.0)
+    assert state["model.layers.0.linear_attn.dt_bias"][0].item() != 1.0

@@ -36,6 +36,7 @@ import collections
 import json
 import math
 import os
+import random
 import time
 from dataclasses import dataclass
 
@@ -86,6 +87,28 @@ def copy_init(model: Qwen3_5ForCausalLM, aux_layer: int) -> None:
     with torch.no_grad():
         attn.v_proj.weight[kv * d:(kv + 1) * d] = q
         attn.o_proj.weight[:, AUX_HEAD * d:(AUX_HEAD + 1) * d] = q.T
+
+
+def memory_init(model: Qwen3_5ForCausalLM, heads: list[tuple[int, int]], decay: float) -> None:
+    """Pin Gated DeltaNet heads to a slow base decay, so they can hold state across documents.
+
+    For each ``(layer, head)``: ``A_log = log(decay)`` and ``dt_bias = 0``, so the head's
+    per-token log-decay is ``-decay * softplus(a_t)``: slow, unless its input asks it to forget
+    (``a_t`` large). Training calls this after every optimizer step, which keeps the two values
+    fixed. Measured on the step-2700 checkpoint: every head's transition over one ~23-token
+    document had spectral norm < 1e-7, so nothing a document's linear state held reached the
+    next document.
+    """
+    with torch.no_grad():
+        for layer, head in heads:
+            attn = model.model.layers[layer].linear_attn
+            attn.A_log[head] = math.log(decay)
+            attn.dt_bias[head] = 0.0
+
+
+def parse_heads(text: str) -> list[tuple[int, int]]:
+    """``"0:3,1:3"`` -> ``[(0, 3), (1, 3)]``."""
+    return [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item]
 
 
 def build_model(config: Qwen3_5TextConfig, embed_std: float | None = None) -> Qwen3_5ForCausalLM:
@@ -150,6 +173,18 @@ def collate(items: list[Encoded], pad_id: int) -> Batch:
         source[b, e.source_pos] = True
     query = torch.tensor([e.n_prompt - 1 for e in items])
     return Batch(ids, labels, query, source, [e.kind for e in items])
+
+
+def length_buckets(items: list[Encoded], batch_size: int, rng: random.Random) -> list[list[Encoded]]:
+    """Split ``items`` into batches of similar length (less padding), in random order.
+
+    A batch is right-padded to its longest sequence; with 1 to 10 documents per prompt, random
+    batches are ~40% padding. Sorting a pool of several batches by length first removes most of it.
+    """
+    ordered = sorted(items, key=lambda e: len(e.ids))
+    batches = [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
+    rng.shuffle(batches)
+    return batches
 
 
 def answer_scores(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,6 +291,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=192)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--buckets", type=int, default=8,
+                   help="draw this many batches at once and group them by length (1: no grouping)")
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--decay-start", type=int, default=None,
@@ -273,6 +310,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--aux-kinds", default="single")
     p.add_argument("--aux-layer", type=int, default=-1, help="which full-attention layer (-1: last)")
     p.add_argument("--copy-init", action="store_true", help="start the supervised head as a copy head")
+    p.add_argument("--memory-heads", default="",
+                   help="LAYER:HEAD,... Gated DeltaNet heads given a slow fixed decay (memory_init)")
+    p.add_argument("--memory-decay", type=float, default=1e-3, help="exp(A_log) of the memory heads")
     p.add_argument("--aux-until", type=int, default=10**9, help="no aux loss from this step on")
     p.add_argument("--max-steps", type=int, default=10**9)
     p.add_argument("--max-minutes", type=float, default=60.0)
@@ -300,12 +340,14 @@ def main(argv=None) -> None:
     model = build_model(config, None if resume else args.embed_std)
     if args.copy_init and not resume:
         copy_init(model, args.aux_layer)
+    memory_heads = parse_heads(args.memory_heads)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     step, best = 0, -1.0
     if resume:
         model.load_state_dict(resume["model"])
         opt.load_state_dict(resume["optimizer"])
         step, best = resume["step"], resume["best"]
+    memory_init(model, memory_heads, args.memory_decay)
     curriculum = Curriculum(args.max_docs, args.advance_at, args.level_patience,
                             resume["curriculum"] if resume else None)
     n_params = sum(p.numel() for p in model.parameters())
@@ -317,6 +359,7 @@ def main(argv=None) -> None:
     aux_kinds = set(args.aux_kinds.split(",")) if args.aux_kinds else set()
     metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "a")
     t0, window = time.time(), collections.defaultdict(list)
+    pending: list[list[Encoded]] = []
     model.train()
 
     def checkpoint(path):
@@ -327,7 +370,10 @@ def main(argv=None) -> None:
         lr = learning_rate(args, step)
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = collate([encode(tok, next(stream)) for _ in range(args.batch_size)], tok.pad_token_id)
+        if not pending:
+            pending = length_buckets([encode(tok, next(stream)) for _ in range(args.batch_size * args.buckets)],
+                                     args.batch_size, random.Random(step))
+        batch = collate(pending.pop(), tok.pad_token_id)
         use_aux = args.aux_weight > 0 and step < args.aux_until and bool(aux_kinds)
         out = model(input_ids=batch.input_ids, output_attentions=use_aux)
         loss, exact = answer_scores(out.logits, batch.labels)
@@ -336,6 +382,7 @@ def main(argv=None) -> None:
         (loss + args.lm_weight * lm + args.aux_weight * aux * use_aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        memory_init(model, memory_heads, args.memory_decay)
         opt.zero_grad(set_to_none=True)
         step += 1
 
