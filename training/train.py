@@ -18,6 +18,15 @@ attention on the source token, yet its direct contribution ranked the gold token
 init, on the first or the last full-attention layer. With ``--copy-init`` single-hop EM at
 k=1 reached ~30% within 100 steps.
 
+``--memory-heads`` pins chosen Gated DeltaNet heads to a slow base decay (``memory_init``).
+Measured here: without them every linear head forgot a whole document's state within the
+document (spectral norm of its transition over ~23 tokens < 1e-7, step 2700), so lookups in long
+prompts had to bind a value to its entity name through fast-forgetting heads, and nothing reached
+the next document. With head 3 of layers 0-2 pinned from step 2700 on, validation single-hop EM
+at k = 10 was 67% at step 3000, against 46% for the sibling run without them (same data and
+schedule; 48 questions per cell), and those heads kept ~0.93-0.98 of their state across a
+document.
+
 Curriculum: the maximum number of documents per prompt starts at 1 and rises by one (up to
 ``--max-docs``) when single-hop answers in the last ``CURRICULUM_WINDOW`` training examples
 reach ``--advance-at`` accuracy, or after ``--level-patience`` steps at one level.
