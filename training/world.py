@@ -3,7 +3,7 @@
 A *world* (``World(seed)``) holds people, cities, companies and rivers whose attributes refer
 to each other (a person's employer is a company of the same world, a city's mayor is a person
 of the same world, ...). Each entity is written as one short document from one of several
-templates. Questions come in four kinds, reported separately:
+templates. Questions come in five kinds, reported separately:
 
 - ``single``: the answer is an attribute stated in one document;
 - ``two_hop``: the answer needs two documents ("the mayor of the city where X was born");
