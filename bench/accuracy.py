@@ -45,8 +45,8 @@ GROUPS = {"single": "lookup", "two_hop": "lookup", "count": "cross-document", "f
 
 def configs(default_seam: int) -> list[tuple[str, str, int]]:
     """(label, mode, seam) of every configuration, full first."""
-    out = [("full", "full", 0), ("prefix", "prefix", 0), ("pic-naive w=0", "pic-naive", 0),
-           (f"pic-naive w={default_seam}", "pic-naive", default_seam)]
+    out = [("full", "full", 0), ("prefix", "prefix", 0)]
+    out += [(f"pic-naive w={w}", "pic-naive", w) for w in sorted({0, default_seam})]
     out += [(f"hypic w={w}", "hypic", w) for w in SEAMS]
     out.append((f"hypic-whole w={default_seam}", "whole", default_seam))
     return out

@@ -66,8 +66,8 @@ def test_training_resumes_with_its_own_tokenizer(tmp_path):
     assert state["step"] == 3
     assert json.load(open(marker))["model_max_length"] == 12345
     assert json.load(open(os.path.join(run, "tokenizer", "tokenizer.json")))["model"]["vocab"] == vocab
-    lines = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-    assert lines == [] or all("step" in line for line in lines)
+    # the optimizer resumed too: Adam has counted all three steps, not one
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {3}
 
 
 def test_length_buckets_keep_every_example_and_cut_padding(tok):
@@ -96,3 +96,12 @@ def test_memory_heads_stay_pinned_through_training(tmp_path):
         assert state[f"model.layers.{layer}.linear_attn.dt_bias"][head].item() == 0.0
     # the other heads trained as usual (a large learning rate moves them off their init of 1.0)
     assert state["model.layers.0.linear_attn.dt_bias"][0].item() != 1.0
+
+
+def test_memory_heads_must_be_linear_attention_heads(tmp_path):
+    args = ["--run-dir", str(tmp_path / "run"), "--hidden", "32", "--layers", "4", "--max-steps", "1",
+            "--batch-size", "2", "--kind-weights", "single=1"]
+    with pytest.raises(SystemExit, match="--memory-heads: 3:0 is not a head of a linear-attention layer"):
+        train.main(args + ["--memory-heads", "3:0"])
+    with pytest.raises(SystemExit, match="--memory-heads: 0:9"):
+        train.main(args + ["--memory-heads", "0:9"])

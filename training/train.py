@@ -108,6 +108,12 @@ def memory_init(model: Qwen3_5ForCausalLM, heads: list[tuple[int, int]], decay: 
     document had spectral norm < 1e-7, so nothing a document's linear state held reached the
     next document.
     """
+    types = model.config.layer_types
+    for layer, head in heads:
+        if not (0 <= layer < len(types) and types[layer] == "linear_attention"
+                and 0 <= head < model.config.linear_num_value_heads):
+            raise SystemExit(f"--memory-heads: {layer}:{head} is not a head of a linear-attention layer "
+                             f"(layer types: {', '.join(types)})")
     with torch.no_grad():
         for layer, head in heads:
             attn = model.model.layers[layer].linear_attn
