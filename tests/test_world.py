@@ -105,3 +105,24 @@ def test_segments_tokenize_like_the_whole_prompt_and_match_chat_template(tok):
         templated = tok.apply_chat_template(world.chat_messages(ex), tokenize=False, add_generation_prompt=True)
         assert templated == "".join(segments)
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+
+
+def test_train_stream_document_counts():
+    import collections
+    import itertools
+
+    def counts(dist):
+        stream = world.train_stream(3, lambda: 10, {"single": 1.0}, dist)
+        return collections.Counter(len(e.docs) for e in itertools.islice(stream, 3000))
+
+    uniform, linear = counts("uniform"), counts("linear")
+    assert set(uniform) == set(linear) == set(range(1, 11))
+    mean = lambda c: sum(k * n for k, n in c.items()) / sum(c.values())  # noqa: E731
+    assert 5.2 < mean(uniform) < 5.8 and 6.7 < mean(linear) < 7.3  # 5.5 and 7 expected
+    assert linear[10] > 4 * linear[1]  # weight 10 vs 1
+    # the uniform stream is the one earlier runs trained on (randint and choice draw alike)
+    rng = random.Random("train/3")
+    rng.choices(["single"], [1.0])
+    assert len(next(world.train_stream(3, lambda: 10, {"single": 1.0})).docs) == rng.randint(1, 10)
+    with pytest.raises(ValueError, match="docs_dist"):
+        next(world.train_stream(3, lambda: 10, {"single": 1.0}, "zipf"))

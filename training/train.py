@@ -317,6 +317,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kind-weights", default=",".join(f"{k}={v}" for k, v in KIND_WEIGHTS.items()),
                    help="question mix, e.g. single=0.5,two_hop=0.2,count=0.15,first_last=0.15")
     p.add_argument("--max-docs", type=int, default=10)
+    p.add_argument("--docs-dist", choices=world.DOCS_DISTS, default="uniform",
+                   help="documents per prompt: uniform in [1, max_docs], or linear (weight k)")
     p.add_argument("--advance-at", type=float, default=0.9)
     p.add_argument("--level-patience", type=int, default=400)
     p.add_argument("--embed-std", type=float, default=0.1, help="embedding init std (fresh runs)")
@@ -369,7 +371,7 @@ def main(argv=None) -> None:
     print(f"params={n_params} vocab={len(tok)} resume_step={step} args={vars(args)}", flush=True)
 
     stream = world.train_stream(args.seed * 10_000 + step, lambda: curriculum.max_docs,
-                                parse_kind_weights(args.kind_weights))
+                                parse_kind_weights(args.kind_weights), args.docs_dist)
     valid = world.heldout_examples(16, k_values=(1, 5, 10), world_seed=world.VALID_SEED)
     aux_kinds = set(args.aux_kinds.split(",")) if args.aux_kinds else set()
     metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "a")

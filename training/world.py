@@ -355,12 +355,16 @@ def min_docs(kind: str) -> int:
     return 1 if kind in ("single", "count") else 2
 
 
-def train_stream(seed: int, max_docs, kind_weights: dict[str, float]):
+def train_stream(seed: int, max_docs, kind_weights: dict[str, float], docs_dist: str = "uniform"):
     """Endless training examples: a fresh world every 64 examples.
 
     ``max_docs()`` is read before each example (the curriculum may raise it while streaming);
-    k is uniform in [min_docs(kind), max(max_docs(), min_docs(kind))].
+    k is drawn from [min_docs(kind), max(max_docs(), min_docs(kind))]: uniformly, or with
+    ``docs_dist="linear"`` with weight proportional to k (more of the long prompts, where lookup
+    fails; the mean k at max_docs 10 goes from 5.5 to 7).
     """
+    if docs_dist not in DOCS_DISTS:
+        raise ValueError(f"docs_dist must be one of {DOCS_DISTS}, got {docs_dist!r}")
     rng = random.Random(f"train/{seed}")
     kinds, weights = zip(*kind_weights.items())
     world_index = 0
@@ -369,8 +373,12 @@ def train_stream(seed: int, max_docs, kind_weights: dict[str, float]):
         world_index += 1
         for _ in range(64):
             kind = rng.choices(kinds, weights)[0]
-            k = rng.randint(min_docs(kind), max(max_docs(), min_docs(kind)))
+            ks = range(min_docs(kind), max(max_docs(), min_docs(kind)) + 1)
+            k = rng.choice(ks) if docs_dist == "uniform" else rng.choices(ks, weights=ks)[0]
             yield world.example(rng, kind, k)
+
+
+DOCS_DISTS = ("uniform", "linear")
 
 
 # ----------------------------------------------------------------------------- prompt layout
