@@ -355,6 +355,9 @@ def min_docs(kind: str) -> int:
     return 1 if kind in ("single", "count") else 2
 
 
+DOCS_DISTS = ("uniform", "linear")  # how train_stream draws the number of documents
+
+
 def train_stream(seed: int, max_docs, kind_weights: dict[str, float], docs_dist: str = "uniform"):
     """Endless training examples: a fresh world every 64 examples.
 
@@ -376,9 +379,6 @@ def train_stream(seed: int, max_docs, kind_weights: dict[str, float], docs_dist:
             ks = range(min_docs(kind), max(max_docs(), min_docs(kind)) + 1)
             k = rng.choice(ks) if docs_dist == "uniform" else rng.choices(ks, weights=ks)[0]
             yield world.example(rng, kind, k)
-
-
-DOCS_DISTS = ("uniform", "linear")
 
 
 # ----------------------------------------------------------------------------- prompt layout
