@@ -15,7 +15,6 @@ Usage: ``python -m training.diagnose validate var/trainD/last.pt``,
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 
@@ -27,7 +26,7 @@ from training import world
 def validate(paths: list[str], per_cell: int = 48) -> dict[str, dict[str, float]]:
     from transformers import PreTrainedTokenizerFast, Qwen3_5TextConfig
 
-    from training.train import answer_scores, build_model, collate, encode
+    from training.train import build_model, validate as scores
 
     examples = world.heldout_examples(per_cell, k_values=(1, 5, 10), world_seed=world.VALID_SEED, seed=99)
     out = {}
@@ -36,17 +35,8 @@ def validate(paths: list[str], per_cell: int = 48) -> dict[str, dict[str, float]
         tok = PreTrainedTokenizerFast.from_pretrained(os.path.join(os.path.dirname(path), "tokenizer"))
         model = build_model(Qwen3_5TextConfig.from_dict(state["config"]))
         model.load_state_dict(state["model"])
-        model.eval()
-        hits = collections.defaultdict(list)
-        for i in range(0, len(examples), per_cell):
-            chunk = examples[i:i + per_cell]
-            batch = collate([encode(tok, e) for e in chunk], tok.pad_token_id)
-            with torch.no_grad():
-                _, exact = answer_scores(model(input_ids=batch.input_ids).logits, batch.labels)
-            for e, ok in zip(chunk, exact.tolist()):
-                hits[f"{e.kind}/{len(e.docs)}"].append(ok)
-                hits[e.kind].append(ok)
-        out[path] = {"step": state["step"]} | {k: round(sum(v) / len(v), 3) for k, v in sorted(hits.items())}
+        hits = scores(model, tok, examples, batch_size=per_cell)
+        out[path] = {"step": state["step"]} | {k: round(v, 3) for k, v in hits.items()}
     return out
 
 
