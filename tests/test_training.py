@@ -105,3 +105,38 @@ def test_memory_heads_must_be_linear_attention_heads(tmp_path):
         train.main(args + ["--memory-heads", "3:0"])
     with pytest.raises(SystemExit, match="--memory-heads: 0:9"):
         train.main(args + ["--memory-heads", "0:9"])
+
+
+def test_binding_labels_span_each_document_from_its_name_and_the_question_from_its_subject(tok):
+    w, rng = world.World(5), random.Random(0)
+    ex = w.example(rng, "single", 4)
+    enc = train.encode(tok, ex)
+    labels = train.collate([enc], tok.pad_token_id).bind_labels[0].tolist()
+    segments, _ = world.prompt_segments(ex)
+    bounds = [len(tok("".join(segments[:i]), add_special_tokens=False)["input_ids"]) for i in range(len(segments) + 1)]
+    assert set(labels[:bounds[1]]) == {-100}  # the system segment belongs to no entity
+    for i, doc in enumerate(ex.docs):
+        name_id = tok.convert_tokens_to_ids(doc.title)
+        span = labels[bounds[i + 1]:bounds[i + 2]]
+        first = enc.ids[bounds[i + 1]:bounds[i + 2]].index(name_id)
+        assert set(span[:first]) <= {-100} and span[first:] == [name_id] * (len(span) - first)
+    subject = next(d.title for d in ex.docs if d.title in ex.question)
+    question = labels[bounds[-2]:enc.n_prompt]
+    assert question[-1] == tok.convert_tokens_to_ids(subject) and question[0] == -100
+    assert set(labels[enc.n_prompt:]) == {-100}  # nor does the answer
+
+
+def test_binding_probe_trains_resumes_and_stays_out_of_the_model(tmp_path):
+    import torch
+    run = str(tmp_path / "run")
+    common = ["--run-dir", run, "--hidden", "32", "--layers", "4", "--batch-size", "2", "--max-docs", "3",
+              "--eval-every", "1000", "--ckpt-every", "1", "--kind-weights", "single=1", "--bind-weight", "0.5"]
+    train.main(common + ["--max-steps", "2"])
+    first = torch.load(os.path.join(run, "last.pt"), weights_only=False)
+    train.main(common + ["--max-steps", "3"])
+    state = torch.load(os.path.join(run, "last.pt"), weights_only=False)
+    from transformers import Qwen3_5TextConfig
+    fresh = train.build_model(Qwen3_5TextConfig.from_dict(state["config"])).state_dict()
+    assert set(state["model"]) == set(fresh)  # the probe is not part of the model (nor of its export)
+    assert not torch.equal(first["probe"]["proj.weight"], state["probe"]["proj.weight"])  # it trained on
+    assert {int(s["step"]) for s in state["probe_optimizer"]["state"].values()} == {3}  # and resumed
