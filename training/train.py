@@ -273,11 +273,14 @@ class BindingProbe(torch.nn.Module):
         self.proj = torch.nn.Linear(hidden, hidden, bias=False)
 
     def loss(self, hidden: torch.Tensor, embed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy over the entity names that occur in the batch (about 150 with ten
+        documents per prompt), so the loss is about telling the prompt's entities apart."""
         mask = labels != -100
         if not mask.any():
             return hidden.sum() * 0.0
-        logits = self.proj(hidden[mask]) @ embed.detach().T
-        return F.cross_entropy(logits, labels[mask])
+        names, target = torch.unique(labels[mask], return_inverse=True)
+        logits = self.proj(hidden[mask]) @ embed.detach()[names].T
+        return F.cross_entropy(logits, target)
 
 
 @torch.no_grad()
@@ -383,6 +386,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--aux-until", type=int, default=10**9, help="no aux loss from this step on")
     p.add_argument("--bind-weight", type=float, default=0.0,
                    help="weight of the entity-binding probe loss (BindingProbe); 0: off")
+    p.add_argument("--bind-lr", type=float, default=3e-3,
+                   help="the probe's own (constant) learning rate, so it keeps up with the model")
     p.add_argument("--max-steps", type=int, default=10**9)
     p.add_argument("--max-minutes", type=float, default=60.0)
     p.add_argument("--eval-every", type=int, default=200)
@@ -418,10 +423,12 @@ def main(argv=None) -> None:
         step, best = resume["step"], resume["best"]
     memory_init(model, memory_heads, args.memory_decay)
     probe = BindingProbe(config.hidden_size)
-    probe_opt = torch.optim.AdamW(probe.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    probe_opt = torch.optim.AdamW(probe.parameters(), lr=args.bind_lr, weight_decay=0.01, betas=(0.9, 0.98))
     if resume and "probe" in resume:
         probe.load_state_dict(resume["probe"])
         probe_opt.load_state_dict(resume["probe_optimizer"])
+        for group in probe_opt.param_groups:
+            group["lr"] = args.bind_lr
     bind_layer = full_attention_layers(model)[0]  # hidden_states[i] is the input of layer i
     curriculum = Curriculum(args.max_docs, args.advance_at, args.level_patience,
                             resume["curriculum"] if resume else None)
@@ -444,7 +451,7 @@ def main(argv=None) -> None:
 
     while step < args.max_steps and time.time() - t0 < args.max_minutes * 60:
         lr = learning_rate(args, step)
-        for group in [*opt.param_groups, *probe_opt.param_groups]:
+        for group in opt.param_groups:
             group["lr"] = lr
         if not pending:
             pending = length_buckets([encode(tok, next(stream)) for _ in range(args.batch_size * args.buckets)],
