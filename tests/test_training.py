@@ -140,3 +140,17 @@ def test_binding_probe_trains_resumes_and_stays_out_of_the_model(tmp_path):
     assert set(state["model"]) == set(fresh)  # the probe is not part of the model (nor of its export)
     assert not torch.equal(first["probe"]["proj.weight"], state["probe"]["proj.weight"])  # it trained on
     assert {int(s["step"]) for s in state["probe_optimizer"]["state"].values()} == {3}  # and resumed
+
+
+def test_lookup_and_binding_diagnostics_account_for_every_question(tmp_path):
+    from training import diagnose
+    run = str(tmp_path / "run")
+    train.main(["--run-dir", run, "--hidden", "32", "--layers", "4", "--batch-size", "2", "--max-docs", "2",
+                "--eval-every", "1000", "--max-steps", "1", "--kind-weights", "single=1"])
+    ckpt = os.path.join(run, "last.pt")
+    looked = diagnose.lookup(ckpt, k=3, n=6, batch_size=4)
+    assert sum(looked["strongest_attention"].values()) == 6
+    assert sum(int(v.split("/")[1]) for v in looked["per_relation"].values()) == 6
+    bound = diagnose.binding(ckpt, steps=2, k=3, batch_size=2, n_eval=4)
+    assert 0.0 <= bound["probe_accuracy"] <= 1.0 and bound["chance"] == round(1 / 3, 3)
+    assert bound["tokens_scored"] > 4 * 3 * 5  # most of every document's tokens are scored
