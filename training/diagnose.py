@@ -20,7 +20,8 @@ checkpoint with prompts of training worlds (a new one per batch: fitted on one w
 also learns that world's facts, e.g. which person is the only chemist), then scored on the
 validation world: accuracy at
 choosing, among the prompt's ten entity names, the one whose document (or question) the token
-is in; name tokens themselves are left out of the score (their embedding gives them away).
+is in; name tokens themselves are left out of the score (their embedding gives them away). It
+is also reported alone at the last prompt token, where the lookup's query is formed.
 
 Usage: ``python -m training.diagnose validate var/trainD/last.pt``,
 ``python -m training.diagnose memory models/hypic-tiny``,
@@ -121,19 +122,21 @@ def binding(path: str, steps: int = 150, k: int = 10, batch_size: int = 32, n_ev
         logits = torch.einsum("btd,bnd->btn", probe.proj(hidden), embed[names])
         target = (batch.bind_labels.unsqueeze(-1) == names.unsqueeze(1)).float().argmax(-1)
         mask = batch.bind_labels != -100
-        return logits, target, mask, mask & (batch.input_ids != batch.bind_labels)
+        return logits, target, mask, mask & (batch.input_ids != batch.bind_labels), batch.query_pos
 
     rng = random.Random(0)
     for i in range(steps):  # a new training world per batch, so no world's facts can be learnt
-        logits, target, mask, _ = scores(world.World(world.TRAIN_SEED_BASE + i), rng, batch_size)
+        logits, target, mask, _, _ = scores(world.World(world.TRAIN_SEED_BASE + i), rng, batch_size)
         loss = torch.nn.functional.cross_entropy(logits[mask], target[mask])
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
-        logits, target, _, scored = scores(world.World(world.VALID_SEED), random.Random(0), n_eval)
-    accuracy = (logits.argmax(-1) == target)[scored].float().mean().item()
-    return {"step": step, "probe_accuracy": round(accuracy, 3), "chance": round(1 / k, 3),
+        logits, target, _, scored, query = scores(world.World(world.VALID_SEED), random.Random(0), n_eval)
+    right = logits.argmax(-1) == target
+    at_query = right[torch.arange(n_eval), query]  # the last prompt token: where the lookup starts
+    return {"step": step, "probe_accuracy": round(right[scored].float().mean().item(), 3),
+            "at_last_prompt_token": round(at_query.float().mean().item(), 3), "chance": round(1 / k, 3),
             "tokens_scored": int(scored.sum())}
 
 

@@ -272,15 +272,29 @@ class BindingProbe(torch.nn.Module):
         super().__init__()
         self.proj = torch.nn.Linear(hidden, hidden, bias=False)
 
-    def loss(self, hidden: torch.Tensor, embed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, hidden: torch.Tensor, embed: torch.Tensor, labels: torch.Tensor,
+             query_pos: torch.Tensor) -> torch.Tensor:
         """Cross-entropy over the entity names that occur in the batch (about 150 with ten
-        documents per prompt), so the loss is about telling the prompt's entities apart."""
+        documents per prompt), so the loss is about telling the prompt's entities apart: the
+        mean over all labelled tokens plus the mean over the last prompt tokens alone.
+
+        The second term is there because the last prompt token, where the lookup's query is
+        formed, is ~1 token in 40 of the labelled ones: measured with the first term alone (run H,
+        step 6100, ``training.diagnose binding``), the probe read the right entity at 99% of
+        document tokens but at 23% of last prompt tokens (chance 10%).
+        """
         mask = labels != -100
         if not mask.any():
             return hidden.sum() * 0.0
         names, target = torch.unique(labels[mask], return_inverse=True)
         logits = self.proj(hidden[mask]) @ embed.detach()[names].T
-        return F.cross_entropy(logits, target)
+        at_query = torch.zeros_like(mask)
+        at_query[torch.arange(len(query_pos)), query_pos] = True
+        at_query = at_query[mask]
+        loss = F.cross_entropy(logits, target)
+        if at_query.any():
+            loss = loss + F.cross_entropy(logits[at_query], target[at_query])
+        return loss
 
 
 @torch.no_grad()
@@ -463,8 +477,8 @@ def main(argv=None) -> None:
         loss, exact = answer_scores(out.logits, batch.labels)
         aux = aux_attention_loss(out.attentions[args.aux_layer], batch, aux_kinds) if use_aux else torch.zeros(())
         lm = lm_loss(out.logits, batch.input_ids, tok.pad_token_id) if args.lm_weight > 0 else torch.zeros(())
-        bind = (probe.loss(out.hidden_states[bind_layer], model.model.embed_tokens.weight, batch.bind_labels)
-                if use_bind else torch.zeros(()))
+        bind = (probe.loss(out.hidden_states[bind_layer], model.model.embed_tokens.weight, batch.bind_labels,
+                           batch.query_pos) if use_bind else torch.zeros(()))
         (loss + args.lm_weight * lm + args.aux_weight * aux * use_aux + args.bind_weight * bind).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
