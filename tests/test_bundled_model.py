@@ -15,19 +15,18 @@ MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "models", "hypic-tiny"
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL_DIR, "model.safetensors")),
                                 reason="models/hypic-tiny has not been exported yet")
 
-# Thresholds sit below what the committed model (step 5324) scored. The follows questions use
-# 4 documents: measured full 9 of 16 correct, hypic (seam 8) the same answer as full on 16,
-# pic-naive and hypic without a seam 4 correct each (with 5 documents this checkpoint's full
-# prefill got only 4-5 of 12-16, no better than the cached-alone modes, so the check could not
-# tell them apart). A randomly initialised model of the same config scored 0 on the first three
-# (step-1804 measurement).
-MIN_FIXED = 17      # of 20 held-out single-hop questions with one document
-MIN_FOLLOWED = 6    # of 8 questions whose document was edited to a new answer
-MIN_LITERAL = 3     # of 5 hand-written prompts
+# Thresholds sit one below what the committed model (step 7400) scored: 20 of 20 fixed questions,
+# 8 of 8 edited documents followed, 5 of 5 hand-written prompts. The follows questions use
+# 4 documents: measured full 16 of 16 correct, hypic (seam 8) the same answer as full on 16,
+# pic-naive and hypic without a seam 0 correct each (step 5324 had 9, 16, 4 and 4). A randomly
+# initialised model of the same config scored 0 on the first three (step-1804 measurement).
+MIN_FIXED = 19      # of 20 held-out single-hop questions with one document
+MIN_FOLLOWED = 7    # of 8 questions whose document was edited to a new answer
+MIN_LITERAL = 4     # of 5 hand-written prompts
 FOLLOWS_N = 16
 FOLLOWS_K = 4
-MIN_FOLLOWS_FULL = 7
-MAX_FOLLOWS_CACHED_ALONE = 5
+MIN_FOLLOWS_FULL = 14
+MAX_FOLLOWS_CACHED_ALONE = 2
 
 # Hand-written prompts (independent of the generator's sampling): documents, question, answer.
 LITERAL = [
@@ -159,7 +158,7 @@ def test_follows_needs_the_composed_state_or_the_seam(engine):
 
 def test_only_the_memory_heads_carry_state_across_a_document():
     """The committed model's pinned heads (head 3 of linear layers 0-2) keep most of their state
-    over a document; every other linear head forgets it (measured: 0.81-0.82 vs < 1e-9)."""
+    over a document; every other linear head forgets it (measured: 0.77-0.80 vs < 1e-8)."""
     import torch
 
     from training.diagnose import memory

@@ -29,6 +29,10 @@ def plot(metrics: str, out: str) -> None:
     ax_loss.plot(steps, [r["loss"] for r in train], label="answer loss")
     ax_loss.plot(steps, [r["lm"] for r in train], label="next-token loss (whole sequence)", alpha=0.7)
     ax_loss.plot(steps, [r["aux"] for r in train], label="attention-supervision loss", alpha=0.7)
+    bound = [r for r in train if "bind" in r]  # --bind-weight runs only
+    if bound:
+        ax_loss.plot([r["step"] for r in bound], [r["bind"] for r in bound], label="entity-binding probe loss",
+                     alpha=0.7)
     ax_loss.set_yscale("log")
     ax_loss.set_xlabel("step")
     twin = ax_loss.twinx()
