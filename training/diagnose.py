@@ -42,24 +42,8 @@ import torch
 from training import world
 
 
-def validate(paths: list[str], per_cell: int = 48) -> dict[str, dict[str, float]]:
-    from transformers import PreTrainedTokenizerFast, Qwen3_5TextConfig
-
-    from training.train import build_model, validate as scores
-
-    examples = world.heldout_examples(per_cell, k_values=(1, 5, 10), world_seed=world.VALID_SEED, seed=99)
-    out = {}
-    for path in paths:
-        state = torch.load(path, weights_only=False)
-        tok = PreTrainedTokenizerFast.from_pretrained(os.path.join(os.path.dirname(path), "tokenizer"))
-        model = build_model(Qwen3_5TextConfig.from_dict(state["config"]))
-        model.load_state_dict(state["model"])
-        hits = scores(model, tok, examples, batch_size=per_cell)
-        out[path] = {"step": state["step"]} | {k: round(v, 3) for k, v in hits.items()}
-    return out
-
-
 def _load(path: str):
+    """(step, model in eval mode, tokenizer) of a training checkpoint (its run's tokenizer/)."""
     from transformers import PreTrainedTokenizerFast, Qwen3_5TextConfig
 
     from training.train import build_model
@@ -69,6 +53,18 @@ def _load(path: str):
     model = build_model(Qwen3_5TextConfig.from_dict(state["config"]))
     model.load_state_dict(state["model"])
     return state["step"], model.eval(), tok
+
+
+def validate(paths: list[str], per_cell: int = 48) -> dict[str, dict[str, float]]:
+    from training.train import validate as scores
+
+    examples = world.heldout_examples(per_cell, k_values=(1, 5, 10), world_seed=world.VALID_SEED, seed=99)
+    out = {}
+    for path in paths:
+        step, model, tok = _load(path)
+        hits = scores(model, tok, examples, batch_size=per_cell)
+        out[path] = {"step": step} | {k: round(v, 3) for k, v in hits.items()}
+    return out
 
 
 @torch.no_grad()
@@ -88,7 +84,7 @@ def lookup(path: str, k: int = 10, n: int = 128, batch_size: int = 32) -> dict:
         _, exact = answer_scores(out.logits, batch.labels)
         for b, (e, enc, ok) in enumerate(zip(chunk, encoded, exact.tolist())):
             top = out.attentions[0][b, AUX_HEAD, batch.query_pos[b]].argmax().item()
-            entity = next(w.by_name[d.title] for d in e.docs if d.title in e.question)
+            entity = w.by_name[e.docs[e.sources[0][0]].title]  # the answer's document is the subject's
             attr = world._SINGLE[e.relation][1]
             others = {w.by_name[d.title].get(attr) for d in e.docs
                       if d.title != entity.name and w.by_name[d.title].kind == entity.kind}
