@@ -3,8 +3,9 @@
 Request and response shapes follow the OpenAI API, so any OpenAI client works by changing its
 base URL. Supported: stream (chunks, final `finish_reason`, `data: [DONE]`),
 `stream_options.include_usage`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`,
-`seed`, `stop`, `logprobs` / `top_logprobs` (chat) and `logprobs: int` (completions), `n = 1`.
-Cache reuse is reported in `usage.prompt_tokens_details.cached_tokens`.
+`seed`, `stop`, `logprobs` / `top_logprobs` (chat) and `logprobs: int` (completions), `n = 1`,
+and vLLM's sampling extras `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`, `min_tokens`,
+`ignore_eos`. Cache reuse is reported in `usage.prompt_tokens_details.cached_tokens`.
 
 Extra fields: `rag: {top_k, document_ids}` retrieves chunks for the last user message (chat) or
 the prompt (completions) and adds them as segments; `segments: [text, ...]` are cached
@@ -84,6 +85,14 @@ class _Common(BaseModel):
     segments: list[str] | None = None
     mode: str | None = None
     seam: int | None = Field(None, ge=0)
+    # vLLM-compatible sampling extras
+    top_k: int = Field(-1, ge=-1, description="Sample from the k most likely tokens; -1 or 0: all.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False,
+                         description="Drop tokens less likely than min_p times the most likely one.")
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False,
+                                      description="Penalise tokens seen in the prompt or output; 1: off.")
+    min_tokens: int = Field(0, ge=0, description="Tokens generated before EOS may end the output.")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS (until max_tokens or a stop string).")
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -178,7 +187,10 @@ async def _documents(rt: Runtime, body: _Common, query: str) -> list[str]:
 def _generation(rt: Runtime, body: _Common, segments, max_tokens: int, logprobs: bool, top_logprobs: int):
     return pipeline.generation_request(rt, segments, body.mode, body.seam, max_tokens=max_tokens,
                                        temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                       stop=body.stops(), logprobs=logprobs, top_logprobs=top_logprobs)
+                                       stop=body.stops(), logprobs=logprobs, top_logprobs=top_logprobs,
+                                       top_k=max(body.top_k, 0), min_p=body.min_p,
+                                       repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                                       ignore_eos=body.ignore_eos)
 
 
 class _Reply:

@@ -29,7 +29,16 @@ class Mode(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Decoding parameters. temperature == 0 means greedy."""
+    """Decoding parameters. temperature == 0 means greedy.
+
+    top_k == 0 disables top-k. The vLLM-compatible extras: `min_p` drops tokens whose probability
+    is below min_p times the most likely token's (0 = off); `repetition_penalty` divides the
+    positive logits and multiplies the negative logits of every token already in the prompt or
+    the output (1 = off); `min_tokens` forbids EOS until that many tokens are generated;
+    `ignore_eos` never stops at EOS (generation ends on max_tokens, a stop string or the
+    context's end). The engine enforces the last two by passing EOS ids as `banned` to the
+    `Sampler`.
+    """
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -39,6 +48,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -51,6 +64,16 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be >= 0, got {self.top_k!r}")
         if not 0 <= self.top_logprobs <= 20:
             raise InvalidRequestError("top_logprobs", f"must be in [0, 20], got {self.top_logprobs!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise InvalidRequestError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:  # NaN fails too
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise InvalidRequestError("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))

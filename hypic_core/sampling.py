@@ -1,7 +1,9 @@
-"""Token selection: greedy or sampled (temperature, top-k, top-p), with log-probabilities."""
+"""Token selection: greedy or sampled (temperature, top-k, top-p, min-p), with log-probabilities,
+repetition penalty and banned tokens (vLLM semantics)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +19,14 @@ class Choice:
 
 
 class Sampler:
-    """Picks the next token from fp32 logits. Seeded sampling is reproducible."""
+    """Picks the next token from fp32 logits. Seeded sampling is reproducible.
+
+    The logits are processed in vLLM's order: repetition penalty, banned tokens, then (sampling
+    only) temperature, top-k, top-p and min-p; greedy decoding takes the argmax of the penalised,
+    unbanned logits. The reported `logprob` and `top_logprobs` are those of the model's
+    unprocessed distribution. With every extra at its default (no history penalty, nothing
+    banned, min_p 0) the choice is bit-identical to plain temperature / top-k / top-p sampling.
+    """
 
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -27,15 +36,42 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor) -> Choice:
+    def __call__(self, logits: torch.Tensor, history: Sequence[int] = (), banned: Collection[int] = ()) -> Choice:
+        """Choose one token from `logits` (1-D, one entry per vocabulary id).
+
+        `history`: the prompt's token ids followed by the ids generated so far (a sequence of ints
+        or a 1-D integer tensor); with `repetition_penalty != 1` every distinct id in it is
+        penalised once: a positive logit is divided by the penalty, a negative one multiplied.
+        `banned`: ids that must not be chosen at this step (their logits become -inf). The engine,
+        not the sampler, owns the policy: it passes its EOS ids while fewer than `min_tokens`
+        tokens have been generated, and on every step when `ignore_eos` is set. Ids outside the
+        vocabulary are ignored in both. Raises ValueError when every token is banned.
+        """
         logits = logits.float().cpu()
         logprobs = torch.log_softmax(logits, dim=-1)
-        token = self._pick(logits)
+        token = self._pick(self._process(logits, history, banned))
         top: tuple[tuple[int, float], ...] = ()
         if self.params.top_logprobs:
             vals, idx = logprobs.topk(self.params.top_logprobs)
             top = tuple(zip(idx.tolist(), vals.tolist()))
         return Choice(token, float(logprobs[token]), top)
+
+    def _process(self, logits: torch.Tensor, history: Sequence[int], banned: Collection[int]) -> torch.Tensor:
+        """Repetition penalty then banned tokens; out of place (the caller's tensor is never written)."""
+        vocab = logits.numel()
+        penalty = self.params.repetition_penalty
+        if penalty != 1.0 and len(history):
+            ids = _ids(history, vocab)
+            if ids.numel():
+                seen = logits[ids]
+                logits = logits.index_put((ids,), torch.where(seen > 0, seen / penalty, seen * penalty))
+        if len(banned):
+            ids = _ids(banned, vocab)
+            if ids.numel():
+                logits = logits.index_fill(0, ids, float("-inf"))
+                if bool(torch.isneginf(logits).all()):
+                    raise ValueError("every token is banned; nothing can be chosen")
+        return logits
 
     def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
@@ -53,4 +89,17 @@ class Sampler:
             mask[order[keep]] = True
             probs = torch.where(mask, probs, torch.zeros_like(probs))
             probs = probs / probs.sum()
+        if p.min_p > 0.0:  # relative to the most likely token, which top-k / top-p always keep
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            probs = probs / probs.sum()
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def _ids(tokens: Sequence[int] | Collection[int] | torch.Tensor, vocab: int) -> torch.Tensor:
+    """The distinct ids of `tokens` inside [0, vocab), as a long tensor."""
+    if isinstance(tokens, torch.Tensor):
+        ids = tokens.reshape(-1).to(device="cpu", dtype=torch.long)
+    else:
+        ids = torch.as_tensor(tokens if isinstance(tokens, Sequence) else list(tokens), dtype=torch.long)
+    ids = torch.unique(ids)
+    return ids[(ids >= 0) & (ids < vocab)]
