@@ -26,7 +26,7 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from hypic_core.engine import StepEvent
+from hypic_core.sequence import StepOutput
 from hypic_core.errors import InvalidRequestError
 
 from . import pipeline, sse
@@ -248,7 +248,7 @@ class _Reply:
         kind = f"{self.object}.chunk" if self.chat else self.object
         return {"id": self.id, "object": kind, "created": self.created, "model": self.rt.model_name, "choices": choices}
 
-    def _logprobs(self, events: list[StepEvent]) -> dict | None:
+    def _logprobs(self, events: list[StepOutput]) -> dict | None:
         """OpenAI logprobs of the generated tokens in `events` (EOS excluded), or None if not asked."""
         if not self.want_logprobs:
             return None
@@ -267,7 +267,7 @@ class _Reply:
                 "top_logprobs": [{self._token_text(t): lp for t, lp in e.top_logprobs} for e in tokens],
                 "text_offset": offsets}
 
-    def _chat_token(self, event: StepEvent) -> dict:
+    def _chat_token(self, event: StepOutput) -> dict:
         return self._token_entry(event.token_id, event.logprob) | {
             "top_logprobs": [self._token_entry(t, lp) for t, lp in event.top_logprobs]}
 

@@ -66,12 +66,11 @@ def run_demo(settings: Settings, n_docs: int = 3, max_tokens: int = 16, console:
     for label, mode, order in runs:
         req = request(order, mode)
         t = time.perf_counter()
-        prefill = engine.prefill(req)
-        events = iter(engine.generate(req, prefilled=prefill))
-        first = next(events)
+        outputs = iter(engine.generate(req))  # the step loop the gateway runs
+        first = next(outputs)
         ttft = (time.perf_counter() - t) * 1000
-        text = first.text + "".join(e.text for e in events)
-        s = prefill.stats
+        text = first.text + "".join(o.text for o in outputs)
+        s = first.stats
         table.add_row(label, f"{ttft:.0f}", str(s.prompt_tokens), str(s.cached_tokens), str(s.seam_tokens),
                       f"{s.segment_hits}/{s.segment_misses}", text.strip())
     console.print(table)

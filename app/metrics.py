@@ -12,7 +12,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from hypic_core.engine import PrefillStats
+from hypic_core.sequence import PrefillStats
 from hypic_core.store import SegmentStore
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

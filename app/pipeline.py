@@ -15,7 +15,7 @@ import anyio
 from fastapi import Request
 
 from hypic_core.config import GenerationRequest, Mode, SamplingParams
-from hypic_core.engine import StepEvent
+from hypic_core.sequence import StepOutput
 from hypic_core.errors import InvalidRequestError
 from retrieval.errors import DocumentNotFoundError, RetrievalError
 from retrieval.index import SearchHit
@@ -48,15 +48,13 @@ async def retrieve(rt: Runtime, query: str, top_k: int, document_ids: Sequence[s
 
 def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: str | None, seam: int | None,
                        **sampling) -> GenerationRequest:
-    """A validated engine request; `sampling` are `SamplingParams` fields.
-    Raises 400 for max_tokens above `max_new_tokens` and for anything the engine rejects
-    (unknown mode, sampling ranges, a prompt longer than the model's context)."""
+    """An engine request; `sampling` are `SamplingParams` fields. Raises 400 for max_tokens above
+    `max_new_tokens`, an unknown mode and sampling values out of range; what depends on the
+    model (token ids, the prompt's length) is checked once, by the engine, in `start`."""
     if sampling.get("max_tokens", 1) > rt.settings.max_new_tokens:
         raise APIError.invalid("max_tokens", f"must be <= {rt.settings.max_new_tokens}, got {sampling['max_tokens']}")
-    request = GenerationRequest(tuple(segments), Mode.parse(mode or rt.settings.default_mode), seam,
-                                SamplingParams(**sampling))
-    rt.engine.validate(request)
-    return request
+    return GenerationRequest(tuple(segments), Mode.parse(mode or rt.settings.default_mode), seam,
+                             SamplingParams(**sampling))
 
 
 def require_room(rt: Runtime) -> None:
@@ -67,11 +65,14 @@ def require_room(rt: Runtime) -> None:
 
 
 def start(rt: Runtime, request: GenerationRequest, started: float, route: str) -> TokenStream:
-    """Admit `request` to the worker; 429 with Retry-After when the queue is full."""
+    """Admit `request` to the worker; 400 for a request the engine refuses (naming the field),
+    429 with Retry-After when the queue is full."""
     try:
         return rt.worker.submit(rt.engine, request, started, route)
     except QueueFullError as exc:
         raise _queue_full(rt, exc) from None
+    except InvalidRequestError as exc:
+        raise from_engine(exc) from None
 
 
 def _queue_full(rt: Runtime, exc: QueueFullError) -> APIError:
@@ -79,7 +80,7 @@ def _queue_full(rt: Runtime, exc: QueueFullError) -> APIError:
                     headers={"Retry-After": str(rt.settings.retry_after_s)})
 
 
-async def collect(stream: TokenStream, request: Request) -> list[StepEvent]:
+async def collect(stream: TokenStream, request: Request) -> list[StepOutput]:
     """Every event of `stream` (non-streaming responses). If the client disconnects first, the
     generation is aborted at once rather than run to the end for nobody."""
 
@@ -89,7 +90,7 @@ async def collect(stream: TokenStream, request: Request) -> list[StepEvent]:
         stream.abort.abort()
 
     watcher = asyncio.create_task(abort_on_disconnect())
-    events: list[StepEvent] = []
+    events: list[StepOutput] = []
     try:
         async for batch in stream.batches():
             events += batch

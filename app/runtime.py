@@ -103,6 +103,7 @@ class Runtime:
 
                 torch.set_num_threads(self.settings.torch_threads)
             engine = load_engine(self.settings) if self._engine_source is None else _resolve(self._engine_source)
+            engine.set_limits(self.settings.max_running, self.settings.max_step_tokens, self.settings.running_budget_bytes)
             index = load_index(self.settings) if self._index_source is None else _resolve(self._index_source)
             chunker = Chunker(engine.tokenizer)
             corpus = self.settings.corpus_path

@@ -59,7 +59,11 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(1024, ge=1, description="Upper bound on max_tokens of any request.")
 
     # admission and limits
-    max_running: int = Field(4, ge=1, description="Generations decoded concurrently (interleaved token by token).")
+    max_running: int = Field(8, ge=1, description="Generations prefilling or decoding at once; running ones advance in one batched forward per step.")
+    max_step_tokens: int = Field(512, ge=1, description="Model tokens per engine step (decode tokens + a chunk of prefill): "
+                                 "a long prompt is prefilled over several steps so running streams keep producing tokens.")
+    running_budget_bytes: int = Field(4 << 30, ge=1, description="Attention K/V + linear state the running generations may hold; "
+                                      "a request that does not fit waits.")
     max_queue: int = Field(16, ge=0, description="Admitted requests waiting for a running slot; beyond this: 429.")
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and with 503 while loading.")
     max_body_bytes: int = Field(8 << 20, ge=1)

@@ -88,7 +88,8 @@ class EngineConfig:
     """Engine-wide settings.
 
     memory_budget_bytes bounds the in-memory segment store; prefix_budget_bytes bounds the
-    snapshots kept for `prefix` mode.
+    snapshots kept for `prefix` mode; max_running, max_step_tokens and running_budget_bytes
+    bound the scheduler (hypic_core/scheduler.py).
     """
 
     seam: int = DEFAULT_SEAM
@@ -97,14 +98,18 @@ class EngineConfig:
     prefix_budget_bytes: int = 512 << 20
     max_cold_batch_tokens: int = 16384
     model_id: str = "model"
+    max_running: int = 8  # sequences prefilling or decoding at once (one batched decode forward)
+    max_step_tokens: int = 512  # model tokens per engine step: decode tokens + a chunk of prefill
+    running_budget_bytes: int = 4 << 30  # attention K/V + linear state of the running sequences
 
     def __post_init__(self) -> None:
         if self.seam < 0:
             raise InvalidRequestError("seam", f"must be >= 0, got {self.seam}")
         if self.memory_budget_bytes < 0 or self.prefix_budget_bytes < 0:
             raise InvalidRequestError("memory_budget_bytes", "budgets must be >= 0")
-        if self.max_cold_batch_tokens < 1:
-            raise InvalidRequestError("max_cold_batch_tokens", "must be >= 1")
+        for name in ("max_cold_batch_tokens", "max_running", "max_step_tokens", "running_budget_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(name, f"must be >= 1, got {getattr(self, name)}")
         object.__setattr__(self, "default_mode", Mode.parse(self.default_mode))
 
 

@@ -1,22 +1,33 @@
-"""The engine: a request's life from token-id segments to a stream of sampled tokens.
+"""The engine: requests in, a stream of `StepOutput`s out, one `step()` at a time.
 
-1. Validate the request (nothing is computed or cached for a bad one).
-2. Prefill by mode: `full` one forward; `prefix` longest exact snapshot + the rest;
-   `pic-naive` / `hypic`: look up every context segment's canonical entry, compute the
-   misses together in one batch, store them, then stitch (DESIGN section 4).
-3. Run the question, sample, decode token by token on the same cache.
+`add_request` validates a request once and queues it as a `Sequence`; `step()` is
+schedule -> run -> postprocess:
 
-The engine serialises model calls with one lock held per prefill and per decode step, so
-several streaming requests on different threads interleave token by token.
+1. The scheduler picks this step's work: one decode token for every running sequence, and a
+   token budget of prefill work for sequences being admitted or part-way through their prefill.
+2. Prefill work runs by mode (DESIGN sections 4-5): `full` is one forward over the prompt;
+   `prefix` restores the longest exact snapshot and runs the rest; `pic-naive` / `hypic` look
+   up every context segment's canonical entry, compute the misses (of every request in the
+   step together, a segment shared by several requests once), then stitch the seam heads and
+   the question. Every part is cut to the budget, so a long cold prompt spreads over steps.
+3. All running sequences advance in ONE batched decode forward (`DecodeBatch`).
+4. Postprocess samples, detokenizes, applies EOS / stop strings / length limits, and emits one
+   `StepOutput` per sequence that produced a token or ended.
+
+One thread should drive `step()` (the gateway's worker does); `generate()` drives it for a
+caller that has no such thread, and several callers may use it at once. Model calls are
+serialised by the step lock.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -24,63 +35,81 @@ from .adapters import adapter_for
 from .config import EngineConfig, GenerationRequest, Mode
 from .detokenizer import StreamDetokenizer
 from .entry import SegmentEntry
-from .errors import InvalidRequestError, PromptTooLongError, RequestAborted
+from .errors import InvalidRequestError, PromptTooLongError
 from .keys import SegmentKey, model_fingerprint
-from .model_runner import ModelRunner
-from .prefix_cache import PrefixCache, PrefixSnapshot, chain_hashes
+from .model_runner import ModelRunner, PartialEntry
+from .prefix_cache import PrefixCache, chain_hashes
 from .sampling import Sampler
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import AbortHandle, PrefillStats, Sequence, Status, StepOutput
 from .store import MemorySegmentStore, SegmentStore
 
-
-class AbortHandle:
-    """Set from any thread to stop a request; the engine checks it between model calls."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def abort(self) -> None:
-        self._event.set()
-
-    @property
-    def aborted(self) -> bool:
-        return self._event.is_set()
-
-    def check(self) -> None:
-        if self._event.is_set():
-            raise RequestAborted("request aborted")
+__all__ = ["AbortHandle", "Engine", "EntryLookup", "PrefillResult", "PrefillStats", "StepOutput"]
 
 
-@dataclass
-class PrefillStats:
-    mode: str
-    seam: int
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # tokens whose work came from a cache (segment bodies, exact prefixes)
-    seam_tokens: int = 0  # seam-head tokens recomputed in context
-    computed_tokens: int = 0  # tokens run through the model for this request (cold + seams + question)
-    segment_hits: int = 0
-    segment_misses: int = 0
-    timings_ms: dict[str, float] = field(default_factory=dict)
+class EntryLookup(NamedTuple):
+    entries: list[SegmentEntry]
+    hits: list[bool]  # whether each entry came from the store
 
 
 @dataclass
 class PrefillResult:
+    """A finished prefill (the `prefill` helper's result; `generate(prefilled=...)` decodes from it)."""
+
     cache: object
     position: int  # next free position
     logits: torch.Tensor  # first-token logits, fp32
     stats: PrefillStats
 
 
-@dataclass(frozen=True)
-class StepEvent:
-    """One generated token. `text` is the newly safe text (may be empty); the last event has finish_reason."""
+@dataclass(eq=False)
+class ColdWork:
+    """A missing canonical entry being computed, shared by every sequence that needs it."""
 
-    index: int
-    token_id: int | None
-    text: str
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    key: SegmentKey
+    segment: tuple[int, ...]
+    seam: int
+    holders: int = 0  # plans waiting for it
+    part: PartialEntry | None = None  # set when computed piece by piece
+    entry: SegmentEntry | None = None
+
+    @property
+    def left(self) -> int:
+        if self.entry is not None:
+            return 0
+        return self.part.left if self.part is not None else len(self.segment)
+
+
+@dataclass
+class Run:
+    """Tokens to run through all layers at positions start.. on the plan's cache."""
+
+    ids: tuple[int, ...]
+    start: int
+    boundary: bool = False  # the end of a context segment (`prefix`: snapshot the linear states there)
+    done: int = 0
+
+
+@dataclass(eq=False)
+class PrefillPlan:
+    """A sequence's prefill work in progress (engine thread only)."""
+
+    cache: object
+    entries: list[SegmentEntry | None] = field(default_factory=list)  # pic modes, one per context segment
+    cold: list[tuple[ColdWork, list[int]]] = field(default_factory=list)  # pic modes: (work, entry slots)
+    stitch_pending: bool = False
+    runs: deque[Run] = field(default_factory=deque)
+    # prefix mode
+    chain: list[str] = field(default_factory=list)
+    boundaries: list[int] = field(default_factory=list)
+    linear: list = field(default_factory=list)
+    reused: int = 0  # leading segments restored from a snapshot
+    logits: torch.Tensor | None = None
+
+    def tokens_left(self, seq: Sequence) -> int:
+        cold = sum(cw.left for cw, _ in self.cold)
+        stitch = sum(min(seq.seam, len(s)) for s in seq.request.context) + len(seq.request.question) if self.stitch_pending else 0
+        return cold + stitch + sum(len(r.ids) - r.done for r in self.runs)
 
 
 class Engine:
@@ -94,11 +123,15 @@ class Engine:
         self.runner = ModelRunner(model, self.adapter, pad_token_id=pad or 0)
         self.store = store if store is not None else MemorySegmentStore(self.config.memory_budget_bytes)
         self.prefix_cache = PrefixCache(self.config.prefix_budget_bytes)
+        self.scheduler = Scheduler(SchedulerConfig(self.config.max_running, self.config.max_step_tokens,
+                                                   self.config.running_budget_bytes))
         self.model_id = model_id
         self.fingerprint = model_fingerprint(model, model_id, tokenizer)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_ids = _eos_ids(model, tokenizer)
-        self._lock = threading.RLock()
+        self.kv_bytes_per_token, self.state_bytes = self._footprint()
+        self._cold: dict[str, ColdWork] = {}
+        self._lock = threading.RLock()  # one step (one set of model calls) at a time
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, store: SegmentStore | None = None,
@@ -114,7 +147,17 @@ class Engine:
     def max_positions(self) -> int:
         return self.adapter.max_positions
 
-    # --- validation ---------------------------------------------------------------------
+    def _footprint(self) -> tuple[int, int]:
+        """(attention K/V bytes per token, linear conv + state bytes per sequence), measured on one token."""
+        with torch.inference_mode():
+            cache = self.runner.new_cache()
+            self.runner.forward([0], 0, cache)
+            keys, values = self.runner.attention.kv(cache)
+            kv = sum(t.numel() * t.element_size() for t in (*keys, *values))
+            state = sum(t.numel() * t.element_size() for pair in self.runner.linear.rows(cache) for t in pair)
+        return kv, state
+
+    # --- requests -------------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
         """Raise InvalidRequestError / PromptTooLongError for a request the model cannot take."""
         for i, seg in enumerate(request.segments):
@@ -126,162 +169,348 @@ class Engine:
                 "prompt", f"{request.prompt_tokens} tokens; the model's context is {self.max_positions} tokens"
             )
 
-    # --- prefill ------------------------------------------------------------------------
-    def prefill(self, request: GenerationRequest, abort: AbortHandle | None = None) -> PrefillResult:
+    def add_request(self, request: GenerationRequest, abort: AbortHandle | None = None,
+                    prefilled: PrefillResult | None = None, collect: bool = False) -> Sequence:
+        """Validate `request` and queue it; raises InvalidRequestError (naming the field) for a bad one.
+
+        `abort` (optional) stops it from any thread. `prefilled` skips the prefill (the
+        sequence decodes from that cache). `collect` keeps its outputs in `seq.outbox` for
+        callers that drive `step()` themselves.
+        """
         self.validate(request)
         seam = self.config.seam if request.seam is None else request.seam
-        stats = PrefillStats(request.mode.value, seam, prompt_tokens=request.prompt_tokens)
-        t0 = time.perf_counter()
+        max_new = min(request.sampling.max_tokens, self.max_positions - request.prompt_tokens)
+        reserved = (request.prompt_tokens + max_new) * self.kv_bytes_per_token + self.state_bytes
+        seq = Sequence(request, seam, Sampler(request.sampling), StreamDetokenizer(self.tokenizer, request.sampling.stop),
+                       self.eos_ids, max_new, reserved, abort=abort or AbortHandle(), collect=collect)
+        if not self.scheduler.can_ever_fit(seq):
+            raise InvalidRequestError(
+                "max_tokens", f"the prompt ({request.prompt_tokens} tokens) plus max_tokens ({max_new}) need "
+                f"{reserved / 2**20:.1f} MiB of cache; the engine holds at most {self.config.running_budget_bytes / 2**20:.1f} MiB")
+        if prefilled is not None:
+            seq.plan = PrefillPlan(prefilled.cache, logits=prefilled.logits)
+            seq.stats, seq.prefill_left = prefilled.stats, 1
+        self.scheduler.add(seq)
+        return seq
+
+    def set_limits(self, max_running: int, max_step_tokens: int, running_budget_bytes: int) -> None:
+        """Replace the scheduler's limits (a gateway applies its settings to an engine it was given).
+        Call while no request is in the engine."""
+        self.config = dataclasses.replace(self.config, max_running=max_running, max_step_tokens=max_step_tokens,
+                                          running_budget_bytes=running_budget_bytes)
+        self.scheduler.config = SchedulerConfig(max_running, max_step_tokens, running_budget_bytes)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the step ------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one step (see the module docstring); return what it produced, in no particular order."""
         with self._lock, torch.inference_mode():
-            if request.mode is Mode.FULL:
-                cache, pos = self.runner.new_cache(), 0
-                ids = [t for seg in request.segments for t in seg]
-                logits = self.runner.forward(ids, 0, cache, logits=True)
-                stats.computed_tokens = len(ids)
-                pos = len(ids)
-            elif request.mode is Mode.PREFIX:
-                cache, pos = self._prefill_prefix(request, stats, abort)
-                _check(abort)
-                t = time.perf_counter()
-                logits = self.runner.forward(request.question, pos, cache, logits=True)
-                stats.timings_ms["question"] = _ms(t)
-                stats.computed_tokens += len(request.question)
-                pos += len(request.question)
-            else:
-                cache, pos, logits = self._prefill_stitched(request, seam, stats, abort)
-        stats.timings_ms["prefill"] = _ms(t0)
-        return PrefillResult(cache, pos, logits, stats)
+            sched = self.scheduler.schedule()
+            outputs = [self._finish(seq, "abort") for seq in sched.aborted]
+            if sched.prefills:
+                outputs += self._run_prefills(sched.prefills)
+            if sched.decodes:
+                outputs += self._run_decode(sched.decodes)
+            self.runner.batch.sync([s for s in self.runner.batch.keys if not s.finished], {})
+        return outputs
 
-    def segment_entries(self, segments: tuple[tuple[int, ...], ...], seam: int,
-                        stats: PrefillStats | None = None) -> tuple[list[SegmentEntry], list[bool]]:
-        """Canonical entries for `segments` and whether each was a store hit.
-
-        Misses are computed together (batched) and inserted into the store.
-        """
-        keys = [SegmentKey.of(self.fingerprint, seam, s) for s in segments]
-        t = time.perf_counter()
-        found = [self.store.lookup(k, s) for k, s in zip(keys, segments)]
-        hits = [e is not None for e in found]
-        missing: dict[tuple[int, ...], list[int]] = {}
-        for i, e in enumerate(found):
-            if e is None:
-                missing.setdefault(segments[i], []).append(i)  # duplicate segments computed once
-        if stats is not None:
-            stats.timings_ms["lookup"] = _ms(t)
-            stats.segment_hits = len(segments) - sum(len(v) for v in missing.values())
-            stats.segment_misses = len(segments) - stats.segment_hits
-        if missing:
-            t = time.perf_counter()
-            todo = list(missing)
-            with self._lock, torch.inference_mode():
-                computed = self.runner.compute_entries(todo, seam, self.config.max_cold_batch_tokens)
-            for seg, entry in zip(todo, computed):
-                for i in missing[seg]:
-                    found[i] = entry
-                self.store.insert(keys[missing[seg][0]], entry)
-            if stats is not None:
-                stats.timings_ms["cold"] = _ms(t)
-                stats.computed_tokens += sum(len(s) for s in todo)
-        return found, hits  # type: ignore[return-value]
-
-    def _prefill_stitched(self, request: GenerationRequest, seam: int, stats: PrefillStats, abort):
-        entries, hits = self.segment_entries(request.context, seam, stats)
-        stats.cached_tokens = sum(e.body_length for e, hit in zip(entries, hits) if hit)
-        stats.seam_tokens = sum(e.seam for e in entries)
-        stats.computed_tokens += stats.seam_tokens + len(request.question)
-        _check(abort)
-        t = time.perf_counter()
-        cache = self.runner.new_cache()
-        logits = self.runner.stitch(cache, request.context, entries, request.question, compose=request.mode is Mode.HYPIC)
-        stats.timings_ms["stitch"] = _ms(t)
-        return cache, request.prompt_tokens, logits
-
-    def _prefill_prefix(self, request: GenerationRequest, stats: PrefillStats, abort):
-        digests = [SegmentKey.of(self.fingerprint, 0, s).tokens for s in request.context]
-        chain = chain_hashes(digests)
-        t = time.perf_counter()
-        snap, n = self.prefix_cache.longest(chain)
-        cache = self.runner.new_cache()
-        pos = 0
-        if snap is not None:
-            pos = snap.boundaries[n - 1]
-            self._restore(cache, snap, n)
-            stats.cached_tokens = pos
-            stats.segment_hits = n
-        stats.segment_misses = len(request.context) - n
-        boundaries = list(snap.boundaries[:n]) if snap else []
-        linear = list(snap.linear[:n]) if snap else []
-        for seg in request.context[n:]:
-            _check(abort)
-            self.runner.forward(seg, pos, cache)
-            pos += len(seg)
-            stats.computed_tokens += len(seg)
-            boundaries.append(pos)
-            linear.append(self._linear_snapshot(cache))
-        if n < len(request.context):
-            a = self.adapter.attention_layers
-            self.prefix_cache.insert(chain, PrefixSnapshot(
-                tuple(cache.layers[i].keys[0].clone() for i in a),
-                tuple(cache.layers[i].values[0].clone() for i in a),
-                tuple(boundaries), tuple(linear)))
-        stats.timings_ms["stitch"] = _ms(t)
-        return cache, pos
-
-    def _linear_snapshot(self, cache):
-        return tuple(tuple(x.clone() for x in self.adapter.read_linear_state(cache, p))
-                     for p in range(len(self.adapter.linear_layers)))
-
-    def _restore(self, cache, snap: PrefixSnapshot, n: int) -> None:
-        upto = snap.boundaries[n - 1]
-        for j, i in enumerate(self.adapter.attention_layers):
-            cache.update(snap.keys[j][None, :, :upto].clone(), snap.values[j][None, :, :upto].clone(), i)
-        for p, (conv, state) in enumerate(snap.linear[n - 1]):
-            self.adapter.read_linear_state(cache, p)
-            self.adapter.write_linear_state(cache, p, conv, state)
-
-    # --- generation ---------------------------------------------------------------------
     def generate(self, request: GenerationRequest, abort: AbortHandle | None = None,
-                 prefilled: PrefillResult | None = None) -> Iterator[StepEvent]:
-        """Prefill (unless given) and decode, yielding one StepEvent per token; the last has finish_reason.
+                 prefilled: PrefillResult | None = None) -> Iterator[StepOutput]:
+        """Add `request` and drive `step()` until it finishes, yielding its outputs; the last has finish_reason.
 
-        Stops on an EOS token, a stop string, max_tokens, the end of the model's context, or
-        `abort` (finish_reason "abort"). Raises the engine's errors for a bad request before
-        yielding anything.
+        Raises the engine's errors for a bad request before yielding anything. Other requests
+        in the engine advance too (they share the steps). Closing the iterator aborts it.
         """
-        params = request.sampling
-        sampler = Sampler(params)
-        detok = StreamDetokenizer(self.tokenizer, params.stop)
+        seq = self.add_request(request, abort, prefilled, collect=True)
         try:
-            result = prefilled or self.prefill(request, abort)
-        except RequestAborted:
-            yield StepEvent(0, None, "", finish_reason="abort")
-            return
-        cache, pos, logits = result.cache, result.position, result.logits
-        limit = min(params.max_tokens, self.max_positions - pos)
-        for index in range(limit):
-            if abort is not None and abort.aborted:
-                yield StepEvent(index, None, detok.flush(), finish_reason="abort")
-                return
-            choice = sampler(logits)
-            if choice.token_id in self.eos_ids:
-                yield StepEvent(index, choice.token_id, detok.flush(), choice.logprob, choice.top_logprobs, "stop")
-                return
-            text = detok.push(choice.token_id)
-            if detok.stopped:
-                yield StepEvent(index, choice.token_id, text, choice.logprob, choice.top_logprobs, "stop")
-                return
-            if index == limit - 1:
-                yield StepEvent(index, choice.token_id, text + detok.flush(), choice.logprob, choice.top_logprobs, "length")
-                return
-            yield StepEvent(index, choice.token_id, text, choice.logprob, choice.top_logprobs)
-            with self._lock, torch.inference_mode():
-                logits = self.runner.forward([choice.token_id], pos, cache, logits=True)
-            pos += 1
-        yield StepEvent(0, None, detok.flush(), finish_reason="length")
+            while True:
+                if not seq.outbox:
+                    self.step()
+                while seq.outbox:
+                    out = seq.outbox.pop(0)
+                    yield out
+                    if out.finish_reason is not None:
+                        return
+        finally:
+            if not seq.finished:
+                seq.abort.abort()
 
     def generated_tokens(self, request: GenerationRequest) -> list[int]:
         """Every generated token id, EOS excluded (tests, evaluation)."""
         return [e.token_id for e in self.generate(request) if e.token_id is not None and e.token_id not in self.eos_ids]
+
+    def prefill(self, request: GenerationRequest) -> PrefillResult:
+        """Prefill `request` alone, at once, with the same plan code as `step()` (tests, benchmarks)."""
+        self.validate(request)
+        seam = self.config.seam if request.seam is None else request.seam
+        seq = Sequence(request, seam, Sampler(request.sampling), StreamDetokenizer(None), self.eos_ids, 1, 0)
+        with self._lock, torch.inference_mode():
+            seq.first_scheduled = seq.arrival
+            self._plan(seq)
+            while seq.plan.logits is None:
+                budgets = {seq: 1 << 62}
+                self._run_cold(budgets)
+                self._advance(seq, budgets[seq])
+        return PrefillResult(seq.plan.cache, request.prompt_tokens, seq.plan.logits, seq.stats)
+
+    def segment_entries(self, segments: tuple[tuple[int, ...], ...], seam: int,
+                        stats: PrefillStats | None = None) -> EntryLookup:
+        """Canonical entries for `segments` (misses computed together and stored), with hit flags."""
+        keys = [SegmentKey.of(self.fingerprint, seam, s) for s in segments]
+        found = [self.store.lookup(k, s) for k, s in zip(keys, segments)]
+        hits = [e is not None for e in found]
+        todo = list(dict.fromkeys(s for s, e in zip(segments, found) if e is None))
+        if todo:
+            with self._lock, torch.inference_mode():
+                computed = dict(zip(todo, self.runner.compute_entries(todo, seam, self.config.max_cold_batch_tokens)))
+            for i, (k, s) in enumerate(zip(keys, segments)):
+                if found[i] is None:
+                    found[i] = computed[s]
+                    self.store.insert(k, computed[s])
+        return EntryLookup(found, hits)  # type: ignore[arg-type]
+
+    # --- prefill -------------------------------------------------------------------------
+    def _plan(self, seq: Sequence) -> None:
+        """Look up what is cached and lay out the prefill work of `seq`."""
+        request, stats, runner = seq.request, seq.stats, self.runner
+        stats.timings_ms["queue"] = _ms(seq.arrival, seq.first_scheduled)
+        plan = PrefillPlan(runner.new_cache())
+        t = time.perf_counter()
+        if request.mode is Mode.FULL:
+            plan.runs.append(Run(tuple(t for s in request.segments for t in s), 0))
+        elif request.mode is Mode.PREFIX:
+            digests = [SegmentKey.of(self.fingerprint, 0, s).tokens for s in request.context]
+            plan.chain = chain_hashes(digests)
+            snap, n = self.prefix_cache.longest(plan.chain)
+            pos = 0
+            if snap is not None:
+                pos = runner.restore_prefix(plan.cache, snap, n)
+                plan.boundaries, plan.linear = list(snap.boundaries[:n]), list(snap.linear[:n])
+                stats.cached_tokens, stats.segment_hits = pos, n
+            plan.reused = n
+            stats.segment_misses = len(request.context) - n
+            for seg in request.context[n:]:
+                plan.runs.append(Run(seg, pos, boundary=True))
+                pos += len(seg)
+            plan.runs.append(Run(request.question, pos))
+        else:
+            plan.entries = [None] * len(request.context)
+            wanted: dict[str, tuple[ColdWork, list[int]]] = {}
+            for i, seg in enumerate(request.context):
+                key = SegmentKey.of(self.fingerprint, seq.seam, seg)
+                entry = self.store.lookup(key, seg)
+                if entry is not None:
+                    plan.entries[i] = entry
+                    stats.segment_hits += 1
+                    stats.cached_tokens += entry.body_length
+                    continue
+                stats.segment_misses += 1
+                k = key.to_str()
+                if k not in wanted:
+                    cw = self._cold.get(k)
+                    if cw is None:
+                        cw = self._cold[k] = ColdWork(key, seg, seq.seam)
+                    cw.holders += 1
+                    wanted[k] = (cw, [])
+                wanted[k][1].append(i)
+            plan.cold = list(wanted.values())
+            plan.stitch_pending = True
+            stats.seam_tokens = sum(min(seq.seam, len(s)) for s in request.context)
+        stats.timings_ms["lookup"] = _ms(t)
+        seq.plan = plan
+        seq.prefill_left = plan.tokens_left(seq)
+
+    def _run_prefills(self, grants: list[tuple[Sequence, int]]) -> list[StepOutput]:
+        """Spend each granted budget on its sequence's prefill; cold entries of all of them are computed together."""
+        outputs = []
+        budgets: dict[Sequence, int] = {}
+        for seq, grant in grants:
+            try:
+                if seq.plan is None:
+                    self._plan(seq)
+                budgets[seq] = grant
+            except Exception as exc:
+                outputs.append(self._finish(seq, "error", exc))
+        try:
+            self._run_cold(budgets)
+        except Exception as exc:
+            return outputs + [self._finish(seq, "error", exc) for seq in budgets]
+        for seq, budget in budgets.items():
+            try:
+                seq.stats.prefill_steps += 1
+                self._advance(seq, budget)
+                seq.prefill_left = seq.plan.tokens_left(seq)
+                if seq.plan.logits is not None:
+                    outputs.append(self._start_decoding(seq))
+            except Exception as exc:
+                outputs.append(self._finish(seq, "error", exc))
+        return outputs
+
+    def _run_cold(self, budgets: dict[Sequence, int]) -> None:
+        """Compute missing entries within the budgets (mutated): whole segments batched together
+        (per seam width), and one piece of each segment longer than what is left of its budget."""
+        whole: dict[int, list[ColdWork]] = {}
+        chosen: set[int] = set()
+        for seq, budget in budgets.items():
+            for cw, _ in seq.plan.cold:
+                if budget <= 0:
+                    break
+                if cw.entry is not None or id(cw) in chosen:
+                    continue
+                chosen.add(id(cw))
+                if cw.part is None and len(cw.segment) <= budget:
+                    whole.setdefault(cw.seam, []).append(cw)
+                    budget -= len(cw.segment)
+                else:
+                    t = time.perf_counter()
+                    cw.part = cw.part or self.runner.start_entry(cw.segment, cw.seam)
+                    n = min(budget, cw.part.left)
+                    cw.entry = self.runner.advance_entry(cw.part, n)
+                    budget -= n
+                    seq.stats.computed_tokens += n
+                    _add_ms(seq.stats, "cold", t)
+            budgets[seq] = budget
+        for seam, works in whole.items():
+            t = time.perf_counter()
+            entries = self.runner.compute_entries([cw.segment for cw in works], seam, self.config.max_cold_batch_tokens)
+            for cw, entry in zip(works, entries):
+                cw.entry = entry
+            holders = {seq for seq in budgets for cw, _ in seq.plan.cold if cw in works}
+            for seq in holders:
+                seq.stats.computed_tokens += sum(len(cw.segment) for cw, _ in seq.plan.cold if cw in works)
+                _add_ms(seq.stats, "cold", t)
+        for seq in budgets:  # hand finished entries to their plans and the store
+            still = []
+            for cw, slots in seq.plan.cold:
+                if cw.entry is None:
+                    still.append((cw, slots))
+                    continue
+                for i in slots:
+                    seq.plan.entries[i] = cw.entry
+                if self._cold.pop(cw.key.to_str(), None) is cw:
+                    self.store.insert(cw.key, cw.entry)
+            seq.plan.cold = still
+
+    def _advance(self, seq: Sequence, budget: int) -> None:
+        """Run up to `budget` tokens of `seq`'s remaining stitch / runs (cold work is done by `_run_cold`)."""
+        plan, request, runner, stats = seq.plan, seq.request, self.runner, seq.stats
+        if plan.logits is not None or plan.cold or budget <= 0:
+            return
+        if plan.stitch_pending:
+            t = time.perf_counter()
+            seams = stats.seam_tokens
+            head = max(1, min(len(request.question), budget - seams))
+            logits = runner.stitch(plan.cache, request.context, plan.entries, request.question[:head], request.mode)
+            plan.stitch_pending = False
+            stats.computed_tokens += seams + head
+            budget -= seams + head
+            start = request.prompt_tokens - len(request.question) + head
+            if head < len(request.question):
+                plan.runs.append(Run(request.question[head:], start))
+            else:
+                plan.logits = logits
+            _add_ms(stats, "stitch", t)
+        while plan.runs and budget > 0:
+            t = time.perf_counter()
+            run = plan.runs[0]
+            n = min(budget, len(run.ids) - run.done)
+            last = len(plan.runs) == 1 and run.done + n == len(run.ids)
+            logits = runner.forward(run.ids[run.done:run.done + n], run.start + run.done, plan.cache, logits=last)
+            run.done += n
+            budget -= n
+            stats.computed_tokens += n
+            if run.done == len(run.ids):
+                plan.runs.popleft()
+                if run.boundary:
+                    plan.boundaries.append(run.start + len(run.ids))
+                    plan.linear.append(runner.linear_snapshot(plan.cache))
+            if last:
+                plan.logits = logits
+                if request.mode is Mode.PREFIX and plan.reused < len(request.context):
+                    self.prefix_cache.insert(plan.chain, runner.prefix_snapshot(plan.cache, plan.boundaries, plan.linear))
+            _add_ms(stats, "stitch" if request.mode is not Mode.FULL else "forward", t)
+
+    def _start_decoding(self, seq: Sequence) -> StepOutput:
+        """Prefill done: sample the first token; the sequence decodes from the next step."""
+        plan = seq.plan
+        seq.cache, seq.logits, seq.position = plan.cache, plan.logits, seq.request.prompt_tokens
+        seq.plan, seq.status, seq.prefill_left = None, Status.RUNNING, 0
+        if seq.first_scheduled is not None:
+            seq.stats.timings_ms["prefill"] = _ms(seq.first_scheduled)
+        return self._sample(seq, seq.logits)
+
+    # --- decode --------------------------------------------------------------------------
+    def _run_decode(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """Feed every running sequence its last token in one batched forward; sample each."""
+        live = [s for s in seqs if not s.finished]
+        if not live:
+            return []
+        try:
+            if self.adapter.supports_batched_decode:
+                batch = self.runner.batch
+                batch.sync(live, {s: s.cache for s in live if s.cache is not None})
+                for s in live:
+                    s.cache = None  # its rows live in the batch now
+                rows = batch.forward([s.output_ids[-1] for s in batch.keys], [s.position for s in batch.keys])
+                logits = dict(zip(batch.keys, rows))
+            else:
+                logits = {s: self.runner.forward([s.output_ids[-1]], s.position, s.cache, logits=True) for s in live}
+        except Exception as exc:
+            self.runner.batch.sync([], {})
+            return [self._finish(s, "error", exc) for s in live]
+        outputs = []
+        for s in live:
+            s.position += 1
+            outputs.append(self._sample(s, logits[s]))
+        return outputs
+
+    # --- postprocess ---------------------------------------------------------------------
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+        """Pick `seq`'s next token and decide whether it ends here (EOS, stop string, length)."""
+        params = seq.request.sampling
+        history = seq.history if params.repetition_penalty != 1.0 else ()
+        choice = seq.sampler(logits, history, seq.banned_tokens())
+        index = seq.num_generated
+        seq.output_ids.append(choice.token_id)
+        stats = seq.stats if index == 0 else None
+        detok = seq.detokenizer
+        if choice.token_id in seq.eos_ids and not params.ignore_eos:
+            return self._emit(seq, index, choice, detok.flush(), "stop", stats)
+        text = detok.push(choice.token_id)
+        if detok.stopped:
+            return self._emit(seq, index, choice, text, "stop", stats)
+        if seq.num_generated >= seq.max_new_tokens:
+            return self._emit(seq, index, choice, text + detok.flush(), "length", stats)
+        return self._emit(seq, index, choice, text, None, stats)
+
+    def _emit(self, seq: Sequence, index: int, choice, text: str, finish: str | None, stats) -> StepOutput:
+        out = StepOutput(seq.request_id, index, choice.token_id, text, choice.logprob, choice.top_logprobs, finish, stats)
+        if finish is not None:
+            self._release(seq, finish)
+        if seq.collect:
+            seq.outbox.append(out)
+        return out
+
+    def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> StepOutput:
+        """End `seq` without a new token ("abort" or "error")."""
+        out = StepOutput(seq.request_id, seq.num_generated, None, seq.detokenizer.flush(), finish_reason=reason,
+                         stats=seq.stats if seq.num_generated == 0 else None, error=error)
+        self._release(seq, reason)
+        if seq.collect:
+            seq.outbox.append(out)
+        return out
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        if seq.plan is not None:
+            for cw, _ in seq.plan.cold:
+                cw.holders -= 1
+                if cw.holders <= 0 and self._cold.get(cw.key.to_str()) is cw:
+                    del self._cold[cw.key.to_str()]
+        seq.plan = seq.cache = seq.logits = None
+        self.scheduler.finish(seq)
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -295,10 +524,9 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _check(abort: AbortHandle | None) -> None:
-    if abort is not None:
-        abort.check()
+def _ms(t0: float, t1: float | None = None) -> float:
+    return round(((time.perf_counter() if t1 is None else t1) - t0) * 1000.0, 3)
 
 
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000.0, 3)
+def _add_ms(stats: PrefillStats, name: str, t0: float) -> None:
+    stats.timings_ms[name] = round(stats.timings_ms.get(name, 0.0) + _ms(t0), 3)

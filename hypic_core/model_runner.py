@@ -1,4 +1,5 @@
-"""Runs the model: plain forwards on a cache, canonical segment entries, and seam stitching.
+"""Runs the model: plain forwards on a cache, canonical segment entries (whole or piece by piece),
+seam stitching, prefix snapshots, and the batched decode forward.
 
 The runner touches tensors and the transformers cache; it knows nothing of stores, requests
 or queues. Every method expects to be called under `torch.inference_mode()` by the engine.
@@ -6,14 +7,39 @@ or queues. Every method expects to be called under `torch.inference_mode()` by t
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 from transformers import DynamicCache
 
 from .adapters import ModelAdapter
 from .adapters.base import StitchSpan
+from .batch import DecodeBatch
+from .config import Mode
 from .entry import SegmentEntry
+from .layers import AttentionLayers, LinearLayers, LinearRows
+from .operators import LinearOperator
+from .prefix_cache import PrefixSnapshot
+
+
+@dataclass
+class PartialEntry:
+    """A canonical entry being computed piece by piece (chunked prefill of a long cold segment).
+
+    Each piece continues the segment's own cache, so every layer sees exactly the inputs of a
+    one-piece computation; the body operators of the pieces compose exactly (DESIGN section 2).
+    """
+
+    segment: tuple[int, ...]
+    seam: int
+    cache: Any
+    done: int = 0  # tokens computed so far
+    operators: list[LinearOperator] | None = None  # body operators composed so far, one per linear layer
+
+    @property
+    def left(self) -> int:
+        return len(self.segment) - self.done
 
 
 class ModelRunner:
@@ -24,6 +50,9 @@ class ModelRunner:
         self.adapter = adapter
         self.pad_token_id = pad_token_id
         self.device = model.device
+        self.attention = AttentionLayers(adapter)
+        self.linear = LinearLayers(adapter)
+        self.batch = DecodeBatch(model, adapter, self.attention, self.linear)
 
     def new_cache(self) -> DynamicCache:
         return self.adapter.new_cache()
@@ -85,8 +114,7 @@ class ModelRunner:
         adapter = self.adapter
         L = len(segment)
         w = min(seam, L)
-        keys = tuple(cache.layers[i].keys[row, :, w:L].clone() for i in adapter.attention_layers)
-        values = tuple(cache.layers[i].values[row, :, w:L].clone() for i in adapter.attention_layers)
+        keys, values = self.attention.slice(cache, row, w, L)
         ops, tails = (), ()
         if adapter.linear_layers and w < L:
             ops = tuple(adapter.fused_operators(cap, row) if fused else adapter.span_operators(cap, row, w, L))
@@ -105,22 +133,52 @@ class ModelRunner:
             out[i] = self._entry(cache, cap, 0, seg, seam, fused=False)
         return out  # type: ignore[return-value]
 
+    def start_entry(self, segment: tuple[int, ...], seam: int) -> PartialEntry:
+        """Begin computing `segment`'s canonical entry piece by piece (see `advance_entry`)."""
+        return PartialEntry(tuple(segment), min(seam, len(segment)), self.new_cache())
+
+    def advance_entry(self, part: PartialEntry, max_tokens: int) -> SegmentEntry | None:
+        """Run the next (up to) `max_tokens` tokens of `part`; return the entry once the segment is done.
+
+        Equals `compute_entries_reference` of the whole segment up to float rounding: the
+        pieces run on one cache, and their body operators compose exactly.
+        """
+        seg, w = part.segment, part.seam
+        start, end = part.done, min(len(seg), part.done + max(1, max_tokens))
+        ids = torch.tensor([seg[start:end]], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, end, device=self.device)[None]
+        with self.adapter.capture(start, end - start) as cap:
+            self.model.base_model(input_ids=ids, position_ids=pos, cache=part.cache, use_cache=True)
+        part.done = end
+        if len(self.linear) and end > w:
+            ops = self.adapter.span_operators(cap, 0, max(start, w) - start, end - start)  # piece-relative indices
+            part.operators = ops if part.operators is None else [a.then(b) for a, b in zip(part.operators, ops)]
+        if end < len(seg):
+            return None
+        keys, values = self.attention.slice(part.cache, 0, w, len(seg))
+        ops, tails = (), ()
+        if len(self.linear) and w < len(seg):
+            ops = tuple(part.operators)
+            tails = tuple(self.adapter.conv_tail(cap, p, 0, len(seg)) for p in range(len(self.linear)))
+        return SegmentEntry(seg, w, keys, values, ops, tails)
+
     # --- stitching --------------------------------------------------------------------------
     def stitch(self, cache, context: Sequence[tuple[int, ...]], entries: Sequence[SegmentEntry],
-               question: tuple[int, ...], compose: bool = True) -> torch.Tensor:
+               question: tuple[int, ...], mode: Mode = Mode.HYPIC) -> torch.Tensor:
         """Stitched prefill of `context` (with their entries) then `question` on an empty `cache`.
 
         Returns the first-token logits. Uses the fused path (one forward for every seam head
         and the question) when the adapter supports it, else `stitch_sequential`.
         """
         if not self.adapter.supports_fused_stitch:
-            return self.stitch_sequential(cache, context, entries, question, compose)
+            return self.stitch_sequential(cache, context, entries, question, mode)
         adapter = self.adapter
         run_ids: list[int] = []
         run_pos: list[int] = []
         spans: list[StitchSpan] = []
         body_pos: list[torch.Tensor] = []
-        body_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in adapter.attention_layers]
+        body_keys: list[list[torch.Tensor]] = [[] for _ in range(len(self.attention))]
+        body_values: list[list[torch.Tensor]] = [[] for _ in range(len(self.attention))]
         offset = 0
         for seg, entry in zip(context, entries):
             w = entry.seam
@@ -130,55 +188,64 @@ class ModelRunner:
             run_pos += range(offset, offset + w)
             if has_body:
                 body_pos.append(torch.arange(offset + w, offset + len(seg)))
-                for j in range(len(adapter.attention_layers)):
-                    body_kv[j].append((adapter.rotate_keys(entry.keys[j], offset), entry.values[j]))
+                for j in range(len(self.attention)):
+                    body_keys[j].append(adapter.rotate_keys(entry.keys[j], offset))
+                    body_values[j].append(entry.values[j])
             offset += len(seg)
         spans.append(StitchSpan(len(run_ids), len(run_ids) + len(question)))
         run_ids += question
         run_pos += range(offset, offset + len(question))
-        for j, layer in enumerate(adapter.attention_layers):
-            if body_kv[j]:
-                k = torch.cat([k for k, _ in body_kv[j]], dim=1)[None]
-                v = torch.cat([v for _, v in body_kv[j]], dim=1)[None]
-                cache.update(k, v, layer)
-        for p in range(len(adapter.linear_layers)):
-            adapter.read_linear_state(cache, p)  # start every linear layer from a zero state
+        if body_pos:
+            self.attention.append(cache, [torch.cat(ks, dim=1)[None] for ks in body_keys],
+                                  [torch.cat(vs, dim=1)[None] for vs in body_values])
+        self.linear.zero_start(cache)
         qpos = torch.tensor(run_pos)
         kpos = torch.cat([*body_pos, qpos])
         mask = (kpos[None, :] <= qpos[:, None])[None, None].to(self.device)
         ids = torch.tensor([run_ids], dtype=torch.long, device=self.device)
-        with adapter.stitch(spans, compose) as cap:
+        with adapter.stitch(spans, mode is Mode.HYPIC) as cap:
             out = self.model(input_ids=ids, position_ids=qpos[None].to(self.device), cache=cache, use_cache=True,
                              attention_mask=adapter.mask_argument(mask), logits_to_keep=1)
         adapter.finish_stitch(cache, cap)
         return out.logits[0, -1].float()
 
-    def stitch_sequential(self, cache, context, entries, question, compose: bool = True) -> torch.Tensor:
+    def stitch_sequential(self, cache, context, entries, question, mode: Mode = Mode.HYPIC) -> torch.Tensor:
         """Reference stitch: each seam head through all layers, then its body appended; then the question."""
         offset = 0
         for seg, entry in zip(context, entries):
             if entry.seam:
                 self.forward(seg[: entry.seam], offset, cache)
-            self.append_body(cache, entry, offset, compose=compose)
+            self.append_body(cache, entry, offset, mode)
             offset += len(seg)
         return self.forward(question, offset, cache, logits=True)
 
-    def append_body(self, cache: DynamicCache, entry: SegmentEntry, offset: int, compose: bool = True) -> None:
+    def append_body(self, cache: DynamicCache, entry: SegmentEntry, offset: int, mode: Mode = Mode.HYPIC) -> None:
         """Append `entry`'s body after its (already run) seam head, the segment starting at `offset`.
 
         Attention layers get the body K/V rotated from local positions to offset + seam..;
-        linear layers advance S <- T S + E (`compose`), or S <- S + E (pic-naive: the
-        transition is ignored), and shift the segment's conv tail into the conv state.
+        linear layers advance S <- T S + E (hypic), or S <- S + E (pic-naive: the transition
+        is ignored), and shift the segment's conv tail into the conv state.
         """
         if entry.body_length == 0:
             return
-        for j, layer in enumerate(self.adapter.attention_layers):
-            k = self.adapter.rotate_keys(entry.keys[j], offset)[None]
-            cache.update(k, entry.values[j][None], layer)  # creates the layer in lazily built caches
-        for p in range(len(self.adapter.linear_layers)):
-            conv, state = self.adapter.read_linear_state(cache, p)
-            op = entry.operators[p]
-            new_state = op.apply(state) if compose else state.float() + op.end
-            tail = entry.conv_tails[p].to(conv.dtype)
-            new_conv = torch.cat([conv, tail], dim=-1)[:, -conv.shape[-1] :]
-            self.adapter.write_linear_state(cache, p, new_conv, new_state)
+        self.attention.append_body(cache, entry, offset)  # creates the layers in lazily built caches
+        self.linear.append_body(cache, entry, mode)
+
+    # --- exact prefixes (`prefix` mode) -------------------------------------------------------
+    def linear_snapshot(self, cache) -> LinearRows:
+        """Every linear layer's (conv, state), copied: taken at each segment boundary."""
+        return self.linear.snapshot(cache)
+
+    def prefix_snapshot(self, cache, boundaries: Sequence[int], linear: Sequence[LinearRows]) -> PrefixSnapshot:
+        """A snapshot of `cache`'s K/V (row 0, copied) with the linear states taken at `boundaries`."""
+        keys, values = self.attention.kv(cache)
+        return PrefixSnapshot(tuple(k[0].clone() for k in keys), tuple(v[0].clone() for v in values),
+                              tuple(boundaries), tuple(linear))
+
+    def restore_prefix(self, cache, snap: PrefixSnapshot, n: int) -> int:
+        """Load the first `n` segments of `snap` into an empty `cache`; return the next position."""
+        upto = snap.boundaries[n - 1]
+        self.attention.append(cache, [k[None, :, :upto].clone() for k in snap.keys],
+                              [v[None, :, :upto].clone() for v in snap.values])
+        self.linear.restore(cache, snap.linear[n - 1])
+        return upto

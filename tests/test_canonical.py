@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hypic_core.config import Mode
 from hypic_core.engine import Engine
 from hypic_core.testing import tiny_model
 from conftest import random_segments
@@ -59,10 +60,10 @@ def test_fused_stitch_equals_sequential_stitch(family, seam):
     context, question = segs[:-1], segs[-1]
     entries, _ = engine.segment_entries(context, seam)
     with torch.inference_mode():
-        for compose in (True, False):
+        for mode in (Mode.HYPIC, Mode.PIC_NAIVE):
             fused_cache, seq_cache = engine.runner.new_cache(), engine.runner.new_cache()
-            fused = engine.runner.stitch(fused_cache, context, entries, question, compose)
-            seq = engine.runner.stitch_sequential(seq_cache, context, entries, question, compose)
+            fused = engine.runner.stitch(fused_cache, context, entries, question, mode)
+            seq = engine.runner.stitch_sequential(seq_cache, context, entries, question, mode)
             assert maxdiff(seq, fused) <= 1e-5
             # The caches continue identically: decode one more token on each.
             nxt = [int(seq.argmax())]

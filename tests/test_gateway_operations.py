@@ -7,6 +7,8 @@ unless something stops it: a long request that ends early was aborted.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import threading
 import time
@@ -20,7 +22,7 @@ from app.server import create_app
 from app.settings import Settings
 from app.sse import parse
 from app.testing import LiveServer, single_torch_thread, tiny_engine
-from hypic_core.engine import Engine, StepEvent
+from hypic_core.engine import Engine, StepOutput
 from retrieval import HashingEmbedder, VectorIndex
 
 LONG = 1000  # tokens: several seconds of decoding, far longer than any test waits
@@ -230,27 +232,35 @@ def test_api_key_is_enforced_and_cors_preflight_passes(engine, tmp_path):
 
 
 class FailingEngine(Engine):
-    """Prefills, yields one token, then fails as a broken device would."""
+    """Prefills and samples a first token, then every decode forward fails as a broken device would."""
 
-    def generate(self, request, abort=None, prefilled=None):
-        yield StepEvent(0, 7, "partial answer")
-        raise RuntimeError("device lost")
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+        def device_lost(*_args, **_kwargs):
+            raise RuntimeError("device lost")
+
+        self.runner.batch.forward = device_lost
+
+    def _sample(self, seq, logits) -> StepOutput:
+        out = super()._sample(seq, logits)
+        return dataclasses.replace(out, text="partial answer") if out.index == 0 else out
 
 
 def test_engine_failure_mid_stream_ends_with_an_error_event(engine, tmp_path):
     failing = FailingEngine(engine.model, engine.tokenizer, engine.config, model_id="tiny")
     with LiveServer(create_app(settings_for(tmp_path), engine=failing, index=empty_index(tmp_path))) as live:
         live.wait_ready()
-        with httpx.stream("POST", f"{live.url}/query", json={"question": "q", "max_tokens": 5, "stream": True}) as r:
+        with httpx.stream("POST", f"{live.url}/query", json={"question": "q", "max_tokens": 5, "ignore_eos": True, "stream": True}) as r:
             events = list(parse(r.iter_lines()))
         assert [name for name, _ in events][0] == "sources" and events[-1][0] == "error"
         assert [json.loads(data) for name, data in events if name == "delta"] == [{"text": "partial answer"}]
         assert json.loads(events[-1][1])["error"]["type"] == "server_error"
         with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={
-                "model": "tiny", "messages": [{"role": "user", "content": "q"}], "max_tokens": 5, "stream": True}) as r:
+                "model": "tiny", "messages": [{"role": "user", "content": "q"}], "max_tokens": 5, "ignore_eos": True, "stream": True}) as r:
             data = [d for _, d in parse(r.iter_lines())]
         assert data[-1] == "[DONE]" and "error" in json.loads(data[-2])
-        whole = httpx.post(f"{live.url}/query", json={"question": "q", "max_tokens": 5})
+        whole = httpx.post(f"{live.url}/query", json={"question": "q", "max_tokens": 5, "ignore_eos": True})
         assert whole.status_code == 500 and whole.json()["error"]["type"] == "server_error" and whole.headers["x-request-id"]
         assert httpx.get(f"{live.url}/health").status_code == 200
 

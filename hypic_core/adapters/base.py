@@ -223,6 +223,22 @@ class ModelAdapter(ABC):
         layer.conv_states[0][0].copy_(conv)
         layer.recurrent_states[0][0].copy_(state)
 
+    def linear_rows(self, cache, layer_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [B, C, K], recurrent state [B, ...]) of every row of linear layer `layer_pos` (views)."""
+        layer = cache.layers[self.linear_layers[layer_pos]]
+        return layer.conv_states[0], layer.recurrent_states[0]
+
+    def put_linear_rows(self, cache, layer_pos: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        """Initialise linear layer `layer_pos` of a fresh cache with batched `conv` and `state`."""
+        idx = self.linear_layers[layer_pos]
+        cache.update_conv_state(conv, idx, conv_kernel_size=conv.shape[-1])
+        cache.update_recurrent_state(state, idx)
+
+    # Batched decode: all running sequences advance in one forward, their caches stacked as rows
+    # (K/V left-padded under a mask). Families whose forward cannot take that set this False and
+    # decode one sequence per forward.
+    supports_batched_decode = True
+
     # --- attention layers ---------------------------------------------------------------
     def _find_rotary(self) -> tuple[torch.Tensor | None, float]:
         rotary = getattr(self.model.base_model, "rotary_emb", None)

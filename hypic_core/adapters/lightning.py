@@ -115,6 +115,13 @@ class LightningAdapter(ModelAdapter):
     def write_linear_state(self, cache, layer_pos: int, conv: torch.Tensor, state: torch.Tensor) -> None:
         cache.linear_cache[self.linear_layers[layer_pos]][0].copy_(state)
 
+    def linear_rows(self, cache, layer_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        state = cache.linear_cache[self.linear_layers[layer_pos]]
+        return self._no_conv()[None].expand(state.shape[0], -1, -1), state
+
+    def put_linear_rows(self, cache, layer_pos: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        cache.set_linear_cache(self.linear_layers[layer_pos], state.clone())
+
 
 class PositionedMiniMaxCache(modeling_minimax.MiniMaxCache):
     """A MiniMaxCache whose sequence length (default positions, mask sizes) comes from a full-attention layer."""

@@ -1,0 +1,109 @@
+"""One manager per layer kind: every loop over a model's attention or linear layers lives here.
+
+`AttentionLayers` moves K/V in and out of a transformers cache (append, slice, snapshot,
+restore, batch rows); `LinearLayers` does the same for linear layers' conv and recurrent
+states and applies a cached segment's body (S <- T S + E, conv tail shifted in). Both read
+the layer lists and the family-specific state access from the model's adapter, so adding a
+family never touches these loops.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .adapters import ModelAdapter
+from .config import Mode
+from .entry import SegmentEntry
+
+KV = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]  # (keys, values), one tensor per attention layer
+LinearRows = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (conv, state) per linear layer
+
+
+class AttentionLayers:
+    """The full-attention layers of one model. Tensors are [B, H_kv, L, D] unless noted."""
+
+    def __init__(self, adapter: ModelAdapter):
+        self.adapter = adapter
+        self.indices = list(adapter.attention_layers)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def kv(self, cache) -> KV:
+        """Every attention layer's keys and values in `cache` (views, not copies)."""
+        return (tuple(cache.layers[i].keys for i in self.indices), tuple(cache.layers[i].values for i in self.indices))
+
+    def length(self, cache) -> int:
+        """Cached tokens (columns) of the first attention layer; 0 for an empty cache."""
+        layer = cache.layers[self.indices[0]]
+        keys = getattr(layer, "keys", None)
+        return 0 if keys is None or keys.numel() == 0 else int(keys.shape[-2])
+
+    def append(self, cache, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Append K/V columns to every attention layer (creates the layers of a lazily built cache)."""
+        for i, k, v in zip(self.indices, keys, values):
+            cache.update(k, v, i)
+
+    def append_body(self, cache, entry: SegmentEntry, offset: int) -> None:
+        """Append `entry`'s body K/V, keys rotated from local positions to the segment's `offset`."""
+        self.append(cache, [self.adapter.rotate_keys(k, offset)[None] for k in entry.keys],
+                    [v[None] for v in entry.values])
+
+    def slice(self, cache, row: int, start: int, end: int) -> KV:
+        """Copies of row `row`'s columns [start, end), [H_kv, end - start, D] per layer."""
+        keys, values = self.kv(cache)
+        return tuple(k[row, :, start:end].clone() for k in keys), tuple(v[row, :, start:end].clone() for v in values)
+
+
+class LinearLayers:
+    """The linear (recurrent) layers of one model: conv state [C, K] and recurrent state per row."""
+
+    def __init__(self, adapter: ModelAdapter):
+        self.adapter = adapter
+
+    def __len__(self) -> int:
+        return len(self.adapter.linear_layers)
+
+    def zero_start(self, cache) -> None:
+        """Give every linear layer of a fresh cache a zero state (row 0)."""
+        for p in range(len(self)):
+            self.adapter.read_linear_state(cache, p)
+
+    def snapshot(self, cache) -> LinearRows:
+        """Copies of every layer's (conv, state) of row 0."""
+        return tuple(tuple(x.clone() for x in self.adapter.read_linear_state(cache, p)) for p in range(len(self)))
+
+    def restore(self, cache, snap: LinearRows) -> None:
+        """Write a `snapshot` back into row 0 (initialising layers of a fresh cache)."""
+        for p, (conv, state) in enumerate(snap):
+            self.adapter.read_linear_state(cache, p)
+            self.adapter.write_linear_state(cache, p, conv, state)
+
+    def append_body(self, cache, entry: SegmentEntry, mode: Mode) -> None:
+        """Advance every layer over `entry`'s body: S <- T S + E (hypic) or S <- S + E (pic-naive:
+        the transition is ignored); the segment's conv tail is shifted into the conv state."""
+        for p in range(len(self)):
+            conv, state = self.adapter.read_linear_state(cache, p)
+            op = entry.operators[p]
+            new_state = op.apply(state) if mode is Mode.HYPIC else state.float() + op.end
+            tail = entry.conv_tails[p].to(conv.dtype)
+            new_conv = torch.cat([conv, tail], dim=-1)[:, -conv.shape[-1]:]
+            self.adapter.write_linear_state(cache, p, new_conv, new_state)
+
+    def rows(self, cache) -> LinearRows:
+        """Every layer's (conv [B, C, K], state [B, ...]) over all rows (views)."""
+        return tuple(self.adapter.linear_rows(cache, p) for p in range(len(self)))
+
+    def put_rows(self, cache, rows: LinearRows) -> None:
+        """Install batched (conv, state) per layer into a fresh cache."""
+        for p, (conv, state) in enumerate(rows):
+            self.adapter.put_linear_rows(cache, p, conv, state)
+
+
+def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad dim -2 (sequence) of `t` on the left with zeros up to `width` columns."""
+    missing = width - t.shape[-2]
+    return t if missing == 0 else F.pad(t, (0, 0, missing, 0))

@@ -1,0 +1,128 @@
+"""The scheduler: which sequences prefill and which decode in the next engine step.
+
+It holds the waiting queue and the active set (prefilling + running) and never touches a
+tensor. Each step it hands every running sequence one decode token and gives prefill work a
+token budget (`max_step_tokens` minus the decode tokens), first to sequences already part-way
+through their prefill, then to waiting ones in arrival order. A long prefill therefore runs
+over several steps while the running streams keep producing a token per step (chunked
+prefill). Admission is bounded by a count (`max_running`) and by memory: the bytes of
+attention K/V and linear state each sequence can hold at most (`Sequence.reserved_bytes`)
+must fit in `memory_budget_bytes` together; a sequence that does not fit now waits.
+
+Thread-safety: `add` and `abort` may be called from any thread; everything else from the
+engine thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+from .sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int = 8  # sequences prefilling or decoding at once
+    max_step_tokens: int = 512  # tokens of model work per step (decode tokens + prefill chunk)
+    memory_budget_bytes: int = 4 << 30  # K/V + linear state of the active sequences
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_step_tokens", "memory_budget_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """What the engine runs in one step."""
+
+    aborted: list[Sequence]  # to finish with "abort" (never run again)
+    prefills: list[tuple[Sequence, int]]  # (sequence, prefill tokens it may run this step)
+    decodes: list[Sequence]  # running sequences: one token each
+
+    @property
+    def empty(self) -> bool:
+        return not (self.aborted or self.prefills or self.decodes)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.active: list[Sequence] = []  # prefilling or running, in admission order
+        self._lock = threading.Lock()  # guards `waiting` (add runs on other threads)
+
+    # --- any thread ------------------------------------------------------------------------
+    def can_ever_fit(self, seq: Sequence) -> bool:
+        """Whether `seq` fits the memory budget on its own (else it would wait forever)."""
+        return seq.reserved_bytes <= self.config.memory_budget_bytes
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq` (status WAITING) for admission."""
+        with self._lock:
+            self.waiting.append(seq)
+
+    def __len__(self) -> int:
+        """Sequences not finished: waiting or active."""
+        with self._lock:
+            return len(self.waiting) + len(self.active)
+
+    def has_work(self) -> bool:
+        return len(self) > 0
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self.waiting)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active)
+
+    # --- engine thread ---------------------------------------------------------------------
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(s.reserved_bytes for s in self.active)
+
+    def schedule(self) -> ScheduledStep:
+        """Pick this step's work (see the module docstring). Aborted sequences leave every queue."""
+        cfg = self.config
+        with self._lock:
+            aborted = [s for s in (*self.waiting, *self.active) if s.abort.aborted]
+            for s in aborted:
+                self._remove(s)
+            decodes = [s for s in self.active if s.status is Status.RUNNING]
+            budget = cfg.max_step_tokens - len(decodes) if decodes else cfg.max_step_tokens
+            prefills: list[tuple[Sequence, int]] = []
+            for s in self.active:
+                if s.status is Status.PREFILLING and budget > 0:
+                    grant = min(max(s.prefill_left, 1), budget)
+                    prefills.append((s, grant))
+                    budget -= grant
+            reserved = self.reserved_bytes
+            while self.waiting and budget > 0 and len(self.active) < cfg.max_running:
+                s = self.waiting[0]
+                if reserved + s.reserved_bytes > cfg.memory_budget_bytes:
+                    break  # first come, first served: later arrivals do not overtake it
+                self.waiting.popleft()
+                self.active.append(s)
+                reserved += s.reserved_bytes
+                s.status, s.first_scheduled = Status.PREFILLING, time.perf_counter()
+                grant = min(max(s.prefill_left, 1), budget)
+                prefills.append((s, grant))
+                budget -= grant
+        return ScheduledStep(aborted, prefills, decodes)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished sequence (it frees its slot and memory)."""
+        with self._lock:
+            self._remove(seq)
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq in self.active:
+            self.active.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

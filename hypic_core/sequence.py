@@ -1,0 +1,139 @@
+"""One request's whole life in the engine: a `Sequence`, and what each engine step says of it.
+
+A sequence is created by `Engine.add_request` (validated once, there), waits in the scheduler,
+prefills over one or more steps (its `plan` holds the runner's work in progress), joins the
+decode batch, and finishes with a reason. The engine thread owns every field except `abort`,
+which any thread may set; the engine notices it at the start of the next step.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import GenerationRequest, Mode
+from .detokenizer import StreamDetokenizer
+from .sampling import Sampler
+
+_ids = itertools.count()
+
+
+class AbortHandle:
+    """Set from any thread to stop a request; the engine checks it at the start of every step."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def abort(self) -> None:
+        self._event.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self._event.is_set()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # admitted, not yet scheduled
+    PREFILLING = "prefilling"  # its prompt is being computed, possibly over several steps
+    RUNNING = "running"  # decoding one token per step
+    FINISHED = "finished"
+
+
+@dataclass
+class PrefillStats:
+    """How a request's prompt was computed. Token counts do not overlap except where noted."""
+
+    mode: str
+    seam: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # tokens whose work came from a cache (segment bodies, exact prefixes)
+    seam_tokens: int = 0  # seam-head tokens recomputed in context
+    computed_tokens: int = 0  # tokens run through the model for this request (cold + seams + question)
+    segment_hits: int = 0
+    segment_misses: int = 0
+    prefill_steps: int = 0  # engine steps the prefill was spread over (chunked prefill)
+    timings_ms: dict[str, float] = field(default_factory=dict)  # queue, lookup, cold, stitch, prefill
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One generated token of one sequence, or its end. The engine's only output type.
+
+    `text` is the newly safe text (may be empty). The last output of a sequence has
+    `finish_reason` ("stop", "length", "abort" or "error", with `error` set); `token_id` is None
+    when the sequence ended without producing a token in that step. The first output of a
+    sequence carries its `stats`.
+    """
+
+    request_id: str
+    index: int
+    token_id: int | None
+    text: str
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: str | None = None
+    stats: PrefillStats | None = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)  # compared by identity
+class Sequence:
+    """Everything about one request. Created by `Engine.add_request`."""
+
+    request: GenerationRequest
+    seam: int
+    sampler: Sampler
+    detokenizer: StreamDetokenizer
+    eos_ids: frozenset[int]
+    max_new_tokens: int  # max_tokens, capped by what is left of the model's context
+    reserved_bytes: int  # attention K/V + linear state this sequence holds at most (scheduler's memory budget)
+    abort: AbortHandle = field(default_factory=AbortHandle)
+    request_id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
+    status: Status = Status.WAITING
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    stats: PrefillStats | None = None
+    prefill_left: int = 0  # tokens of prefill work still to run (an upper bound until planned)
+    plan: Any = None  # the engine's prefill work in progress (hypic_core.engine.PrefillPlan)
+    cache: Any = None  # the sequence's own cache between prefill and joining the decode batch
+    logits: torch.Tensor | None = None  # next-token logits waiting to be sampled
+    position: int = 0  # position of the next token fed to the model
+    output_ids: list[int] = field(default_factory=list)  # generated tokens, EOS included
+    finish_reason: str | None = None
+    collect: bool = False  # keep outputs in `outbox` (callers that drive the engine themselves)
+    outbox: list[StepOutput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stats = PrefillStats(self.request.mode.value, self.seam, prompt_tokens=self.request.prompt_tokens)
+        self.prefill_left = self.request.prompt_tokens
+
+    @property
+    def mode(self) -> Mode:
+        return self.request.mode
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def history(self) -> list[int]:
+        """Prompt and generated token ids (what a repetition penalty looks at)."""
+        return [t for seg in self.request.segments for t in seg] + self.output_ids
+
+    def banned_tokens(self) -> frozenset[int]:
+        """Token ids the sampler must not pick now: EOS until `min_tokens` are generated, and always
+        with `ignore_eos` (the sequence then ends only at a stop string or a length limit)."""
+        params = self.request.sampling
+        if params.ignore_eos or self.num_generated < params.min_tokens:
+            return self.eos_ids
+        return frozenset()
