@@ -207,7 +207,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one step (see the module docstring); return what it produced, in no particular order."""
         with self._lock, torch.inference_mode():
-            sched = self.scheduler.schedule()
+            sched = self.scheduler.schedule(prepare=self._prepare)
             outputs = [self._finish(seq, "abort") for seq in sched.aborted]
             if sched.prefills:
                 outputs += self._run_prefills(sched.prefills)
@@ -322,17 +322,24 @@ class Engine:
         seq.plan = plan
         seq.prefill_left = plan.tokens_left(seq)
 
+    def _prepare(self, seq: Sequence) -> None:
+        """Plan `seq` as the scheduler admits it (a failure ends it with "error" in this step)."""
+        if seq.plan is not None:
+            return
+        try:
+            self._plan(seq)
+        except Exception as exc:
+            seq.error, seq.prefill_left = exc, 0
+
     def _run_prefills(self, grants: list[tuple[Sequence, int]]) -> list[StepOutput]:
         """Spend each granted budget on its sequence's prefill; cold entries of all of them are computed together."""
         outputs = []
         budgets: dict[Sequence, int] = {}
         for seq, grant in grants:
-            try:
-                if seq.plan is None:
-                    self._plan(seq)
+            if seq.error is not None:
+                outputs.append(self._finish(seq, "error", seq.error))
+            else:
                 budgets[seq] = grant
-            except Exception as exc:
-                outputs.append(self._finish(seq, "error", exc))
         try:
             self._run_cold(budgets)
         except Exception as exc:

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from .lru import ByteLRU
+
+
+class PrefixMatch(NamedTuple):
+    snapshot: "PrefixSnapshot | None"
+    segments: int  # leading segments the snapshot covers (0: no match)
 
 
 @dataclass(frozen=True)
@@ -38,43 +45,35 @@ def chain_hashes(segment_digests: list[str]) -> list[str]:
 
 
 class PrefixCache:
-    """LRU of snapshots under a byte budget, indexed by every boundary's chain hash. Thread-safe."""
+    """A `ByteLRU` of snapshots, indexed by every boundary's chain hash. Thread-safe."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
-        self._snaps: OrderedDict[int, tuple[PrefixSnapshot, list[str]]] = OrderedDict()
+        self._snaps: ByteLRU[int, PrefixSnapshot] = ByteLRU(budget_bytes)
+        self._chains: dict[int, list[str]] = {}
         self._index: dict[str, tuple[int, int]] = {}
-        self._bytes = 0
         self._next = 0
         self._lock = threading.Lock()
 
-    def longest(self, chain: list[str]) -> tuple[PrefixSnapshot | None, int]:
-        """(snapshot, j): the snapshot holding the longest matching run of j leading segments."""
+    def longest(self, chain: list[str]) -> PrefixMatch:
+        """The snapshot holding the longest matching run of leading segments (`segments` 0: none)."""
         with self._lock:
             for j in range(len(chain), 0, -1):
                 hit = self._index.get(chain[j - 1])
                 if hit is not None:
                     sid, n = hit
-                    self._snaps.move_to_end(sid)
-                    return self._snaps[sid][0], n
-            return None, 0
+                    return PrefixMatch(self._snaps.get(sid), n)
+            return PrefixMatch(None, 0)
 
     def insert(self, chain: list[str], snap: PrefixSnapshot) -> None:
-        size = snap.nbytes
         with self._lock:
-            if size > self.budget_bytes or not chain:
+            if snap.nbytes > self.budget_bytes or not chain:
                 return
-            while self._bytes + size > self.budget_bytes and self._snaps:
-                self._drop(next(iter(self._snaps)))
             sid, self._next = self._next, self._next + 1
-            self._snaps[sid] = (snap, chain)
-            self._bytes += size
+            self._chains[sid] = chain
             for j, h in enumerate(chain, start=1):
                 self._index[h] = (sid, j)
-
-    def _drop(self, sid: int) -> None:
-        snap, chain = self._snaps.pop(sid)
-        self._bytes -= snap.nbytes
-        for h in chain:
-            if self._index.get(h, (None,))[0] == sid:
-                del self._index[h]
+            for old, _ in self._snaps.put(sid, snap):
+                for h in self._chains.pop(old):
+                    if self._index.get(h, (None,))[0] == old:
+                        del self._index[h]

@@ -19,6 +19,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from .sequence import Sequence, Status
 
@@ -87,8 +88,13 @@ class Scheduler:
     def reserved_bytes(self) -> int:
         return sum(s.reserved_bytes for s in self.active)
 
-    def schedule(self) -> ScheduledStep:
-        """Pick this step's work (see the module docstring). Aborted sequences leave every queue."""
+    def schedule(self, prepare: Callable[[Sequence], None] | None = None) -> ScheduledStep:
+        """Pick this step's work (see the module docstring). Aborted sequences leave every queue.
+
+        `prepare(seq)` is called on each sequence as it is admitted, before its budget is
+        decided: the engine looks up its cached work there, which sets `seq.prefill_left` to
+        the tokens it really has to run (a warm request needs a small part of its prompt).
+        """
         cfg = self.config
         with self._lock:
             aborted = [s for s in (*self.waiting, *self.active) if s.abort.aborted]
@@ -111,6 +117,8 @@ class Scheduler:
                 self.active.append(s)
                 reserved += s.reserved_bytes
                 s.status, s.first_scheduled = Status.PREFILLING, time.perf_counter()
+                if prepare is not None:
+                    prepare(s)
                 grant = min(max(s.prefill_left, 1), budget)
                 prefills.append((s, grant))
                 budget -= grant

@@ -106,6 +106,7 @@ class Sequence:
     position: int = 0  # position of the next token fed to the model
     output_ids: list[int] = field(default_factory=list)  # generated tokens, EOS included
     finish_reason: str | None = None
+    error: BaseException | None = None  # why its prefill could not be planned
     collect: bool = False  # keep outputs in `outbox` (callers that drive the engine themselves)
     outbox: list[StepOutput] = field(default_factory=list)
 

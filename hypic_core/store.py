@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .entry import SegmentEntry
 from .keys import SegmentKey
+from .lru import ByteLRU
 
 
 @dataclass
@@ -58,61 +58,47 @@ class SegmentStore(ABC):
 
 
 class MemorySegmentStore(SegmentStore):
-    """LRU under a byte budget, holding entries on whatever device they were inserted on."""
+    """A `ByteLRU` of entries on whatever device they were inserted on."""
 
     def __init__(self, budget_bytes: int, tier: str = "memory"):
         self.budget_bytes = budget_bytes
         self.tier = tier
-        self._entries: OrderedDict[str, SegmentEntry] = OrderedDict()
-        self._bytes = 0
+        self._lru: ByteLRU[str, SegmentEntry] = ByteLRU(budget_bytes)
         self._lock = threading.Lock()
         self._stats = StoreStats(hits={tier: 0}, bytes={tier: 0})
 
     def lookup(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None:
         k = key.to_str()
         with self._lock:
-            entry = self._entries.get(k)
+            entry = self._lru.get(k)
             if entry is None:
                 self._stats.misses += 1
                 return None
             if entry.token_ids != tuple(token_ids):  # hash collision or foreign entry
-                self._drop(k)
+                self._lru.pop(k)
                 self._stats.corrupt += 1
                 self._stats.misses += 1
+                self._stats.bytes[self.tier] = self._lru.nbytes
                 return None
-            self._entries.move_to_end(k)
             self._stats.hits[self.tier] += 1
             return entry
 
     def insert(self, key: SegmentKey, entry: SegmentEntry) -> None:
-        k, size = key.to_str(), entry.nbytes
         with self._lock:
-            if k in self._entries:
-                self._drop(k)
-            if size > self.budget_bytes:
-                return
-            while self._bytes + size > self.budget_bytes and self._entries:
-                self._drop(next(iter(self._entries)))
-                self._stats.evictions += 1
-            self._entries[k] = entry
-            self._bytes += size
-            self._stats.bytes[self.tier] = self._bytes
+            k = key.to_str()
+            self._stats.evictions += sum(1 for k2, _ in self._lru.put(k, entry) if k2 != k)  # not itself (too big)
+            self._stats.bytes[self.tier] = self._lru.nbytes
 
     def evict(self, key: SegmentKey) -> None:
         with self._lock:
-            self._drop(key.to_str())
-
-    def _drop(self, k: str) -> None:
-        entry = self._entries.pop(k, None)
-        if entry is not None:
-            self._bytes -= entry.nbytes
-            self._stats.bytes[self.tier] = self._bytes
+            self._lru.pop(key.to_str())
+            self._stats.bytes[self.tier] = self._lru.nbytes
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
 
     def __contains__(self, key: SegmentKey) -> bool:
-        return key.to_str() in self._entries
+        return key.to_str() in self._lru
 
     def stats(self) -> StoreStats:
         with self._lock:

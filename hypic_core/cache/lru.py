@@ -1,13 +1,13 @@
-"""One memory tier: entries on one device, least-recently-used under a byte budget."""
+"""One memory tier: entries on one device, least-recently-used under a byte budget (`ByteLRU`)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from ..entry import SegmentEntry
+from ..lru import ByteLRU
 
 
 @dataclass(frozen=True)
@@ -24,55 +24,17 @@ class MemoryTier:
         object.__setattr__(self, "device", torch.device(self.device))
 
 
-class LRUTier:
-    """An ordered map str -> SegmentEntry within `spec.budget_bytes`. Not thread-safe: the
-    owning store serialises every call."""
+class LRUTier(ByteLRU[str, SegmentEntry]):
+    """A `ByteLRU` of entries kept on `spec.device` within `spec.budget_bytes`. Not thread-safe:
+    the owning store serialises every call."""
 
     def __init__(self, spec: MemoryTier):
+        super().__init__(spec.budget_bytes)
         self.spec = spec
-        self._entries: OrderedDict[str, SegmentEntry] = OrderedDict()
-        self.nbytes = 0
-
-    def get(self, key: str) -> SegmentEntry | None:
-        """The entry (now most recently used), or None."""
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
-
-    def peek(self, key: str) -> SegmentEntry | None:
-        """The entry without touching its recency, or None."""
-        return self._entries.get(key)
 
     def put(self, key: str, entry: SegmentEntry) -> list[tuple[str, SegmentEntry]]:
-        """Hold `entry` (moved to this tier's device); return what left to stay in budget.
-
-        The returned list holds least-recently-used entries pushed out, or `entry` itself when
-        it alone exceeds the budget. A previous entry under `key` is replaced.
-        """
-        self.pop(key)
-        if entry.nbytes > self.spec.budget_bytes:
+        """Hold `entry` moved to this tier's device; return what left to stay in budget (see `ByteLRU.put`)."""
+        if entry.nbytes > self.budget_bytes:
+            self.pop(key)
             return [(key, entry)]
-        out = []
-        while self.nbytes + entry.nbytes > self.spec.budget_bytes:
-            out.append(self._pop_oldest())
-        self._entries[key] = entry.to(self.spec.device)
-        self.nbytes += entry.nbytes
-        return out
-
-    def pop(self, key: str) -> SegmentEntry | None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.nbytes -= entry.nbytes
-        return entry
-
-    def _pop_oldest(self) -> tuple[str, SegmentEntry]:
-        key, entry = self._entries.popitem(last=False)
-        self.nbytes -= entry.nbytes
-        return key, entry
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        return super().put(key, entry.to(self.spec.device))
