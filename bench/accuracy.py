@@ -66,7 +66,7 @@ def prefill_whole_semantics(engine: Engine, segs, seam: int):
         cache, pos = runner.new_cache(), 0
         for seg, entry in zip(context, whole):
             w = min(seam, len(seg))
-            before = [tuple(x.clone() for x in adapter.read_linear_state(cache, p)) for p in range(len(adapter.linear_layers))]
+            before = [tuple(x.clone() for x in adapter.linear_state_or_zero(cache, p)) for p in range(len(adapter.linear_layers))]
             if w:
                 runner.forward(seg[:w], pos, cache)
             for j, layer in enumerate(adapter.attention_layers):

@@ -70,23 +70,23 @@ class LinearLayers:
     def zero_start(self, cache) -> None:
         """Give every linear layer of a fresh cache a zero state (row 0)."""
         for p in range(len(self)):
-            self.adapter.read_linear_state(cache, p)
+            self.adapter.linear_state_or_zero(cache, p)
 
     def snapshot(self, cache) -> LinearRows:
         """Copies of every layer's (conv, state) of row 0."""
-        return tuple(tuple(x.clone() for x in self.adapter.read_linear_state(cache, p)) for p in range(len(self)))
+        return tuple(tuple(x.clone() for x in self.adapter.linear_state_or_zero(cache, p)) for p in range(len(self)))
 
     def restore(self, cache, snap: LinearRows) -> None:
         """Write a `snapshot` back into row 0 (initialising layers of a fresh cache)."""
         for p, (conv, state) in enumerate(snap):
-            self.adapter.read_linear_state(cache, p)
+            self.adapter.linear_state_or_zero(cache, p)
             self.adapter.write_linear_state(cache, p, conv, state)
 
     def append_body(self, cache, entry: SegmentEntry, mode: Mode) -> None:
         """Advance every layer over `entry`'s body: S <- T S + E (hypic) or S <- S + E (pic-naive:
         the transition is ignored); the segment's conv tail is shifted into the conv state."""
         for p in range(len(self)):
-            conv, state = self.adapter.read_linear_state(cache, p)
+            conv, state = self.adapter.linear_state_or_zero(cache, p)
             op = entry.operators[p]
             new_state = op.apply(state) if mode is Mode.HYPIC else state.float() + op.end
             tail = entry.conv_tails[p].to(conv.dtype)

@@ -203,7 +203,7 @@ class ModelRunner:
         kpos = torch.cat([*body_pos, qpos])
         mask = (kpos[None, :] <= qpos[:, None])[None, None].to(self.device)
         ids = torch.tensor([run_ids], dtype=torch.long, device=self.device)
-        with adapter.stitch(spans, mode is Mode.HYPIC) as cap:
+        with adapter.stitch(spans, mode) as cap:
             out = self.model(input_ids=ids, position_ids=qpos[None].to(self.device), cache=cache, use_cache=True,
                              attention_mask=adapter.mask_argument(mask), logits_to_keep=1)
         adapter.finish_stitch(cache, cap)

@@ -19,6 +19,7 @@ from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 
+from ..config import Mode
 from ..operators import LinearOperator
 
 
@@ -118,15 +119,15 @@ class ModelAdapter(ABC):
     supports_fused_stitch = False
 
     @contextlib.contextmanager
-    def stitch(self, spans: list[StitchSpan], compose: bool) -> Iterator[Capture]:
+    def stitch(self, spans: list[StitchSpan], mode: "Mode") -> Iterator[Capture]:
         """Patch the linear layers for one fused stitch forward over `spans` (run-token ranges, in order).
 
         After the forward, `finish_stitch` writes each layer's true final conv state.
         """
-        with self._patched(Capture(), lambda c: self._stitch_patches(c, spans, compose)) as cap:
+        with self._patched(Capture(), lambda c: self._stitch_patches(c, spans, mode)) as cap:
             yield cap
 
-    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], compose: bool) -> dict[tuple[Any, str], Callable]:
+    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], mode: "Mode") -> dict[tuple[Any, str], Callable]:
         return {}
 
     def finish_stitch(self, cache, cap: Capture) -> None:
@@ -205,8 +206,8 @@ class ModelAdapter(ABC):
         m = self._mixers[layer_pos]
         return m.A_log, m.dt_bias
 
-    def read_linear_state(self, cache, layer_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv [C, K], recurrent state) of batch row 0; zeros (and initialised) if the layer is fresh."""
+    def linear_state_or_zero(self, cache, layer_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [C, K], recurrent state) of batch row 0. Mutates a fresh layer: installs zero states first."""
         idx = self.linear_layers[layer_pos]
         layer = cache.layers[idx]
         if not layer.has_previous_state[0]:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..config import Mode
 from ..operators import LinearOperator
 from .base import Capture, ModelAdapter, StitchSpan
 
@@ -97,7 +98,7 @@ class GatedDeltaNetAdapter(ModelAdapter):
 
     supports_fused_stitch = True
 
-    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], compose: bool) -> dict[tuple[Any, str], Callable]:
+    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], mode: Mode) -> dict[tuple[Any, str], Callable]:
         """Run the recurrence span by span inside one layer call, applying each body's operator in between.
 
         The token-parallel work (projections, MLP) of every seam head and the question runs as
@@ -142,7 +143,7 @@ class GatedDeltaNetAdapter(ModelAdapter):
                     outs.append(out)
                 if span.entry is not None:
                     op = span.entry.operators[lp]
-                    state = op.apply(state) if compose else state + op.end
+                    state = op.apply(state) if mode is Mode.HYPIC else state + op.end  # pic-naive: T ignored
             return torch.cat(outs, dim=1), (state if output_final_state else None)
 
         return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "torch_chunk_gated_delta_rule"): scan_wrapper}

@@ -103,7 +103,7 @@ class LightningAdapter(ModelAdapter):
         m = self._mixers[layer_pos]
         return (int(m.num_attention_heads), int(m.head_dim), int(m.head_dim))
 
-    def read_linear_state(self, cache, layer_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def linear_state_or_zero(self, cache, layer_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(empty conv, state [H, d, d]) of batch row 0; a zero state is installed if the layer has none."""
         idx = self.linear_layers[layer_pos]
         state = cache.linear_cache[idx] if idx < len(cache.linear_cache) else []
