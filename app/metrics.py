@@ -37,6 +37,8 @@ class Metrics:
                              ["route"], buckets=_LATENCY_BUCKETS, registry=r)
         self.retrieval = Histogram("hypic_retrieval_seconds", "Vector search time per request.",
                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("hypic_queue_seconds", "Time a request waited in the engine before its prefill started.",
+                               buckets=_LATENCY_BUCKETS, registry=r)
         self.prefill = Histogram("hypic_prefill_seconds", "Engine prefill time per request.",
                                  ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("hypic_prompt_tokens", "Prompt tokens by how their work was done.", ["kind"], registry=r)
@@ -44,14 +46,15 @@ class Metrics:
         self.segments = Counter("hypic_segment_lookups", "Context segments looked up per request.", ["result"], registry=r)
         self.finished = Counter("hypic_generations_finished", "Finished generations by finish reason.", ["reason"], registry=r)
         self.rejected = Counter("hypic_requests_rejected", "Requests refused at admission (queue full).", registry=r)
-        self.running = Gauge("hypic_requests_running", "Generations being decoded.", registry=r)
-        self.waiting = Gauge("hypic_requests_waiting", "Admitted generations waiting for a running slot.", registry=r)
+        self.running = Gauge("hypic_requests_running", "Generations prefilling or decoding in the engine.", registry=r)
+        self.waiting = Gauge("hypic_requests_waiting", "Admitted generations waiting for the engine to start them.", registry=r)
 
     def watch_store(self, store: SegmentStore) -> None:
         """Export `store.stats()` (hits by tier, misses, evictions, corrupt entries, bytes by tier)."""
         self.registry.register(_StoreCollector(store.stats))
 
     def observe_prefill(self, stats: PrefillStats) -> None:
+        self.queue.observe(stats.timings_ms.get("queue", 0.0) / 1000.0)
         self.prefill.labels(stats.mode).observe(stats.timings_ms.get("prefill", 0.0) / 1000.0)
         self.prompt_tokens.labels("reused").inc(stats.cached_tokens)
         self.prompt_tokens.labels("recomputed").inc(stats.computed_tokens)
