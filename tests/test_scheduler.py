@@ -1,0 +1,83 @@
+"""The scheduler alone (no model): budgets, admission order and limits, aborts; and the byte-budget LRU."""
+
+from __future__ import annotations
+
+import pytest
+
+from hypic_core.config import GenerationRequest
+from hypic_core.lru import ByteLRU
+from hypic_core.scheduler import Scheduler, SchedulerConfig
+from hypic_core.sequence import Sequence, Status
+
+
+def seq(prompt: int, reserved: int = 1) -> Sequence:
+    return Sequence(GenerationRequest(((1,) * (prompt - 1), (2,))), 0, None, None, frozenset(), 8, reserved)
+
+
+def test_budget_goes_to_decodes_then_prefills_in_order():
+    s = Scheduler(SchedulerConfig(max_running=4, max_step_tokens=100))
+    a, b, c = seq(70), seq(50), seq(10)
+    for x in (a, b, c):
+        s.add(x)
+    step = s.schedule()
+    assert [(x, n) for x, n in step.prefills] == [(a, 70), (b, 30)] and not step.decodes
+    assert c.status is Status.WAITING and a.status is b.status is Status.PREFILLING  # no budget left for c
+    a.status, a.prefill_left, b.prefill_left = Status.RUNNING, 0, 20
+    step = s.schedule()  # a decodes (1 token), b continues first, then c is admitted
+    assert step.decodes == [a] and step.prefills == [(b, 20), (c, 10)]
+
+
+def test_prepare_sets_the_real_work_before_the_grant():
+    s = Scheduler(SchedulerConfig(max_running=4, max_step_tokens=100))
+    warm, other = seq(500), seq(40)
+    s.add(warm)
+    s.add(other)
+
+    def prepare(x):
+        x.prefill_left = 30 if x is warm else x.prefill_left
+
+    assert s.schedule(prepare).prefills == [(warm, 30), (other, 40)]
+
+
+def test_admission_limits_count_and_memory_first_come_first_served():
+    s = Scheduler(SchedulerConfig(max_running=2, max_step_tokens=1000, memory_budget_bytes=100))
+    big, small1, small2 = seq(5, reserved=80), seq(5, reserved=30), seq(5, reserved=10)
+    for x in (big, small1, small2):
+        s.add(x)
+    assert [x for x, _ in s.schedule().prefills] == [big]  # small1 does not fit next to big; small2 may not overtake
+    s.finish(big)
+    assert [x for x, _ in s.schedule().prefills] == [small1, small2]
+    assert not s.can_ever_fit(seq(5, reserved=101))
+
+
+def test_aborted_sequences_leave_every_queue():
+    s = Scheduler(SchedulerConfig(max_running=1, max_step_tokens=10))
+    a, b = seq(5), seq(5)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    a.abort.abort()
+    b.abort.abort()
+    step = s.schedule()
+    assert set(step.aborted) == {a, b} and len(s) == 0
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        SchedulerConfig(max_step_tokens=0)
+
+
+class Item:
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+
+def test_byte_lru_evicts_least_recent_and_refuses_oversized():
+    lru: ByteLRU[str, Item] = ByteLRU(10)
+    a, b, c = Item(4), Item(4), Item(4)
+    assert lru.put("a", a) == [] and lru.put("b", b) == []
+    assert lru.get("a") is a  # b is now least recent
+    assert lru.put("c", c) == [("b", b)] and lru.nbytes == 8
+    big = Item(11)
+    assert lru.put("a", big) == [("a", big)] and "a" not in lru and lru.nbytes == 4  # replaced, then refused
+    assert lru.pop("missing") is None and len(lru) == 1
