@@ -360,6 +360,7 @@ class Engine:
         (per seam width), and one piece of each segment longer than what is left of its budget."""
         whole: dict[int, list[ColdWork]] = {}
         chosen: set[int] = set()
+        spent = 0  # prefill tokens given out in this step so far
         for seq, budget in budgets.items():
             for cw, _ in seq.plan.cold:
                 if budget <= 0:
@@ -367,18 +368,23 @@ class Engine:
                 if cw.entry is not None or id(cw) in chosen:
                     continue
                 chosen.add(id(cw))
-                if cw.part is None and len(cw.segment) <= budget:
+                n = len(cw.segment)
+                # A segment that fits a whole step goes in one piece when it opens the step, even if
+                # the decode tokens took a few of the step's tokens (pieces cost more than one pass).
+                if cw.part is None and (n <= budget or (spent == 0 and n <= self.config.max_step_tokens)):
                     whole.setdefault(cw.seam, []).append(cw)
-                    budget -= len(cw.segment)
+                    budget -= n
+                    spent += n
                 else:
                     t = time.perf_counter()
                     cw.part = cw.part or self.runner.start_entry(cw.segment, cw.seam)
                     n = min(budget, cw.part.left)
                     cw.entry = self.runner.advance_entry(cw.part, n)
                     budget -= n
+                    spent += n
                     seq.stats.computed_tokens += n
                     _add_ms(seq.stats, "cold", t)
-            budgets[seq] = budget
+            budgets[seq] = max(budget, 0)
         for seam, works in whole.items():
             t = time.perf_counter()
             entries = self.runner.compute_entries([cw.segment for cw in works], seam, self.config.max_cold_batch_tokens)
