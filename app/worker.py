@@ -85,12 +85,35 @@ class TokenStream:
             if not self._done:
                 self.abort.abort()
 
-    def _push(self, item: object) -> None:
-        """Hand an item to the event loop (called from the worker thread)."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: the server is shutting down
-            self.abort.abort()
+
+
+class _Outbox:
+    """Items for the event loop collected over one engine step, handed over in one wake-up per loop
+    (one `call_soon_threadsafe` per step, not one per token per stream)."""
+
+    def __init__(self) -> None:
+        self._items: dict[TokenStream, list[object]] = {}
+
+    def push(self, stream: TokenStream, item: object) -> None:
+        self._items.setdefault(stream, []).append(item)
+
+    def flush(self) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[TokenStream, list[object]]]] = {}
+        for stream, items in self._items.items():
+            by_loop.setdefault(stream._loop, []).append((stream, items))
+        self._items = {}
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop is closed: the server is shutting down
+                for stream, _ in batch:
+                    stream.abort.abort()
+
+
+def _put_all(batch: list[tuple[TokenStream, list[object]]]) -> None:
+    for stream, items in batch:
+        for item in items:
+            stream._queue.put_nowait(item)
 
 
 @dataclass(eq=False)
@@ -161,6 +184,7 @@ class Worker:
                 if self._closed and not self._routes:
                     return
                 engine = self._engine
+            outbox = _Outbox()
             try:
                 outputs = engine.step()
             except Exception:  # the engine failed outside any one request: end every stream
@@ -169,19 +193,20 @@ class Worker:
                 with self._lock:
                     failed = list(self._routes)
                 for rid in failed:
-                    self._end(rid, error=RuntimeError("engine step failed"))
+                    self._end(rid, outbox, error=RuntimeError("engine step failed"))
             for out in outputs:
                 with self._lock:
                     route = self._routes.get(out.request_id)
                 if route is not None:
-                    route.context.run(self._deliver, route, out)
+                    route.context.run(self._deliver, route, out, outbox)
+            outbox.flush()
             with self._lock:
                 self._publish()
 
-    def _deliver(self, route: _Route, out: StepOutput) -> None:
+    def _deliver(self, route: _Route, out: StepOutput, outbox: _Outbox) -> None:
         stream, now = route.stream, time.perf_counter()
         if out.stats is not None:
-            stream._push(out.stats)
+            outbox.push(stream, out.stats)
             self.metrics.observe_prefill(out.stats)
         if out.token_id is not None:
             if route.last_token_at is None:
@@ -194,23 +219,23 @@ class Worker:
                 stream.completion_tokens += 1
                 self.metrics.generated_tokens.inc()
         if out.finish_reason is None:
-            return stream._push(out)
+            return outbox.push(stream, out)
         if out.finish_reason != "error":
-            stream._push(out)
+            outbox.push(stream, out)
             self.metrics.e2e.labels(route.route).observe(now - stream.started)
         else:
             log.warning("generation failed", extra={"error": repr(out.error)})
-        self._end(out.request_id, error=out.error if out.finish_reason == "error" else None)
+        self._end(out.request_id, outbox, error=out.error if out.finish_reason == "error" else None)
         self.metrics.finished.labels(out.finish_reason).inc()
 
-    def _end(self, request_id: str, error: BaseException | None = None) -> None:
+    def _end(self, request_id: str, outbox: _Outbox, error: BaseException | None = None) -> None:
         with self._lock:
             route = self._routes.pop(request_id, None)
         if route is None:
             return
         if error is not None:
-            route.stream._push(error)
-        route.stream._push(_END)
+            outbox.push(route.stream, error)
+        outbox.push(route.stream, _END)
 
     def _publish(self) -> None:
         engine = self._engine
