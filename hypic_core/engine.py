@@ -255,8 +255,7 @@ class Engine:
                 self._advance(seq, budgets[seq])
         return PrefillResult(seq.plan.cache, request.prompt_tokens, seq.plan.logits, seq.stats)
 
-    def segment_entries(self, segments: tuple[tuple[int, ...], ...], seam: int,
-                        stats: PrefillStats | None = None) -> EntryLookup:
+    def segment_entries(self, segments: tuple[tuple[int, ...], ...], seam: int) -> EntryLookup:
         """Canonical entries for `segments` (misses computed together and stored), with hit flags."""
         keys = [SegmentKey.of(self.fingerprint, seam, s) for s in segments]
         found = [self.store.lookup(k, s) for k, s in zip(keys, segments)]
