@@ -904,6 +904,8 @@ def plot(cells: list[dict], rates: list[float], path: Path, title: str) -> None:
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     ax.yaxis.set_major_formatter(plain)
     ax.yaxis.set_minor_formatter(plain)
+    if finite and max(finite) / min(finite) > 8:
+        ax.set_xscale("log")  # doubling rates: evenly spaced
     if finite:
         ax.set_xticks(finite)
         ax.set_xticklabels([f"{r:g}" for r in finite])
