@@ -216,3 +216,15 @@ def test_memory_budget_bounds_the_running_set(engine):
     with pytest.raises(InvalidRequestError) as err:
         eng.add_request(huge)
     assert err.value.field == "max_tokens"
+
+
+def test_one_forward_per_sequence_fallback_matches_the_batch(engine):
+    """A family that cannot take the batched layout decodes each sequence on its own cache: same outputs."""
+    reqs = requests(engine)
+    batched = run_together(Engine(engine.model, engine.tokenizer, engine.config), reqs)
+    alone = Engine(engine.model, engine.tokenizer, engine.config)
+    alone.adapter.supports_batched_decode = False  # this engine's adapter instance only
+    serial = run_together(alone, reqs)
+    assert len(alone.runner.batch) == 0
+    for i in batched:
+        assert [o.token_id for o in serial[i]] == [o.token_id for o in batched[i]]
