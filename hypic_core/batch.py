@@ -36,8 +36,9 @@ class DecodeBatch:
     def sync(self, members: Sequence[Any], caches: dict[Any, Any]) -> None:
         """Make the rows exactly `members` (in that order where new): rows not in `members`
         leave; members not yet in the batch join with their own batch-1 cache from `caches`."""
-        keep = [i for i, k in enumerate(self.keys) if k in set(members)]
-        joining = [k for k in members if k not in set(self.keys)]
+        wanted, present = set(members), set(self.keys)
+        keep = [i for i, k in enumerate(self.keys) if k in wanted]
+        joining = [k for k in members if k not in present]
         if len(keep) == len(self.keys) and not joining:
             return
         parts_kv: list[tuple] = []  # per part: (keys per layer [b, H, L, D], values per layer, lengths)
