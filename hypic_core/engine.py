@@ -177,21 +177,26 @@ class Engine:
         sequence decodes from that cache). `collect` keeps its outputs in `seq.outbox` for
         callers that drive `step()` themselves.
         """
-        self.validate(request)
-        seam = self.config.seam if request.seam is None else request.seam
-        max_new = min(request.sampling.max_tokens, self.max_positions - request.prompt_tokens)
-        reserved = (request.prompt_tokens + max_new) * self.kv_bytes_per_token + self.state_bytes
-        seq = Sequence(request, seam, Sampler(request.sampling), StreamDetokenizer(self.tokenizer, request.sampling.stop),
-                       self.eos_ids, max_new, reserved, abort=abort or AbortHandle(), collect=collect)
+        seq = self._sequence(request, abort, collect)
         if not self.scheduler.can_ever_fit(seq):
             raise InvalidRequestError(
-                "max_tokens", f"the prompt ({request.prompt_tokens} tokens) plus max_tokens ({max_new}) need "
-                f"{reserved / 2**20:.1f} MiB of cache; the engine holds at most {self.config.running_budget_bytes / 2**20:.1f} MiB")
+                "max_tokens", f"the prompt ({request.prompt_tokens} tokens) plus max_tokens ({seq.max_new_tokens}) need "
+                f"{seq.reserved_bytes / 2**20:.1f} MiB of cache; the engine holds at most "
+                f"{self.config.running_budget_bytes / 2**20:.1f} MiB")
         if prefilled is not None:
             seq.plan = PrefillPlan(prefilled.cache, logits=prefilled.logits)
             seq.stats, seq.prefill_left = prefilled.stats, 1
         self.scheduler.add(seq)
         return seq
+
+    def _sequence(self, request: GenerationRequest, abort: AbortHandle | None = None, collect: bool = False) -> Sequence:
+        """A validated `Sequence` for `request` (not queued)."""
+        self.validate(request)
+        seam = self.config.seam if request.seam is None else request.seam
+        max_new = min(request.sampling.max_tokens, self.max_positions - request.prompt_tokens)
+        reserved = (request.prompt_tokens + max_new) * self.kv_bytes_per_token + self.state_bytes
+        return Sequence(request, seam, Sampler(request.sampling), StreamDetokenizer(self.tokenizer, request.sampling.stop),
+                        self.eos_ids, max_new, reserved, abort=abort or AbortHandle(), collect=collect)
 
     def set_limits(self, max_running: int, max_step_tokens: int, running_budget_bytes: int) -> None:
         """Replace the scheduler's limits (a gateway applies its settings to an engine it was given).
@@ -243,9 +248,7 @@ class Engine:
 
     def prefill(self, request: GenerationRequest) -> PrefillResult:
         """Prefill `request` alone, at once, with the same plan code as `step()` (tests, benchmarks)."""
-        self.validate(request)
-        seam = self.config.seam if request.seam is None else request.seam
-        seq = Sequence(request, seam, Sampler(request.sampling), StreamDetokenizer(None), self.eos_ids, 1, 0)
+        seq = self._sequence(request)
         with self._lock, torch.inference_mode():
             seq.first_scheduled = seq.arrival
             self._plan(seq)

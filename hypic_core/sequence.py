@@ -113,6 +113,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.stats = PrefillStats(self.request.mode.value, self.seam, prompt_tokens=self.request.prompt_tokens)
         self.prefill_left = self.request.prompt_tokens
+        self._prompt_ids = [t for seg in self.request.segments for t in seg]
 
     @property
     def mode(self) -> Mode:
@@ -129,7 +130,7 @@ class Sequence:
     @property
     def history(self) -> list[int]:
         """Prompt and generated token ids (what a repetition penalty looks at)."""
-        return [t for seg in self.request.segments for t in seg] + self.output_ids
+        return self._prompt_ids + self.output_ids
 
     def banned_tokens(self) -> frozenset[int]:
         """Token ids the sampler must not pick now: EOS until `min_tokens` are generated, and always
