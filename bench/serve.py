@@ -74,6 +74,8 @@ from typing import Any, Callable, Iterable, Sequence
 import httpx
 import numpy as np
 
+from markdown_section import write_section  # bench/ is the script directory
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("full", "prefix", "pic-naive", "hypic")
 ROUTE = "/v1/completions"
@@ -998,17 +1000,6 @@ def describe(args: argparse.Namespace, result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, section: str, tag: str = "serve") -> None:
-    """Replace the <!-- tag:begin -->...<!-- tag:end --> block of `path` (or append it)."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def save(args: argparse.Namespace, result: dict) -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -1157,7 +1148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
              f"{args.k} x {args.chunk_tokens}-token chunks{', cold' if args.cold else ''})")
         _progress(f"wrote {args.plot}")
     if args.markdown:
-        write_section(args.markdown, describe(args, result))
+        write_section(args.markdown, describe(args, result), "serve")
         _progress(f"wrote the serve section of {args.markdown}")
 
 

@@ -35,6 +35,8 @@ from hypic_core.engine import Engine  # noqa: E402
 from hypic_core.store import MemorySegmentStore  # noqa: E402
 from hypic_core.testing import slow_decay  # noqa: E402
 
+from markdown_section import write_section  # noqa: E402  (bench/ is the script directory)
+
 MODES = ["full", "prefix", "pic-naive", "hypic-cold", "hypic-warm", "floor"]
 
 
@@ -178,17 +180,6 @@ def report(args, times, bytes_by_kind, params, sweep_rows) -> str:
         lines += [f"| {t} | {f * 1000:.0f} | {w * 1000:.0f} | {f / w:.1f}x |" for t, f, w in sweep_rows]
     lines.append("<!-- ttft:end -->")
     return "\n".join(lines)
-
-
-def write_section(path: Path, section: str, tag: str) -> None:
-    """Replace the <!-- tag:begin -->...<!-- tag:end --> block of `path` (or append it)."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery number here was produced by the command printed beside it.\n"
-    begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    path.write_text(text)
 
 
 def main() -> None:
