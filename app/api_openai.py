@@ -69,7 +69,7 @@ UNSUPPORTED = {"tools": ([], None), "functions": ([], None), "tool_choice": ("no
                "suffix": ("", None), "audio": (None,), "prediction": (None,)}
 
 
-class _Common(BaseModel):
+class _Common(pipeline.SamplingExtras):
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -85,14 +85,7 @@ class _Common(BaseModel):
     segments: list[str] | None = None
     mode: str | None = None
     seam: int | None = Field(None, ge=0)
-    # vLLM-compatible sampling extras
-    top_k: int = Field(-1, ge=-1, description="Sample from the k most likely tokens; -1 or 0: all.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False,
-                         description="Drop tokens less likely than min_p times the most likely one.")
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False,
-                                      description="Penalise tokens seen in the prompt or output; 1: off.")
-    min_tokens: int = Field(0, ge=0, description="Tokens generated before EOS may end the output.")
-    ignore_eos: bool = Field(False, description="Keep generating past EOS (until max_tokens or a stop string).")
+    top_k: int = Field(-1, ge=-1, description="Sample from the k most likely tokens; -1 or 0: all.")  # vLLM's
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -188,9 +181,7 @@ def _generation(rt: Runtime, body: _Common, segments, max_tokens: int, logprobs:
     return pipeline.generation_request(rt, segments, body.mode, body.seam, max_tokens=max_tokens,
                                        temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                        stop=body.stops(), logprobs=logprobs, top_logprobs=top_logprobs,
-                                       top_k=max(body.top_k, 0), min_p=body.min_p,
-                                       repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
-                                       ignore_eos=body.ignore_eos)
+                                       top_k=max(body.top_k, 0), **body.extras())
 
 
 class _Reply:

@@ -15,7 +15,7 @@ import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from hypic_core.errors import InvalidRequestError
@@ -29,7 +29,10 @@ log = logging.getLogger("hypic.query")
 router = APIRouter()
 
 
-class QueryRequest(BaseModel):
+class QueryRequest(pipeline.SamplingExtras):
+    """The sampling extras come from `SamplingExtras`; vLLM's sampling `top_k` is not offered
+    (`top_k` counts retrieved chunks here)."""
+
     model_config = ConfigDict(extra="forbid")
 
     question: str = Field(description="The question; retrieval searches with it.")
@@ -41,13 +44,6 @@ class QueryRequest(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
-    # vLLM-compatible sampling extras (sampling top-k is not offered: `top_k` counts chunks here)
-    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False,
-                         description="Drop tokens less likely than min_p times the most likely one.")
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False,
-                                      description="Penalise tokens seen in the prompt or answer; 1: off.")
-    min_tokens: int = Field(0, ge=0, description="Tokens generated before EOS may end the answer.")
-    ignore_eos: bool = Field(False, description="Keep generating past EOS (until max_tokens).")
     stream: bool = False
 
     @field_validator("question")
@@ -84,8 +80,7 @@ async def _answer(body: QueryRequest, request: Request):
     segments = rt.prompter.question(body.question, rt.prompter.documents(found.hits))
     gen = pipeline.generation_request(rt, segments, body.mode, body.seam, max_tokens=body.max_tokens,
                                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                      min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-                                      min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
+                                      **body.extras())
     stream = pipeline.start(rt, gen, started, "/query")
     sources = [{"chunk_id": h.chunk.chunk_id, "document_id": h.chunk.document_id, "title": h.chunk.title,
                 "score": round(h.score, 6), "text": h.chunk.text} for h in found.hits]

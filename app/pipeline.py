@@ -13,6 +13,7 @@ from typing import Sequence
 
 import anyio
 from fastapi import Request
+from pydantic import BaseModel, Field
 
 from hypic_core.config import GenerationRequest, Mode, SamplingParams
 from hypic_core.sequence import StepOutput
@@ -23,6 +24,22 @@ from retrieval.index import SearchHit
 from .errors import APIError, from_engine, from_retrieval
 from .runtime import Runtime
 from .worker import QueueFullError, TokenStream
+
+
+class SamplingExtras(BaseModel):
+    """vLLM-compatible sampling fields every generating endpoint accepts (request-body mixin)."""
+
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False,
+                         description="Drop tokens less likely than min_p times the most likely one.")
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False,
+                                      description="Penalise tokens seen in the prompt or output; 1: off.")
+    min_tokens: int = Field(0, ge=0, description="Tokens generated before EOS may end the output.")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS (until max_tokens or a stop string).")
+
+    def extras(self) -> dict:
+        """The fields as `SamplingParams` keyword arguments."""
+        return {"min_p": self.min_p, "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens,
+                "ignore_eos": self.ignore_eos}
 
 
 @dataclass(frozen=True)
