@@ -22,10 +22,8 @@ def big_logits(seed: int, n: int = VOCAB) -> torch.Tensor:
 
 # --- reference implementations ----------------------------------------------------------------
 
-def old_pick(params: SamplingParams, logits: torch.Tensor, generator: torch.Generator) -> int:
-    """The Sampler's choice before the extras existed (temperature, top-k, top-p), verbatim."""
-    if params.greedy:
-        return int(logits.argmax())
+def old_probs(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
+    """The Sampler's distribution before the extras existed (temperature, top-k, top-p), verbatim."""
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.numel():
         kth = logits.topk(params.top_k).values[-1]
@@ -38,7 +36,14 @@ def old_pick(params: SamplingParams, logits: torch.Tensor, generator: torch.Gene
         mask[order[keep]] = True
         probs = torch.where(mask, probs, torch.zeros_like(probs))
         probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
+
+
+def old_pick(params: SamplingParams, logits: torch.Tensor, generator: torch.Generator) -> int:
+    """The Sampler's choice before the extras existed: greedy, or a draw from `old_probs`."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(old_probs(params, logits), 1, generator=generator))
 
 
 def penalised(logits: torch.Tensor, history, penalty: float) -> torch.Tensor:
@@ -58,18 +63,7 @@ def reference_pick(params: SamplingParams, logits: torch.Tensor, generator: torc
         logits[t] = float("-inf")
     if params.greedy or params.min_p == 0.0:
         return old_pick(params, logits, generator)
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.numel():
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < params.top_p
-        mask = torch.zeros_like(probs, dtype=torch.bool)
-        mask[order[keep]] = True
-        probs = torch.where(mask, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum()
+    probs = old_probs(params, logits)
     probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     probs = probs / probs.sum()
     return int(torch.multinomial(probs, 1, generator=generator))
