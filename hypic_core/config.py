@@ -11,7 +11,7 @@ DEFAULT_SEAM = 8  # the reference implementation's default seam width
 
 
 class Mode(str, enum.Enum):
-    """How a request's context segments are prefilled (DESIGN section 5)."""
+    """How a request's context segments are prefilled (the README's "Modes")."""
 
     FULL = "full"  # no cache: one forward over the whole prompt
     PREFIX = "prefix"  # exact prefix reuse only

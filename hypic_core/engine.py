@@ -5,7 +5,7 @@ schedule -> run -> postprocess:
 
 1. The scheduler picks this step's work: one decode token for every running sequence, and a
    token budget of prefill work for sequences being admitted or part-way through their prefill.
-2. Prefill work runs by mode (DESIGN sections 4-5): `full` is one forward over the prompt;
+2. Prefill work runs by mode (docs/architecture.md): `full` is one forward over the prompt;
    `prefix` restores the longest exact snapshot and runs the rest; `pic-naive` / `hypic` look
    up every context segment's canonical entry, compute the misses (of every request in the
    step together, a segment shared by several requests once), then stitch the seam heads and

@@ -1,4 +1,4 @@
-"""Canonical segment entries (DESIGN section 3).
+"""Canonical segment entries (docs/architecture.md).
 
 An entry is one segment computed alone, from an empty state, at local positions 0..L-1.
 Its first `seam` tokens (the seam head) are recomputed in every request; the body is cached:

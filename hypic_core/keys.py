@@ -1,4 +1,4 @@
-"""Typed cache keys that serialize to strings (DESIGN section 3).
+"""Typed cache keys that serialize to strings (docs/architecture.md).
 
 A key hashes everything that changes an entry's bytes: the model fingerprint (id, config,
 weights digest, dtype, tokenizer), the cache schema version, the seam width and the

@@ -28,7 +28,7 @@ class PartialEntry:
     """A canonical entry being computed piece by piece (chunked prefill of a long cold segment).
 
     Each piece continues the segment's own cache, so every layer sees exactly the inputs of a
-    one-piece computation; the body operators of the pieces compose exactly (DESIGN section 2).
+    one-piece computation; the body operators of the pieces compose exactly (docs/architecture.md).
     """
 
     segment: tuple[int, ...]

@@ -1,4 +1,4 @@
-"""Segment operators of affine state recurrences (DESIGN section 2).
+"""Segment operators of affine state recurrences (docs/architecture.md).
 
 A linear layer updates its state as S_t = A_t S_{t-1} + B_t, so a span maps any incoming
 state affinely: S_out = T S_in + E. Operators compose associatively:

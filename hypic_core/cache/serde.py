@@ -1,4 +1,4 @@
-"""SegmentEntry <-> bytes: safetensors with a metadata header and a checksum (DESIGN section 7).
+"""SegmentEntry <-> bytes: safetensors with a metadata header and a checksum (docs/cache.md).
 
 Layout of one value:
 

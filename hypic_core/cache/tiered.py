@@ -1,4 +1,4 @@
-"""TieredSegmentStore: memory tiers (device, host) in front of a disk tier (DESIGN section 7).
+"""TieredSegmentStore: memory tiers (device, host) in front of a disk tier (docs/cache.md).
 
 Lookup walks the memory tiers in order, then disk. A hit anywhere is promoted to the first
 (hot) tier; entries pushed out of a memory tier by its budget move down to the next one and
