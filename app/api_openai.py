@@ -8,7 +8,9 @@ and vLLM's sampling extras `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`
 `ignore_eos`. Cache reuse is reported in `usage.prompt_tokens_details.cached_tokens`.
 
 Extra fields: `rag: {top_k, document_ids}` retrieves chunks for the last user message (chat) or
-the prompt (completions) and adds them as segments; `segments: [text, ...]` are cached
+the prompt (completions) and adds them as segments; the response then carries `sources` (the
+chunks used, best first, as in /query) and `dropped_chunks` (chunks left out because they did
+not fit the context) at its top level, in a stream on the first chunk; `segments: [text, ...]` are cached
 independently (chat: placed before the last user message, like retrieved documents;
 completions: before the prompt, verbatim); `mode` and `seam` as in /query. Without `rag` or
 `segments`, a chat is plain chat. Fields this server cannot honour (`tools`, `logit_bias`,
@@ -31,6 +33,7 @@ from hypic_core.errors import InvalidRequestError
 
 from . import pipeline, sse
 from .errors import APIError, from_engine
+from .prompter import Prompt
 from .runtime import Runtime
 from .worker import TokenStream
 
@@ -120,12 +123,12 @@ async def chat_completions(body: ChatRequest, request: Request):
     if body.top_logprobs and not body.logprobs:
         raise APIError.invalid("top_logprobs", "requires logprobs: true")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-    documents = await _documents(rt, body, messages[-1]["content"])
-    segments = rt.prompter.chat(messages, documents)
-    max_tokens = body.max_completion_tokens or body.max_tokens or rt.settings.max_new_tokens
-    gen = _generation(rt, body, segments, max_tokens, body.logprobs, body.top_logprobs or 0)
+    hits = await _retrieve(rt, body, messages[-1]["content"])
+    asked = body.max_completion_tokens or body.max_tokens
+    prompt = rt.prompter.chat(messages, hits, body.segments or (), reserve=asked or rt.settings.answer_reserve_tokens)
+    gen = _generation(rt, body, prompt.segments, asked or rt.settings.max_new_tokens, body.logprobs, body.top_logprobs or 0)
     stream = pipeline.start(rt, gen, started, "/v1/chat/completions")
-    reply = _Reply(rt, "chat.completion", body, chat=True)
+    reply = _Reply(rt, "chat.completion", body, chat=True, prompt=prompt)
     if body.stream:
         return sse.response(reply.stream(stream))
     return await reply.whole(stream, request)
@@ -142,12 +145,12 @@ async def completions(body: CompletionRequest, request: Request):
         if len(prompt) != 1:
             raise APIError.invalid("prompt", "exactly one prompt per request is supported")
         prompt = prompt[0]
-    documents = await _documents(rt, body, prompt)
-    segments = rt.prompter.completion(prompt, documents)
+    hits = await _retrieve(rt, body, prompt)
+    built = rt.prompter.completion(prompt, hits, body.segments or (), reserve=body.max_tokens or rt.settings.answer_reserve_tokens)
     want = body.logprobs is not None
-    gen = _generation(rt, body, segments, body.max_tokens, want, body.logprobs or 0)
+    gen = _generation(rt, body, built.segments, body.max_tokens or rt.settings.max_new_tokens, want, body.logprobs or 0)
     stream = pipeline.start(rt, gen, started, "/v1/completions")
-    reply = _Reply(rt, "text_completion", body, chat=False)
+    reply = _Reply(rt, "text_completion", body, chat=False, prompt=built)
     if body.stream:
         return sse.response(reply.stream(stream))
     return await reply.whole(stream, request)
@@ -168,13 +171,12 @@ def _accept(request: Request, body: _Common) -> Runtime:
     return rt
 
 
-async def _documents(rt: Runtime, body: _Common, query: str) -> list[str]:
-    """Explicit `segments` first, then retrieved chunks (when `rag` is given)."""
-    documents = list(body.segments or ())
-    if body.rag is not None:
-        found = await pipeline.retrieve(rt, query, body.rag.top_k or rt.settings.default_top_k, body.rag.document_ids, "rag.")
-        documents += rt.prompter.documents(found.hits)
-    return documents
+async def _retrieve(rt: Runtime, body: _Common, query: str) -> list:
+    """Retrieved chunks for `query` when `rag` is given, else none."""
+    if body.rag is None:
+        return []
+    found = await pipeline.retrieve(rt, query, body.rag.top_k or rt.settings.default_top_k, body.rag.document_ids, "rag.")
+    return found.hits
 
 
 def _generation(rt: Runtime, body: _Common, segments, max_tokens: int, logprobs: bool, top_logprobs: int):
@@ -187,8 +189,9 @@ def _generation(rt: Runtime, body: _Common, segments, max_tokens: int, logprobs:
 class _Reply:
     """Builds one response (whole or as chunks) in the OpenAI shape of `object`."""
 
-    def __init__(self, rt: Runtime, object: str, body: _Common, chat: bool) -> None:
+    def __init__(self, rt: Runtime, object: str, body: _Common, chat: bool, prompt: Prompt) -> None:
         self.rt = rt
+        self.sources = pipeline.sources(prompt) if body.rag is not None else {}
         self.object = object
         self.chat = chat
         self.want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
@@ -203,12 +206,15 @@ class _Reply:
         choice = {"index": 0, "finish_reason": events[-1].finish_reason, "logprobs": self._logprobs(events)}
         choice |= {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.rt.model_name,
-                "choices": [choice], "usage": _usage(stream)}
+                "choices": [choice], "usage": _usage(stream)} | self.sources
 
     async def stream(self, stream: TokenStream):
         try:
             if self.chat:
-                yield self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+                yield self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+                                  self.sources)
+            elif self.sources:
+                yield self._chunk(self._content("") | {"logprobs": None, "finish_reason": None}, self.sources)
             async for batch in stream.batches():
                 text = "".join(e.text for e in batch)
                 logprobs = self._logprobs(batch)
@@ -229,8 +235,8 @@ class _Reply:
             return {"delta": {} if end else {"content": text}}
         return {"text": text}
 
-    def _chunk(self, choice: dict) -> str:
-        out = self._envelope([{"index": 0} | choice])
+    def _chunk(self, choice: dict, extra: dict | None = None) -> str:
+        out = self._envelope([{"index": 0} | choice]) | (extra or {})
         if self.include_usage:
             out["usage"] = None
         return sse.event(None, out)

@@ -1,8 +1,12 @@
 """POST /query (and GET /query): retrieve, build segments (system prompt, chunks, question),
 stitched prefill, answer.
 
-Non-streaming: `{answer, finish_reason, sources, usage, timings}`.
-Streaming (`"stream": true`): SSE named events, in order: `sources` once, `delta` per token
+Non-streaming: `{answer, finish_reason, sources, dropped_chunks, usage, timings}`. `sources`
+lists the retrieved chunks in the prompt, best first; chunks that did not fit the model's
+context (with `max_tokens` kept for the answer) are left out, lowest-ranked first, and counted
+in `dropped_chunks`.
+Streaming (`"stream": true`): SSE named events, in order: `sources` once (`{sources,
+dropped_chunks}`), `delta` per token
 batch (`{"text": ...}`), `done` (`{finish_reason, usage, timings}`). An error after the stream
 started is sent as an `error` event (`{"error": {...}}`) and the stream ends. Every check that
 can fail (fields, document ids, prompt length, queue) runs before the first byte, as a 4xx.
@@ -77,22 +81,21 @@ async def _answer(body: QueryRequest, request: Request):
     rt.require_ready()
     pipeline.require_room(rt)
     found = await pipeline.retrieve(rt, body.question, body.top_k or rt.settings.default_top_k, body.document_ids)
-    segments = rt.prompter.question(body.question, rt.prompter.documents(found.hits))
-    gen = pipeline.generation_request(rt, segments, body.mode, body.seam, max_tokens=body.max_tokens,
+    prompt = rt.prompter.query(body.question, found.hits, reserve=body.max_tokens)
+    gen = pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, max_tokens=body.max_tokens,
                                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                       **body.extras())
     stream = pipeline.start(rt, gen, started, "/query")
-    sources = [{"chunk_id": h.chunk.chunk_id, "document_id": h.chunk.document_id, "title": h.chunk.title,
-                "score": round(h.score, 6), "text": h.chunk.text} for h in found.hits]
+    sources = pipeline.sources(prompt)
     if body.stream:
         return sse.response(_events(stream, sources, found.ms))
     events = await pipeline.collect(stream, request)
-    return {"answer": "".join(e.text for e in events), "finish_reason": events[-1].finish_reason, "sources": sources,
-            "usage": pipeline.usage(stream), "timings": _timings(stream, found.ms)}
+    return {"answer": "".join(e.text for e in events), "finish_reason": events[-1].finish_reason} | sources | {
+        "usage": pipeline.usage(stream), "timings": _timings(stream, found.ms)}
 
 
-async def _events(stream: TokenStream, sources: list[dict], retrieval_ms: float):
-    yield sse.event("sources", {"sources": sources})
+async def _events(stream: TokenStream, sources: dict, retrieval_ms: float):
+    yield sse.event("sources", sources)
     finish = None
     try:
         async for batch in stream.batches():

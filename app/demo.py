@@ -19,6 +19,9 @@ from rich.table import Table
 
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine import Engine
+from hypic_core.registry import resolve
+from retrieval.document import Chunk, chunk_id_for
+from retrieval.index import SearchHit
 
 from .prompter import Prompter
 from .settings import Settings
@@ -46,14 +49,19 @@ def run_demo(settings: Settings, n_docs: int = 3, max_tokens: int = 16, console:
     docs = [corpus[i]["text"] for i in sources + distractors]
 
     t = time.perf_counter()
-    with console.status(f"loading {settings.model_path}"):
-        engine = Engine.from_pretrained(settings.model_path, EngineConfig(seam=settings.seam))
-    console.print(f"loaded {settings.model_path} ({engine.adapter.family}: {len(engine.adapter.linear_layers)} linear + "
+    with console.status(f"loading {settings.model}"):
+        model = resolve(settings.model, settings.models_dir)
+        engine = Engine.from_pretrained(model.path, EngineConfig(seam=settings.seam), dtype=settings.dtype,
+                                        device=settings.device, model_id=settings.served_model_name)
+    console.print(f"loaded {settings.model} ({engine.adapter.family}: {len(engine.adapter.linear_layers)} linear + "
                   f"{len(engine.adapter.attention_layers)} attention layers) in {time.perf_counter() - t:.1f} s")
-    prompter = Prompter(engine.tokenizer, settings)
+    layout = settings.prompt_layout(engine.tokenizer, model.known.prompt if model.known else None)
+    prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
 
     def request(order: list[str], mode: str) -> GenerationRequest:
-        segs = prompter.question(question, [prompter.document_template.format(text=d, title="") for d in order])
+        # scores rise with the position, so the prompt keeps this order (worst first)
+        hits = [SearchHit(float(i), Chunk(chunk_id_for(d), f"doc{i}", "", "demo", 0, d, 0)) for i, d in enumerate(order)]
+        segs = prompter.query(question, hits, reserve=max_tokens).segments
         return GenerationRequest(tuple(segs), mode=mode, sampling=SamplingParams(max_tokens=max_tokens))
 
     shuffled = docs[:]

@@ -22,6 +22,7 @@ from retrieval.errors import DocumentNotFoundError, RetrievalError
 from retrieval.index import SearchHit
 
 from .errors import APIError, from_engine, from_retrieval
+from .prompter import Prompt
 from .runtime import Runtime
 from .worker import QueueFullError, TokenStream
 
@@ -61,6 +62,13 @@ async def retrieve(rt: Runtime, query: str, top_k: int, document_ids: Sequence[s
     seconds = time.perf_counter() - started
     rt.metrics.retrieval.observe(seconds)
     return Retrieval(hits, round(seconds * 1000.0, 3))
+
+
+def sources(prompt: Prompt) -> dict:
+    """The retrieved chunks a prompt holds (best first) and how many did not fit."""
+    return {"sources": [{"chunk_id": h.chunk.chunk_id, "document_id": h.chunk.document_id, "title": h.chunk.title,
+                         "score": round(h.score, 6), "text": h.chunk.text} for h in prompt.used],
+            "dropped_chunks": prompt.dropped}
 
 
 def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: str | None, seam: int | None,

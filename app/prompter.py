@@ -1,48 +1,242 @@
 """Turn requests into token-id segments: [system prefix, one per document, question].
 
-Each document is its own segment, so its cache entry is reused wherever it lands in a later
-prompt. Retrieved chunks are written with `settings.document_template` and /query questions
-with `settings.question_template` (defaults: the layout the bundled model was trained on).
-Chunks are ordered by ascending score, so the best match sits next to the question.
+Each document is its own segment, tokenized alone, so the same document always gives the same
+token ids (and the same cache entry) wherever it lands in a later prompt. Chunks are ordered by
+ascending score, so the best match sits next to the question.
+
+Two prompt formats (`PromptLayout.format`):
+
+- `chat`: the tokenizer's chat template. The system prompt is the system message; documents go
+  into the last user turn, before its content:
+
+      s_0 = everything the template puts before the last user message's content
+      s_i = document i (`document_template`)
+      q   = the last user content (a /query question through `question_template`), everything
+            the template puts after it (the generation prompt), then `answer_prefix`
+
+- `raw`, for models without a chat template: `system_prompt`, each document through
+  `document_template`, the question through `question_template`, then `answer_prefix`, used
+  exactly as given: nothing is added around or between them.
+
+Safe tokenization: text that comes from users (questions, messages, documents) is tokenized with
+special-token parsing off, so a document containing `<|im_end|>` cannot close a turn or forge
+one. Only the special tokens written by the template and the settings are special.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import re
+import string
+from dataclasses import dataclass
+from typing import Literal, Sequence
 
-from hypic_core.prompt import PromptBuilder
 from retrieval.index import SearchHit
 
 from .errors import APIError
-from .settings import Settings
+
+Part = tuple[str, bool]  # (text, trusted): trusted text may contain special tokens
+Tokens = tuple[int, ...]
+
+_FORMATTER = string.Formatter()
+_MARK = "\u2063HYPIC{}\u2063"
+_MARK_RE = re.compile("\u2063HYPIC(\\d+)\u2063")
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """How segments are written (see the module docstring)."""
+
+    format: Literal["chat", "raw"]
+    system_prompt: str
+    document_template: str  # fields: {text}, {title}
+    question_template: str  # field: {question}
+    answer_prefix: str = ""
+
+
+# What a model gets when neither its named entry nor the settings say otherwise.
+GENERIC = {
+    "chat": PromptLayout("chat", "Answer the question using the documents.", "{text}\n\n", "{question}"),
+    "raw": PromptLayout("raw", "Answer the question using the documents.\n\n", "Document: {text}\n\n",
+                        "Question: {question}\n", "Answer:"),
+}
+
+
+def check_template(template: str, allowed: set[str], required: str) -> str:
+    """Raise ValueError unless `template` is a format string using only `allowed` fields and `required`."""
+    try:
+        fields = {name for _, name, _, _ in _FORMATTER.parse(template) if name is not None}
+    except ValueError as exc:
+        raise ValueError(f"not a valid template: {exc}") from None
+    unknown = fields - allowed
+    if unknown:
+        raise ValueError(f"unknown field {{{sorted(unknown)[0]}}}; allowed: {', '.join('{' + a + '}' for a in sorted(allowed))}")
+    if required not in fields:
+        raise ValueError(f"must contain {{{required}}}")
+    return template
+
+
+def fill(template: str, **values: str) -> list[Part]:
+    """`template` formatted with `values`: its literal text trusted, the values not."""
+    parts: list[Part] = []
+    for literal, name, spec, conversion in _FORMATTER.parse(template):
+        if literal:
+            parts.append((literal, True))
+        if name is not None:
+            value = _FORMATTER.convert_field(values[name], conversion)
+            parts.append((_FORMATTER.format_field(value, spec or ""), False))
+    return parts
+
+
+class SafeEncoder:
+    """Token ids of text parts; special tokens are recognised in trusted parts only."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        specials = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+        self._special_ids = specials
+        names = sorted(specials, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, names))) if names else None
+
+    def encode(self, parts: Sequence[Part]) -> Tokens:
+        ids: list[int] = []
+        run: list[str] = []
+
+        def flush() -> None:
+            text = "".join(run)
+            run.clear()
+            if text:
+                ids.extend(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+        for text, trusted in parts:
+            if not trusted or self._pattern is None:
+                run.append(text)
+                continue
+            pos = 0
+            for match in self._pattern.finditer(text):
+                run.append(text[pos:match.start()])
+                flush()
+                ids.append(self._special_ids[match.group()])
+                pos = match.end()
+            run.append(text[pos:])
+        flush()
+        return tuple(ids)
+
+    def text(self, text: str) -> Tokens:
+        """Untrusted text alone."""
+        return self.encode([(text, False)])
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Segments of one request and the retrieved chunks they hold (best first)."""
+
+    segments: list[Tokens]
+    used: list[SearchHit]
+    dropped: int  # retrieved chunks left out because they did not fit the context
+
+    @property
+    def tokens(self) -> int:
+        return sum(map(len, self.segments))
 
 
 class Prompter:
-    def __init__(self, tokenizer, settings: Settings) -> None:
-        self.builder = PromptBuilder(tokenizer, settings.system_prompt, separator="\n")
-        self.document_template = settings.document_template
-        self.question_template = settings.question_template
+    """Builds `Prompt`s for /query, chat and completions; fits retrieved chunks to `context`."""
 
-    def documents(self, hits: Sequence[SearchHit]) -> list[str]:
-        """Document texts for retrieved chunks, worst match first."""
-        ordered = sorted(hits, key=lambda h: h.score)
-        return [self.document_template.format(text=h.chunk.text, title=h.chunk.title) for h in ordered]
+    def __init__(self, tokenizer, layout: PromptLayout, context: int) -> None:
+        self.layout = layout
+        self.context = context
+        self.encoder = SafeEncoder(tokenizer)
+        if layout.format == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("prompt format 'chat' needs a tokenizer with a chat template; use the raw format")
 
-    def question(self, question: str, documents: Sequence[str]) -> list[tuple[int, ...]]:
-        """Segments for a /query question answered from `documents`."""
-        return self.builder.segments([{"role": "user", "content": self.question_template.format(question=question)}], documents)
+    # --- endpoints -------------------------------------------------------------------------
+    def query(self, question: str, hits: Sequence[SearchHit], reserve: int) -> Prompt:
+        """A /query question answered from `hits`, keeping `reserve` tokens of context for the answer."""
+        content = fill(self.layout.question_template, question=question)
+        head, tail = self._frame([{"role": "user", "content": content}], "question")
+        return self._fit(head, [], hits, tail, reserve, "question")
 
-    def chat(self, messages: Sequence[dict], documents: Sequence[str]) -> list[tuple[int, ...]]:
-        """Segments for a chat: `documents` go between the conversation and the last user message.
-        Raises a 400 naming `messages` unless the last message is the user's."""
-        try:
-            return self.builder.segments(messages, documents)
-        except ValueError as exc:
-            raise APIError.invalid("messages", str(exc)) from None
+    def chat(self, messages: Sequence[dict], hits: Sequence[SearchHit], segments: Sequence[str], reserve: int) -> Prompt:
+        """A conversation; `segments` (kept) and retrieved `hits` (fitted) go before the last user
+        message's content. Raises a 400 naming `messages` unless the last message is the user's."""
+        if not messages or messages[-1].get("role") != "user":
+            raise APIError.invalid("messages", "the last message must be the user's")
+        convo = [{"role": m["role"], "content": [(str(m["content"]), False)]} for m in messages]
+        if self.layout.format == "raw":
+            if any(m["role"] == "assistant" for m in messages) or sum(m["role"] == "user" for m in messages) > 1:
+                raise APIError.invalid("messages", "this model has no chat template: send one user message (and an optional "
+                                                   "system message), or use /v1/completions")
+            convo[-1]["content"] = fill(self.layout.question_template, question=str(messages[-1]["content"]))
+        head, tail = self._frame(convo, "messages")
+        kept = [self.encoder.encode([(s.rstrip() + "\n", False)]) for s in segments]
+        return self._fit(head, kept, hits, tail, reserve, "messages")
 
-    def completion(self, prompt: str, documents: Sequence[str]) -> list[tuple[int, ...]]:
-        """Segments for a raw completion: each document text as given, then the prompt; no template."""
-        question = self.builder.encode(prompt)
+    def completion(self, prompt: str, hits: Sequence[SearchHit], segments: Sequence[str], reserve: int) -> Prompt:
+        """A raw completion: each segment as given, retrieved chunks through `document_template`,
+        then the prompt; no chat template, no system prompt."""
+        question = self.encoder.text(prompt)
         if not question:
             raise APIError.invalid("prompt", "must not be empty")
-        return [ids for ids in map(self.builder.encode, documents) if ids] + [question]
+        kept = [ids for ids in map(self.encoder.text, segments) if ids]
+        return self._fit([], kept, hits, [question], reserve, "prompt")
+
+    def document(self, text: str, title: str = "") -> Tokens:
+        """The segment of one document, as retrieved chunks are written."""
+        return self.encoder.encode(fill(self.layout.document_template, text=text.strip(), title=title))
+
+    # --- internals -------------------------------------------------------------------------
+    def _frame(self, messages: list[dict], field: str) -> tuple[list[Tokens], list[Tokens]]:
+        """(segments before the documents, segments after them) for `messages`, whose contents are
+        lists of parts; the documents go before the last message's content."""
+        layout = self.layout
+        if layout.format == "raw":
+            system = [str(m["content"][0][0]) for m in messages if m["role"] in ("system", "developer")]
+            head = self.encoder.encode([(system[-1], False)] if system else [(layout.system_prompt, True)])
+            tail = self.encoder.encode([*messages[-1]["content"], (layout.answer_prefix, True)])
+            return [head] if head else [], [tail]
+        if not any(m["role"] == "system" for m in messages) and layout.system_prompt:
+            messages = [{"role": "system", "content": [(layout.system_prompt, True)]}, *messages]
+        contents = [m["content"] for m in messages]
+        marked = [{"role": m["role"], "content": _MARK.format(i)} for i, m in enumerate(messages)]
+        rendered = self.encoder.tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+        pieces = _MARK_RE.split(rendered)  # literal, index, literal, index, ..., literal
+        if len(pieces) != 2 * len(messages) + 1:
+            raise APIError.invalid(field, "the chat template did not render every message")
+        parts: list[Part] = []
+        last_start = 0
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                index = int(piece)
+                if index == len(messages) - 1:
+                    last_start = len(parts)
+                parts.extend(contents[index])
+            elif piece:
+                parts.append((piece, True))
+        head = self.encoder.encode(parts[:last_start])
+        tail = self.encoder.encode([*parts[last_start:], (layout.answer_prefix, True)])
+        return [head] if head else [], [tail]
+
+    def _fit(self, head: list[Tokens], kept: list[Tokens], hits: Sequence[SearchHit], tail: list[Tokens],
+             reserve: int, field: str) -> Prompt:
+        docs = [(h, self.document(h.chunk.text, h.chunk.title)) for h in hits]
+        return self._fit_ids(head, kept, docs, tail, reserve, field)
+
+    def _fit_ids(self, head: list[Tokens], kept: list[Tokens], docs: list[tuple[SearchHit, Tokens]],
+                 tail: list[Tokens], reserve: int, field: str) -> Prompt:
+        """Drop the lowest-ranked documents until the prompt plus `reserve` answer tokens fit the
+        context. A prompt that does not fit even without documents is a 400."""
+        fixed = sum(map(len, head + kept + tail))
+        if fixed >= self.context:
+            raise APIError.invalid(field, f"the prompt is {fixed} tokens without any retrieved chunk; the model's context is "
+                                          f"{self.context} tokens: shorten the {field}" + (" or the segments" if kept else ""))
+        ranked = sorted(docs, key=lambda d: d[0].score, reverse=True)
+        room = self.context - reserve - fixed
+        used, total = [], 0
+        for hit, ids in ranked:
+            if total + len(ids) > room:
+                break
+            used.append((hit, ids))
+            total += len(ids)
+        ordered = sorted(used, key=lambda d: d[0].score)  # worst first: the best sits next to the question
+        segments = [s for s in head + kept + [ids for _, ids in ordered] + tail if s]
+        return Prompt(segments, [h for h, _ in used], len(docs) - len(used))

@@ -16,6 +16,8 @@ from typing import Callable, Union
 from hypic_core.cache import build_store as build_segment_store
 from hypic_core.config import EngineConfig
 from hypic_core.engine import Engine
+from hypic_core.registry import KNOWN_MODELS, ResolvedModel
+from hypic_core.registry import resolve as resolve_model
 from hypic_core.store import SegmentStore
 from retrieval.chunker import Chunker
 from retrieval.index import VectorIndex
@@ -40,12 +42,14 @@ def build_store(settings: Settings) -> SegmentStore:
                                storage_dtype=settings.cache_storage_dtype)
 
 
-def load_engine(settings: Settings) -> Engine:
-    """The model at `settings.model_path` with the configured seam, mode, budgets and store."""
+def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engine:
+    """`settings.model` (resolved here unless given) with the configured seam, mode, budgets, dtype and store."""
+    model = model or resolve_model(settings.model, settings.models_dir)
     config = EngineConfig(seam=settings.seam, default_mode=settings.default_mode,
                           memory_budget_bytes=settings.cache_memory_bytes, prefix_budget_bytes=settings.prefix_cache_bytes,
                           model_id=settings.served_model_name)
-    return Engine.from_pretrained(settings.model_path, config, build_store(settings), device=settings.device)
+    return Engine.from_pretrained(model.path, config, build_store(settings), dtype=settings.dtype, device=settings.device,
+                                  model_id=settings.served_model_name)
 
 
 def load_index(settings: Settings) -> VectorIndex:
@@ -102,7 +106,13 @@ class Runtime:
                 import torch
 
                 torch.set_num_threads(self.settings.torch_threads)
-            engine = load_engine(self.settings) if self._engine_source is None else _resolve(self._engine_source)
+            known = KNOWN_MODELS.get(self.settings.model)
+            if self._engine_source is None:
+                model = resolve_model(self.settings.model, self.settings.models_dir, progress=log.info)
+                known = model.known
+                engine = load_engine(self.settings, model)
+            else:
+                engine = _resolve(self._engine_source)
             engine.set_limits(self.settings.max_running, self.settings.max_step_tokens, self.settings.running_budget_bytes)
             index = load_index(self.settings) if self._index_source is None else _resolve(self._index_source)
             chunker = Chunker(engine.tokenizer)
@@ -113,7 +123,8 @@ class Runtime:
                 summary = ingest_paths([corpus], index, chunker)
                 log.info("ingested corpus", extra={"corpus": str(corpus), "documents": summary.documents, "chunks": summary.chunks})
             self.engine, self.index, self.chunker = engine, index, chunker
-            self.prompter = Prompter(engine.tokenizer, self.settings)
+            layout = self.settings.prompt_layout(engine.tokenizer, known.prompt if known else None)
+            self.prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
             self.tokens = TokenText(engine.tokenizer)
             if not self._owns_engine:
                 self.model_name = self.settings.model_name or engine.model_id

@@ -1,6 +1,6 @@
 """The app factory.
 
-    app = create_app(Settings())                        # loads settings.model_path and index_dir
+    app = create_app(Settings())                        # loads settings.model and index_dir
     app = create_app(settings, engine=eng, index=idx)   # or given objects / zero-arg factories
 
 A request's life: `RequestContext` tags it with a request id -> CORS (when origins are set) ->

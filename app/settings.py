@@ -17,10 +17,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from hypic_core.config import DEFAULT_SEAM, Mode
 from hypic_core.errors import InvalidRequestError
 
-# The prompt layout the bundled model was trained on (training/world.py).
-DEFAULT_SYSTEM_PROMPT = "Answer the question using only the documents. Reply with one word or number."
-DEFAULT_DOCUMENT_TEMPLATE = "Document: {text}"
-DEFAULT_QUESTION_TEMPLATE = "Question: {question}"
 
 
 class Settings(BaseSettings):
@@ -29,12 +25,23 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HYPIC_", env_file=".env", env_file_encoding="utf-8", extra="ignore",
                                       env_ignore_empty=True, env_parse_none_str="none")
 
-    # model and prompt
-    model_path: Path = Path("models/hypic-tiny")
-    model_name: str | None = Field(None, description="Name served on /v1/models; default: the model directory's name.")
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    document_template: str = Field(DEFAULT_DOCUMENT_TEMPLATE, description="How a retrieved chunk is written into the prompt ({text}, {title}).")
-    question_template: str = Field(DEFAULT_QUESTION_TEMPLATE, description="How a /query question is written into the prompt ({question}).")
+    # model
+    model: str = Field("hypic-tiny", description="A named model (`hypic models`), a checkpoint directory, a .gguf file, "
+                       "or a hub id in the local Hugging Face cache.")
+    model_name: str | None = Field(None, description="Name served on /v1/models; default: the named model, directory or file name.")
+    models_dir: Path | None = Field(None, description="Where converted (.gguf) models are kept; default ~/.cache/hypic/models.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations; auto: float32 on CPU, the checkpoint's dtype (else bfloat16) on CUDA.")
+
+    # prompt (unset: the named model's own layout, else the generic one for the format; app/prompter.py)
+    prompt_format: Literal["auto", "chat", "raw"] = Field("auto", description="chat: the tokenizer's chat template; raw: the "
+                                                          "templates below as given; auto: chat when the tokenizer has a template.")
+    system_prompt: str | None = Field(None, description="System message (chat) or the text the prompt starts with (raw).")
+    document_template: str | None = Field(None, description="How a retrieved chunk is written into the prompt ({text}, {title}).")
+    question_template: str | None = Field(None, description="How a /query question is written into the prompt ({question}).")
+    answer_prefix: str | None = Field(None, description="Text after the question (raw) or after the generation prompt (chat).")
+    answer_reserve_tokens: int = Field(256, ge=1, description="Context kept for the answer when fitting retrieved chunks to a "
+                                       "request without max_tokens.")
     # One engine thread drives the model; on a small CPU shared with other work, a second
     # intra-op thread made the bundled model's prefill 7-100x slower (docs/api.md), so 1.
     torch_threads: int | None = Field(1, ge=1, description="torch intra-op threads; None: torch's default.")
@@ -83,6 +90,20 @@ class Settings(BaseSettings):
         except InvalidRequestError as exc:
             raise ValueError(exc.message) from None
 
+    @field_validator("document_template")
+    @classmethod
+    def _document_template(cls, value: str | None) -> str | None:
+        from .prompter import check_template
+
+        return None if value is None else check_template(value, {"text", "title"}, "text")
+
+    @field_validator("question_template")
+    @classmethod
+    def _question_template(cls, value: str | None) -> str | None:
+        from .prompter import check_template
+
+        return None if value is None else check_template(value, {"question"}, "question")
+
     @field_validator("cache_storage_dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
@@ -99,4 +120,17 @@ class Settings(BaseSettings):
 
     @property
     def served_model_name(self) -> str:
-        return self.model_name or self.model_path.name
+        from hypic_core.registry import served_name
+
+        return self.model_name or served_name(self.model)
+
+    def prompt_layout(self, tokenizer, known_prompt: dict[str, str] | None = None):
+        """The prompt layout: these settings where set, else the named model's, else the generic one."""
+        from .prompter import GENERIC, PromptLayout
+
+        fmt = self.prompt_format
+        if fmt == "auto":
+            fmt = "chat" if getattr(tokenizer, "chat_template", None) else "raw"
+        base = GENERIC[fmt].__dict__ | (known_prompt or {})
+        chosen = {name: getattr(self, name) for name in ("system_prompt", "document_template", "question_template", "answer_prefix")}
+        return PromptLayout(**(base | {k: v for k, v in chosen.items() if v is not None} | {"format": fmt}))

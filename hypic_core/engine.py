@@ -135,13 +135,13 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, store: SegmentStore | None = None,
-                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> "Engine":
-        """Load a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer) onto `device`. Offline only."""
+                        dtype: str | torch.dtype = torch.float32, device: str = "cpu", model_id: str | None = None) -> "Engine":
+        """Load a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer) onto
+        `device` in `dtype` ("auto": see `loader.pick_dtype`). Offline only."""
         from .loader import load_local
 
-        model, tokenizer = load_local(path, dtype=dtype)
-        model = model.to(device)
-        return cls(model, tokenizer, config, store, model_id=Path(path).name)
+        model, tokenizer = load_local(path, dtype=dtype, device=device)
+        return cls(model, tokenizer, config, store, model_id=model_id or Path(path).name)
 
     @property
     def max_positions(self) -> int:

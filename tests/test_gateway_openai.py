@@ -146,7 +146,7 @@ def test_explicit_segments_are_cached_independently(client):
     (dict(extra_body={"rag": {"top_k": 0}}), openai.BadRequestError, "rag.top_k"),
     (dict(extra_body={"rag": {"document_ids": ["nope"]}}), openai.BadRequestError, "rag.document_ids"),
     (dict(extra_body={"mode": "bogus"}), openai.BadRequestError, "mode"),
-    (dict(messages=[{"role": "user", "content": "Varo " * 3000}]), openai.BadRequestError, "prompt"),
+    (dict(messages=[{"role": "user", "content": "Varo " * 3000}]), openai.BadRequestError, "messages"),
     (dict(presence_penalty=0.5), openai.BadRequestError, "presence_penalty"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), openai.BadRequestError, "tools"),
     (dict(response_format={"type": "json_object"}), openai.BadRequestError, "response_format"),

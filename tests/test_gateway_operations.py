@@ -273,7 +273,7 @@ def test_loads_model_index_and_disk_cache_from_settings(engine, tmp_path):
     engine.tokenizer.save_pretrained(model_dir)
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"id": "a", "text": "Varo lies on the Alna."}\n{"id": "b", "text": "Brill was founded by Tam Oke."}\n')
-    settings = Settings(_env_file=None, torch_threads=None, model_path=model_dir, index_dir=tmp_path / "index",
+    settings = Settings(_env_file=None, torch_threads=None, model=str(model_dir), index_dir=tmp_path / "index",
                         corpus_path=corpus, embedder="hashing-64", cache_dir=tmp_path / "cache", seam=2)
     with LiveServer(create_app(settings)) as live:
         live.wait_ready()

@@ -157,7 +157,7 @@ LONG = "Varo " * 3000  # > 2048 tokens, the tiny model's context
     ({"question": "q", "document_ids": ["no-such-doc"]}, "document_ids"),
     ({"question": "q", "document_ids": "city-varo"}, "document_ids"),
     ({"question": "q", "topk": 3}, "topk"),
-    ({"question": LONG}, "prompt"),
+    ({"question": LONG}, "question"),
 ], ids=["malformed-json", "missing-question", "blank-question", "question-type", "top_k-type", "top_k-zero",
         "top_k-too-big", "temperature-negative", "temperature-too-big", "top_p-zero", "max_tokens-zero",
         "max_tokens-too-big", "unknown-mode", "negative-seam", "unknown-document", "document_ids-type",

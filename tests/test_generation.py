@@ -12,7 +12,6 @@ from hypic_core.detokenizer import StreamDetokenizer
 from hypic_core.engine import AbortHandle, Engine
 from hypic_core.entry import SegmentEntry
 from hypic_core.keys import SegmentKey
-from hypic_core.prompt import PromptBuilder
 from hypic_core.sampling import Sampler
 from hypic_core.store import MemorySegmentStore
 from hypic_core.testing import tiny_model
@@ -112,17 +111,6 @@ def test_concurrent_requests_interleave(engine):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert results == [expected, expected]
-
-
-def test_prompt_builder_segments_are_stable(tiny_tokenizer):
-    pb = PromptBuilder(tiny_tokenizer, system_prompt="Answer from the documents.")
-    msgs = [{"role": "user", "content": "Who is the mayor of Varo?"}]
-    a = pb.segments(msgs, ["Doc one about Varo.", "Doc two."])
-    b = pb.segments(msgs, ["Doc two.", "Doc one about Varo."])
-    assert a[1] == b[2] and a[2] == b[1] and a[0] == b[0] and a[-1] == b[-1]
-    text = tiny_tokenizer.decode([t for s in a for t in s])
-    assert text.startswith("<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n")
-    assert text.endswith("Who is the mayor of Varo?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def _entry(n, seam=1):

