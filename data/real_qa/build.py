@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import ast
 import gzip
-import hashlib
 import json
 import math
 import re
@@ -540,10 +539,6 @@ def build_held_out(texts: dict[str, str]) -> tuple[str, list[tuple[str, str]]]:
         parts.append("\n\n".join(paras))
         seen.append((src.describe(), licence))
     return "\n\n".join(parts) + "\n", seen
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 if __name__ == "__main__":
