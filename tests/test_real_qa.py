@@ -1,0 +1,143 @@
+"""data/real_qa/: the real-text question set is well formed, and bench/real_qa.py loads and scores it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "data" / "real_qa"
+
+
+def _module():
+    """bench/ is a folder of scripts, not a package: load bench/real_qa.py by path."""
+    spec = importlib.util.spec_from_file_location("bench_real_qa", ROOT / "bench" / "real_qa.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+real_qa = _module()
+
+
+def _jsonl(name):
+    with open(DATA / name, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def passages():
+    return _jsonl("passages.jsonl")
+
+
+@pytest.fixture(scope="module")
+def questions():
+    return _jsonl("questions.jsonl")
+
+
+def test_files_and_fields(passages, questions):
+    assert all(set(p) == {"id", "title", "text", "source", "licence"} for p in passages)
+    assert all(set(q) == {"id", "passage_id", "question", "answer", "aliases", "distractors"} for q in questions)
+    assert all(p["source"] and p["licence"] and p["title"] for p in passages)
+    assert (DATA / "README.md").is_file() and (DATA / "build.py").is_file()
+    total = sum((DATA / n).stat().st_size for n in ("passages.jsonl", "questions.jsonl", "held_out.txt"))
+    assert total < 1_100_000
+
+
+def test_counts_and_unique_ids(passages, questions):
+    assert len(questions) >= 60 and len(passages) >= 60
+    assert len({p["id"] for p in passages}) == len(passages)
+    assert len({q["id"] for q in questions}) == len(questions)
+
+
+def test_passages_are_100_to_400_words(passages):
+    bad = {p["id"]: len(p["text"].split()) for p in passages if not 100 <= len(p["text"].split()) <= 400}
+    assert not bad
+
+
+def test_answers_are_short_and_occur_in_their_passage(passages, questions):
+    text = {p["id"]: p["text"].lower() for p in passages}
+    for q in questions:
+        assert q["passage_id"] in text, q["id"]
+        assert 1 <= len(q["answer"].split()) <= 5, q["id"]
+        assert q["question"].strip().endswith("?"), q["id"]
+        assert any(a.lower() in text[q["passage_id"]] for a in [q["answer"], *q["aliases"]]), q["id"]
+        # The question is not answered by copying it: the gold answer is not in the question.
+        assert real_qa.normalize_answer(q["answer"]) not in real_qa.normalize_answer(q["question"]).split(), q["id"]
+
+
+def test_distractors_exist_exclude_gold_and_do_not_contain_the_answer(passages, questions):
+    text = {p["id"]: p["text"].lower() for p in passages}
+    for q in questions:
+        d = q["distractors"]
+        assert 3 <= len(d) <= 9 and len(set(d)) == len(d), q["id"]
+        assert q["passage_id"] not in d, q["id"]
+        assert all(i in text for i in d), q["id"]
+        assert not any(a.lower() in text[i] for i in d for a in [q["answer"], *q["aliases"]]), q["id"]
+
+
+def test_held_out_is_separate_prose(passages):
+    held = (DATA / "held_out.txt").read_text(encoding="utf-8")
+    assert 50_000 <= len(held.encode()) <= 110_000
+
+    def runs(t, n=8):
+        w = t.lower().split()
+        return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+
+    held_runs = runs(held)
+    assert not any(runs(p["text"]) & held_runs for p in passages)
+
+
+def test_loader_resolves_texts(passages, questions):
+    pairs = real_qa.load_real_qa(DATA)
+    assert len(pairs) == len(questions)
+    by_id = {p["id"]: p["text"] for p in passages}
+    first = pairs[0]
+    assert first.passage == by_id[first.passage_id]
+    assert first.distractors == tuple(by_id[i] for i in first.distractor_ids)
+    assert first.answers == (first.answer, *first.aliases)
+    assert real_qa.load_real_qa() == pairs  # the default root is the repository's data/real_qa
+
+
+def test_build_context_shuffles_the_gold_passage():
+    pairs = real_qa.load_real_qa(DATA)
+    positions = set()
+    for pair in pairs:
+        chunks, gold = real_qa.build_context(pair, seed=1)
+        assert len(chunks) == len(pair.distractors) + 1 and chunks[gold] == pair.passage
+        assert sorted(chunks) == sorted([pair.passage, *pair.distractors])
+        assert real_qa.build_context(pair, seed=1) == (chunks, gold)
+        positions.add(gold)
+        three, g3 = real_qa.build_context(pair, n_chunks=3, seed=2)
+        assert len(three) == 3 and three[g3] == pair.passage
+    assert len(positions) > 3
+    with pytest.raises(ValueError):
+        real_qa.build_context(pairs[0], n_chunks=len(pairs[0].distractors) + 2)
+
+
+@pytest.mark.parametrize("prediction,answer,aliases,exact,f1", [
+    ("ABC", "ABC", [], True, 1.0),
+    ("The ABC.", "abc", [], True, 1.0),  # case, article and punctuation are ignored
+    ("  Kent   Beck ", "Kent Beck", [], True, 1.0),
+    ("Kent Beck's framework", "Kent Beck", ["Kent Beck's"], False, 0.8),  # best over aliases: "kent becks"
+    ("16 colors", "16", ["16 colors"], True, 1.0),
+    ("writeback", "writeback=True", ["writeback"], True, 1.0),
+    ("Gustavo", "Gustavo Niemeyer", [], False, 2 / 3),
+    ("Trio", "asyncio", [], False, 0.0),
+    ("", "ABC", [], False, 0.0),
+])
+def test_score(prediction, answer, aliases, exact, f1):
+    em, got = real_qa.score(prediction, answer, aliases)
+    assert em is exact
+    assert got == pytest.approx(f1)
+
+
+def test_normalize_answer():
+    assert real_qa.normalize_answer("The  Zope, Corporation!") == "zope corporation"
+    assert real_qa.normalize_answer("An apple a day") == "apple day"
+    assert real_qa.normalize_answer("(80, 24)") == "80 24"
