@@ -1,0 +1,181 @@
+"""Accuracy of cache reuse on real text: full vs prefix vs pic-naive vs hypic (seam sweep).
+
+Each question of data/real_qa/ (real documentation passages, hand-written questions) is asked
+with a retrieved-style context: its gold passage among 2 to 9 distractor passages, in a shuffled
+order (3 to 10 chunks, the count drawn per question). The prompt is built exactly as the gateway
+builds it (app/prompter.py, the model's named layout), and answered greedily under every
+configuration. Against the gold answer: `acc` (the normalised gold answer or an alias occurs in
+the normalised answer: chat models answer in sentences) and token F1. Against full prefill:
+`agree` (the same greedy answer, word for word), first-token `KL(full || mode)` and `top1` (the
+same first token). 95% confidence intervals: Wilson for proportions, t-free normal for means.
+
+Run:  .venv/bin/python bench/accuracy_real.py --model smollm2-135m-instruct
+      [--n 84] [--seams 0 4 8 16] [--naive-seams 8] [--max-tokens 24] [--tag real-smollm2]
+Writes its section into docs/accuracy.md (between <!-- TAG:begin/end -->) and the raw rows to
+docs/accuracy_real_<model>.json; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from app.prompter import Prompter  # noqa: E402
+from app.settings import Settings  # noqa: E402
+from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
+from hypic_core.engine import Engine  # noqa: E402
+from hypic_core.registry import resolve  # noqa: E402
+from markdown_section import write_section  # noqa: E402
+from real_qa import build_context, load_real_qa, normalize_answer, score  # noqa: E402
+from retrieval.document import Chunk, chunk_id_for  # noqa: E402
+from retrieval.index import SearchHit  # noqa: E402
+
+
+def configs(seams: list[int], naive_seams: list[int]) -> list[tuple[str, str, int]]:
+    out = [("full", "full", 0), ("prefix", "prefix", 0)]
+    out += [(f"pic-naive s={s}", "pic-naive", s) for s in naive_seams]
+    out += [(f"hypic s={s}", "hypic", s) for s in seams]
+    return out
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p = torch.log_softmax(p_logits.float(), -1)
+    return max(0.0, float(torch.sum(p.exp() * (p - torch.log_softmax(q_logits.float(), -1)))))
+
+
+def contains(prediction: str, answers) -> bool:
+    pred = f" {normalize_answer(prediction)} "
+    return any(f" {normalize_answer(a)} " in pred for a in answers if normalize_answer(a))
+
+
+def wilson(successes: float, n: int) -> tuple[float, float]:
+    if n == 0:
+        return float("nan"), float("nan")
+    z, p = 1.96, successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return 100 * (centre - half), 100 * (centre + half)
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    m = statistics.fmean(values)
+    half = 1.96 * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return m, half
+
+
+def prompt_segments(prompter: Prompter, question: str, chunks: list[str]) -> tuple[tuple[int, ...], ...]:
+    # scores rise with the position, so the prompt keeps the shuffled order
+    hits = [SearchHit(float(i), Chunk(chunk_id_for(t), f"c{i}", "", "real_qa", 0, t, 0)) for i, t in enumerate(chunks)]
+    prompt = prompter.query(question, hits, reserve=64)
+    assert prompt.dropped == 0, "context too small for the benchmark's chunks"
+    return tuple(prompt.segments)
+
+
+def evaluate(args) -> dict:
+    model = resolve(args.model)
+    settings = Settings(_env_file=None, model=args.model)
+    engine = Engine.from_pretrained(model.path, EngineConfig(seam=8, memory_budget_bytes=8 << 30), dtype=args.dtype,
+                                    model_id=settings.served_model_name)
+    layout = settings.prompt_layout(engine.tokenizer, model.known.prompt if model.known else None)
+    prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
+    pairs = load_real_qa()[: args.n]
+    cfgs = configs(args.seams, args.seams if args.naive_seams is None else args.naive_seams)
+    rows: dict[str, list[dict]] = {label: [] for label, _, _ in cfgs}
+    rng = random.Random(args.seed)
+    t0 = time.perf_counter()
+    for i, pair in enumerate(pairs):
+        n_chunks = rng.randint(3, min(10, len(pair.distractors) + 1))
+        chunks, gold = build_context(pair, n_chunks, seed=args.seed)
+        segs = prompt_segments(prompter, pair.question, chunks)
+        full = None
+        for label, mode, seam in cfgs:
+            request = GenerationRequest(segs, mode=mode, seam=seam, sampling=SamplingParams(max_tokens=args.max_tokens))
+            pre = engine.prefill(request)
+            text = "".join(e.text for e in engine.generate(request, prefilled=pre)).strip()
+            if full is None:
+                full = (text, pre.logits)
+            _, f1 = score(text, pair.answer, pair.aliases)
+            rows[label].append({"id": pair.id, "chunks": n_chunks, "gold_at": gold, "answer": text,
+                                "acc": contains(text, pair.answers), "f1": f1, "agree": text == full[0],
+                                "kl": kl(full[1], pre.logits), "top1": int(pre.logits.argmax()) == int(full[1].argmax())})
+        el = time.perf_counter() - t0
+        print(f"[{i + 1}/{len(pairs)}] {el:.0f} s elapsed, ~{el / (i + 1) * (len(pairs) - i - 1):.0f} s left; "
+              f"full: {rows['full'][-1]['answer'][:60]!r}", file=sys.stderr, flush=True)
+    return {"model": args.model, "family": engine.adapter.family, "linear_layers": len(engine.adapter.linear_layers),
+            "attention_layers": len(engine.adapter.attention_layers), "dtype": str(engine.runner.model.dtype),
+            "n": len(pairs), "max_tokens": args.max_tokens, "seed": args.seed, "seconds": round(time.perf_counter() - t0),
+            "configs": [list(c) for c in cfgs], "rows": rows}
+
+
+def table(results: dict) -> list[str]:
+    lines = ["| config | answer acc % (95% CI) | F1 % | agree with full % (95% CI) | first-token KL (+-95%) | top-1 agree % |",
+             "|---|---|---|---|---|---|"]
+    for label, _, _ in results["configs"]:
+        rows = results["rows"][label]
+        n = len(rows)
+        acc = sum(r["acc"] for r in rows)
+        agree = sum(r["agree"] for r in rows)
+        lo, hi = wilson(acc, n)
+        alo, ahi = wilson(agree, n)
+        k, khalf = mean_ci([r["kl"] for r in rows])
+        lines.append(f"| {label} | {100 * acc / n:.1f} ({lo:.1f}-{hi:.1f}) | {100 * statistics.fmean(r['f1'] for r in rows):.1f} "
+                     f"| {100 * agree / n:.1f} ({alo:.1f}-{ahi:.1f}) | {k:.4f} (+-{khalf:.4f}) "
+                     f"| {100 * statistics.fmean(r['top1'] for r in rows):.1f} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--n", type=int, default=84, help="questions (data/real_qa has 84)")
+    parser.add_argument("--seams", type=int, nargs="+", default=[0, 4, 8, 16])
+    parser.add_argument("--naive-seams", type=int, nargs="*", default=None,
+                        help="seams for pic-naive (default: --seams). On a dense model pic-naive equals hypic at every "
+                             "seam (no linear layers to compose), so one is enough as a check.")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tag", default=None, help="docs/accuracy.md section tag (default: real-<model>)")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = evaluate(args)
+    name = Path(args.model).name
+    naive = "" if args.naive_seams is None else f" --naive-seams {' '.join(map(str, args.naive_seams))}"
+    command = (f".venv/bin/python bench/accuracy_real.py --model {args.model} --n {args.n} --seams {' '.join(map(str, args.seams))}"
+               f"{naive} --max-tokens {args.max_tokens}")
+    body = table(results)
+    print("\n".join(body))
+    if args.no_write:
+        return
+    (ROOT / "docs" / f"accuracy_real_{name}.json").write_text(json.dumps(results, indent=1))
+    tag = args.tag or f"real-{name}"
+    section = "\n".join([
+        f"<!-- {tag}:begin -->",
+        f"### {name} on real text ({results['family']}: {results['linear_layers']} linear + "
+        f"{results['attention_layers']} attention layers, {results['dtype']})",
+        "",
+        f"`{command}` ({results['n']} questions from data/real_qa, 3-10 chunks each, greedy, {results['seconds']} s "
+        f"on this machine's CPU). Raw rows: `docs/accuracy_real_{name}.json`.",
+        "",
+        *body,
+        f"<!-- {tag}:end -->",
+    ])
+    write_section(ROOT / "docs" / "accuracy.md", section, tag)
+
+
+if __name__ == "__main__":
+    main()
