@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hypic_core.config import DEFAULT_SEAM, Mode
@@ -28,6 +28,7 @@ class Settings(BaseSettings):
     # model
     model: str = Field("hypic-tiny", description="A named model (`hypic models`), a checkpoint directory, a .gguf file, "
                        "or a hub id in the local Hugging Face cache.")
+    model_path: str | None = Field(None, description="Former name of `model` (HYPIC_MODEL_PATH), still read when `model` is unset.")
     model_name: str | None = Field(None, description="Name served on /v1/models; default: the named model, directory or file name.")
     models_dir: Path | None = Field(None, description="Where converted (.gguf) models are kept; default ~/.cache/hypic/models.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -89,6 +90,12 @@ class Settings(BaseSettings):
             return Mode.parse(value).value
         except InvalidRequestError as exc:
             raise ValueError(exc.message) from None
+
+    @model_validator(mode="after")
+    def _former_model_path(self) -> "Settings":
+        if self.model_path is not None and "model" not in self.model_fields_set:
+            self.model = self.model_path
+        return self
 
     @field_validator("document_template")
     @classmethod

@@ -14,7 +14,7 @@ latencies are per token).
 
 Run:  .venv/bin/python bench/make_bench_model.py /tmp/bench-model
       .venv/bin/python bench/make_bench_model.py /tmp/bench-model-small --layers 4 --hidden 256
-Then: HYPIC_MODEL_PATH=/tmp/bench-model .venv/bin/hypic serve    (or bench/serve.py --model /tmp/bench-model)
+Then: HYPIC_MODEL=/tmp/bench-model .venv/bin/hypic serve    (or bench/serve.py --model /tmp/bench-model)
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ Against a gateway already running (its caches carry over between cells and modes
 tokenizer for sizing texts comes from --model):
     .venv/bin/python bench/serve.py --url http://127.0.0.1:8000 --model /tmp/bench-model --rates 1 2
 
-Managed gateways run `python -m app.cli serve` on 127.0.0.1 with HYPIC_MODEL_PATH=--model,
+Managed gateways run `python -m app.cli serve` on 127.0.0.1 with HYPIC_MODEL=--model,
 HYPIC_CORPUS_PATH=none, HYPIC_EMBEDDER=hashing, a temporary HYPIC_INDEX_DIR, HYPIC_MAX_RUNNING /
 HYPIC_MAX_QUEUE from the options; every other HYPIC_* variable of the environment (HYPIC_DEVICE,
 HYPIC_TORCH_THREADS, HYPIC_CACHE_*...) passes through.
@@ -402,7 +402,7 @@ class Gateway:
     def env(self, port: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
-            "HYPIC_MODEL_PATH": str(self.args.model), "HYPIC_HOST": "127.0.0.1", "HYPIC_PORT": str(port),
+            "HYPIC_MODEL": str(self.args.model), "HYPIC_HOST": "127.0.0.1", "HYPIC_PORT": str(port),
             "HYPIC_CORPUS_PATH": "none", "HYPIC_INDEX_DIR": str(self.workdir / "index"), "HYPIC_EMBEDDER": "hashing",
             "HYPIC_MAX_RUNNING": str(self.max_running), "HYPIC_MAX_QUEUE": str(self.args.max_queue),
             "HYPIC_MAX_NEW_TOKENS": str(max(1024, self.args.max_tokens, self.args.decode_tokens)),

@@ -30,7 +30,10 @@ from .errors import HypicError
 log = logging.getLogger("hypic.models")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CONVERTED_STAMP = "hypic-converted.json"
+# A checkpoint directory that is a named model says so in this file ({"named": NAME, ...}): the
+# bundled model's directory and every converted GGUF carry one, so a named model given by its path
+# (in a container, say) still gets its own prompt layout.
+MODEL_STAMP = "hypic-model.json"
 
 
 class ModelNotFoundError(HypicError):
@@ -130,15 +133,12 @@ def served_name(spec: str) -> str:
 
 
 def known_for(path: Path) -> KnownModel | None:
-    """The named model whose checkpoint `path` is (a bundled directory given by path), if any."""
-    path = path.resolve()
-    for model in KNOWN_MODELS.values():
-        if model.name == "hypic-tiny" and _bundled() is not None and _bundled().resolve() == path:
-            return model
-        stamp = path / CONVERTED_STAMP
-        if stamp.is_file() and json.loads(stamp.read_text()).get("named") == model.name:
-            return model
-    return None
+    """The named model whose checkpoint directory `path` is (its stamp file says), if any."""
+    try:
+        named = json.loads((Path(path) / MODEL_STAMP).read_text()).get("named")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return KNOWN_MODELS.get(named) if isinstance(named, str) else None
 
 
 def resolve(spec: str | Path, cache_dir: Path | None = None, progress: Callable[[str], None] | None = None) -> ResolvedModel:
@@ -210,7 +210,7 @@ def convert_gguf(gguf: Path, target: Path, named: str | None = None, progress: C
     file (size and digest recorded in `target`) is reused; a half-written one never is: the
     directory is built beside `target` and renamed into place."""
     identity = {"gguf": str(gguf.resolve()), "size": gguf.stat().st_size, "digest": _file_digest(gguf), "named": named}
-    stamp = target / CONVERTED_STAMP
+    stamp = target / MODEL_STAMP
     if stamp.is_file():
         try:
             if json.loads(stamp.read_text()) == identity:
@@ -242,7 +242,7 @@ def convert_gguf(gguf: Path, target: Path, named: str | None = None, progress: C
             state.pop("lm_head.weight", None)
         save_file(state, work / "model.safetensors", metadata={"format": "pt"})
         tokenizer.save_pretrained(work)
-        (work / CONVERTED_STAMP).write_text(json.dumps(identity, indent=1))
+        (work / MODEL_STAMP).write_text(json.dumps(identity, indent=1))
         if target.exists():
             shutil.rmtree(target)
         work.rename(target)

@@ -12,7 +12,7 @@ from hypic_core import registry
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine import Engine
 from hypic_core.loader import pick_dtype
-from hypic_core.registry import CONVERTED_STAMP, KNOWN_MODELS, ModelNotFoundError, REPO_ROOT, resolve, served_name
+from hypic_core.registry import MODEL_STAMP, KNOWN_MODELS, ModelNotFoundError, REPO_ROOT, resolve, served_name
 
 EIFFEL = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after "
           "the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.")
@@ -70,7 +70,7 @@ def test_a_gguf_file_is_converted_into_the_cache_under_its_digest(tmp_path, monk
 
 
 def test_smollm2_conversion_is_reused(smollm2_dir):
-    stamp = json.loads((smollm2_dir / CONVERTED_STAMP).read_text())
+    stamp = json.loads((smollm2_dir / MODEL_STAMP).read_text())
     assert stamp["named"] == "smollm2-135m-instruct" and stamp["gguf"].endswith(".gguf")
     weights = smollm2_dir / "model.safetensors"
     before = weights.stat().st_mtime_ns
