@@ -62,7 +62,8 @@ class Settings(BaseSettings):
     cache_memory_bytes: int = Field(2 << 30, ge=0, description="Host-memory tier of the segment cache.")
     cache_dir: Path | None = Field(None, description="Adds a disk tier here (tiered store); None: memory only.")
     cache_disk_bytes: int = Field(16 << 30, ge=0)
-    cache_storage_dtype: str = Field("fp32", description="dtype of disk-tier entries (hypic_core.cache.STORAGE_DTYPES).")
+    cache_storage_dtype: str = Field("auto", description="Disk-tier entries: auto (as computed: K/V in the model's dtype, "
+                                     "T and E fp32) or bf16 (narrowed); fp32, a former name of auto, is still read.")
     prefix_cache_bytes: int = Field(512 << 20, ge=0)
     max_new_tokens: int = Field(1024, ge=1, description="Upper bound on max_tokens of any request.")
 
@@ -116,6 +117,7 @@ class Settings(BaseSettings):
     def _known_dtype(cls, value: str) -> str:
         from hypic_core.cache import STORAGE_DTYPES
 
+        value = "auto" if value == "fp32" else value
         if value not in STORAGE_DTYPES:
             raise ValueError(f"expected one of {', '.join(STORAGE_DTYPES)}, got {value!r}")
         return value

@@ -113,7 +113,7 @@ def main() -> None:
                 t_device = timed(lambda: dev.lookup(key, seg), args.reps * 4)
             t_disk, size = {}, {}
             for dt, disk in disks.items():
-                writer = TieredSegmentStore(device, [MemoryTier("host", "cpu", 1 << 34)], disk, storage_dtype=dt)
+                writer = TieredSegmentStore(device, [MemoryTier("host", "cpu", 1 << 34)], disk, storage_dtype="auto" if dt == "fp32" else dt)
                 writer.insert(key, entry)
                 writer.flush()
                 data = encode(entry, key, dt)
@@ -121,7 +121,7 @@ def main() -> None:
                 t_disk[f"decode {dt}"] = timed(lambda data=data, dt=dt: decode(data, key, seg, dt), args.reps)
 
                 def disk_hit(dt=dt, disk=disk):
-                    fresh = TieredSegmentStore(device, [MemoryTier("host", "cpu", 1 << 34)], disk, storage_dtype=dt)
+                    fresh = TieredSegmentStore(device, [MemoryTier("host", "cpu", 1 << 34)], disk, storage_dtype="auto" if dt == "fp32" else dt)
                     assert fresh.lookup(key, seg) is not None and fresh.stats().hits["disk"] == 1
                 t_disk[dt] = timed(disk_hit, args.reps)
             rows.append((L, entry.nbytes, size, t_recompute, t_host, t_device, t_disk))

@@ -50,7 +50,7 @@ def test_roundtrip_keeps_half_precision_kv():
 
 def test_bf16_storage_halves_bytes_and_restores_dtypes():
     e = make_entry(n=200, width=64)
-    full, small = encode(e, key_of(e), "fp32"), encode(e, key_of(e), "bf16")
+    full, small = encode(e, key_of(e), "auto"), encode(e, key_of(e), "bf16")
     assert len(small) < 0.6 * len(full)
     back = decode(small, key_of(e), e.token_ids, "bf16")
     assert back.keys[0].dtype == torch.float32 and back.operators[0].transition.dtype == torch.float32
@@ -58,7 +58,7 @@ def test_bf16_storage_halves_bytes_and_restores_dtypes():
     err = (back.keys[0] - e.keys[0]).abs().max() / e.keys[0].abs().max()
     assert 0 < err < 1e-2
     with pytest.raises(CorruptEntry) as info:  # a store configured for fp32 never serves bf16 bytes
-        decode(small, key_of(e), e.token_ids, "fp32")
+        decode(small, key_of(e), e.token_ids, "auto")
     assert info.value.reason == "storage_dtype"
 
 

@@ -27,7 +27,7 @@ DISK_MIN_TOKENS = 0  # set from bench/cache_tiers.py: below this, recompute beat
 
 def build_store(host_bytes: int, device: torch.device | str = "cpu", device_bytes: int = 0,
                 directory: str | os.PathLike | None = None, disk_bytes: int = 16 << 30,
-                storage_dtype: str = "fp32", disk_min_tokens: int = DISK_MIN_TOKENS,
+                storage_dtype: str = "auto", disk_min_tokens: int = DISK_MIN_TOKENS,
                 write_queue: int = 64) -> SegmentStore:
     """The segment store for these settings.
 

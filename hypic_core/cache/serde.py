@@ -31,7 +31,7 @@ from ..keys import SCHEMA_VERSION, SegmentKey
 
 MAGIC = b"HYPICSEG"
 _PREFIX = struct.Struct("<8sQ32s")  # magic, payload length, sha256 digest
-STORAGE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+STORAGE_DTYPES = {"auto": None, "bf16": torch.bfloat16}  # auto: as computed (K/V in the model dtype, T and E fp32)
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)}
 
 
@@ -53,7 +53,7 @@ def _lowered(name: str) -> bool:
     return name.endswith((".k", ".v", ".T", ".E"))
 
 
-def encode(entry: SegmentEntry, key: SegmentKey, storage_dtype: str = "fp32") -> bytes:
+def encode(entry: SegmentEntry, key: SegmentKey, storage_dtype: str = "auto") -> bytes:
     """Serialize `entry`, stored under `key`, to self-checking bytes. Does not mutate the entry.
 
     Raises ValueError for an unknown `storage_dtype`. Safe to call from any thread.

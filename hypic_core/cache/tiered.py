@@ -37,7 +37,7 @@ class TieredSegmentStore(SegmentStore):
     - `memory_tiers`: hot first, e.g. (device, host); at least one.
     - `disk`: optional; only segments of at least `disk_min_tokens` tokens are written to
       and read from it (below that, recomputing is cheaper than loading: docs/cache.md).
-    - `storage_dtype`: "fp32" or "bf16" precision of K/V and (T, E) on disk. It is part of
+    - `storage_dtype`: "auto" (as computed) or "bf16" precision of K/V and (T, E) on disk. It is part of
       the disk key, so stores of different precision sharing a directory never mix entries.
 
     Thread-safe: memory tiers are guarded by one lock; disk reads and decoding run outside
@@ -45,7 +45,7 @@ class TieredSegmentStore(SegmentStore):
     """
 
     def __init__(self, device: torch.device | str, memory_tiers: Sequence[MemoryTier], disk: DiskTier | None = None,
-                 storage_dtype: str = "fp32", disk_min_tokens: int = 0):
+                 storage_dtype: str = "auto", disk_min_tokens: int = 0):
         if not memory_tiers:
             raise ValueError("a TieredSegmentStore needs at least one memory tier")
         if storage_dtype not in STORAGE_DTYPES:
