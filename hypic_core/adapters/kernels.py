@@ -26,7 +26,10 @@ What this module does with it:
 The math is the same; the precision is not. The torch fallbacks compute the recurrence in fp32
 whatever the model dtype. fla's chunked kernels keep q/k/v (and the intra-chunk WY factors) in the
 input dtype, bf16 in a bf16 model, accumulating in fp32 with fp32 states; Triton matmuls on fp32
-inputs may use TF32. Expect bf16-level differences in a bf16 model and ~1e-3 relative in fp32.
+inputs may use TF32. Measured on an H200 (fla 0.6.0, bench/gpu_kernels.py): fp32 tiny models,
+fla plain forwards against torch-computed operators, 2-4e-4 max |logit diff| and 1-2e-3 relative
+state error (torch alone: ~1e-7); a 2k-token prefill, fla vs torch logits, 1e-3..2e-2 in fp32 and
+4e-2..0.2 in bf16.
 """
 
 from __future__ import annotations
