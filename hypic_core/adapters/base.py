@@ -21,6 +21,7 @@ import torch
 
 from ..config import Mode
 from ..operators import LinearOperator
+from .kernels import KernelSelection
 
 
 @dataclass
@@ -46,6 +47,10 @@ class ModelAdapter(ABC):
 
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
+    # The modeling module's ops transformers may bind to a package kernel (fla, causal_conv1d,
+    # mamba_ssm); families with linear layers set `kernels` from these in __init__ (adapters/kernels.py).
+    kernel_ops: ClassVar[tuple[str, ...]] = ()
+    kernels: KernelSelection = KernelSelection(None)
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -64,6 +69,15 @@ class ModelAdapter(ABC):
         """
         for i, kind in enumerate(self.config.layer_types[: self.num_layers]):
             (self.linear_layers if kind == "linear_attention" else self.attention_layers).append(i)
+
+    def kernel_plan(self, device: torch.device | str | None = None) -> dict[int, dict[str, str]]:
+        """What each linear layer's ops run on `device` (default: the model's) in a plain forward, by layer index.
+
+        Values are "torch" or the package ("fla", "causal_conv1d", "mamba_ssm"); capture, fused
+        capture and stitch forwards always run "torch". An empty dict per layer: nothing to choose.
+        """
+        plan = self.kernels.plan(self.model.device if device is None else device)
+        return {i: dict(plan) for i in self.linear_layers}
 
     @property
     def num_layers(self) -> int:
@@ -156,7 +170,8 @@ class ModelAdapter(ABC):
 
     @contextlib.contextmanager
     def _patched(self, cap: Capture, make_patches) -> Iterator[Capture]:
-        patches = make_patches(cap)
+        """Apply `make_patches(cap)` for the block, every other kernel op pinned to its torch fallback."""
+        patches = {**self.kernels.torch_patches(), **make_patches(cap)}
         saved = {}
         try:
             for (module, name), wrapper in patches.items():

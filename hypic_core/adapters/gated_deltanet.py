@@ -6,7 +6,8 @@ Recurrence per value head (state S is [d_k, d_v], keys L2-normalised inside the 
 
 so A_t = exp(g_t)(I - b_t k_t k_t^T) and T is a dense [H_v, d_k, d_k] matrix. T is computed
 with the layer's own chunked kernel, started from the identity with zero values; E with the
-same kernel from a zero state. `naive_scan` is the plain sequential reference beside it.
+same kernel from a zero state (always its torch fallback, even where fla is installed:
+adapters/kernels.py). `naive_scan` is the plain sequential reference beside it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from ..config import Mode
 from ..operators import LinearOperator
 from .base import Capture, ModelAdapter, StitchSpan
+from .kernels import KernelSelection
 
 _MODELING = {
     "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
@@ -33,18 +35,21 @@ _MODELING = {
 class GatedDeltaNetAdapter(ModelAdapter):
     family = "gated-deltanet"
     model_types = tuple(_MODELING)
+    kernel_ops = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
+                  "torch_recurrent_gated_delta_rule")  # fla: chunk / fused_recurrent_gated_delta_rule
 
     def __init__(self, model: torch.nn.Module):
         super().__init__(model)
         self._modeling = importlib.import_module(_MODELING[self.config.model_type])
+        self.kernels = KernelSelection.install(self._modeling, self.kernel_ops)
         layers = self.model.base_model.layers
         self._mixers = [layers[i].linear_attn for i in self.linear_layers]
 
     # --- capture ------------------------------------------------------------------------
     def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
         mod = self._modeling
-        conv_wrapper = self._recording_conv(cap, mod.causal_conv1d_fn)
-        scan_fn = mod.torch_chunk_gated_delta_rule
+        conv_wrapper = self._recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
+        scan_fn = self.kernels.fallback("torch_chunk_gated_delta_rule")
 
         def scan_wrapper(query, key, value, *args, **kwargs):
             g = kwargs["g"] if "g" in kwargs else args[0]
@@ -69,8 +74,8 @@ class GatedDeltaNetAdapter(ModelAdapter):
         they leave the state alone.
         """
         mod = self._modeling
-        conv_wrapper = self._recording_conv(cap, mod.causal_conv1d_fn)
-        scan_fn = mod.torch_chunk_gated_delta_rule
+        conv_wrapper = self._recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
+        scan_fn = self.kernels.fallback("torch_chunk_gated_delta_rule")
         lengths = torch.tensor(body_lengths)
 
         def scan_wrapper(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
@@ -105,8 +110,8 @@ class GatedDeltaNetAdapter(ModelAdapter):
         one batch; only the recurrence and the short conv run per span, as in a sequential stitch.
         """
         mod = self._modeling
-        conv_fn = mod.causal_conv1d_fn
-        scan_fn = mod.torch_chunk_gated_delta_rule
+        conv_fn = self.kernels.fallback("causal_conv1d_fn")
+        scan_fn = self.kernels.fallback("torch_chunk_gated_delta_rule")
         calls = {"conv": 0, "scan": 0}
         n_run = spans[-1].end if spans else 0
 
@@ -158,7 +163,7 @@ class GatedDeltaNetAdapter(ModelAdapter):
 
     def operator(self, k, v, g, beta, l2norm: bool) -> LinearOperator:
         """(T, E) of one span with the family's chunked kernel. k [1, L, Hk, dk], v [1, L, Hv, dv]."""
-        kernel = self._modeling.torch_chunk_gated_delta_rule
+        kernel = self.kernels.fallback("torch_chunk_gated_delta_rule")
         _, L, _, dk = k.shape
         hv = v.shape[2]
         eye = torch.eye(dk, dtype=torch.float32, device=k.device).expand(1, hv, dk, dk).contiguous()

@@ -6,8 +6,9 @@ decay per key channel instead of GDN's one per head:
     S_t = (I - b_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T        g_t in R^{d_k}, g_t < 0
 
 so A_t = (I - b_t k_t k_t^T) diag(exp(g_t)) and T is a dense [H, d_k, d_k] matrix applied from
-the left. T comes from the layer's own chunked kernel (`chunk_kimi_delta_attention`, or FLA's
-`chunk_kda` when installed): one call started from [I | 0] with values [0 | v] gives [T | E].
+the left. T comes from the layer's own chunked kernel (the torch `chunk_kimi_delta_attention`,
+even where FLA's `chunk_kda` is installed: adapters/kernels.py): one call started from [I | 0]
+with values [0 | v] gives [T | E].
 `naive_scan` is the plain sequential reference beside it.
 
 Attention layers are MLA without positions: the cache holds the compressed latent
@@ -23,17 +24,21 @@ import torch
 
 from ..operators import LinearOperator
 from .base import Capture, ModelAdapter
+from .kernels import KernelSelection
 
 
 class KimiDeltaAttentionAdapter(ModelAdapter):
     family = "kimi-delta-attention"
     model_types = ("kimi_linear",)
+    kernel_ops = ("causal_conv1d_fn", "causal_conv1d_update", "chunk_kimi_delta_attention",
+                  "recurrent_kimi_delta_attention")  # fla: chunk_kda / fused_recurrent_kda
 
     def __init__(self, model: torch.nn.Module):
         super().__init__(model)
         from transformers.models.kimi_linear import modeling_kimi_linear
 
         self._modeling = modeling_kimi_linear
+        self.kernels = KernelSelection.install(self._modeling, self.kernel_ops)
         layers = self.model.base_model.layers
         self._mixers = [layers[i].self_attn for i in self.linear_layers]
 
@@ -44,8 +49,8 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
     # --- capture ------------------------------------------------------------------------
     def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
         mod = self._modeling
-        conv_wrapper = self._recording_conv(cap, mod.causal_conv1d_fn)
-        scan_fn = mod.chunk_kimi_delta_attention
+        conv_wrapper = self._recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
+        scan_fn = self.kernels.fallback("chunk_kimi_delta_attention")
 
         def scan_wrapper(query, key, value, g, beta, *args, **kwargs):
             cap.scan_args.append(dict(key=key.detach(), value=value.detach(), g=g.detach(), beta=beta.detach(),
@@ -64,7 +69,7 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
 
     def operator(self, k, v, g, beta, l2norm: bool) -> LinearOperator:
         """(T, E) of one span with the family's chunked kernel. k, g [1, L, H, dk], v [1, L, H, dv], beta [1, L, H]."""
-        kernel = self._modeling.chunk_kimi_delta_attention
+        kernel = self.kernels.fallback("chunk_kimi_delta_attention")
         _, L, h, dk = k.shape
         # Value columns evolve independently under the same A_t, so one call from [I | 0] with
         # values [0 | v] yields [T | E]: the first dk columns never receive input.

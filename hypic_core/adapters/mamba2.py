@@ -6,9 +6,10 @@ Recurrence per head h (state S is [head_dim, d_state], B_t shared by the heads o
     S_t  = exp(dt_t a_h) S_{t-1} + dt_t x_t B_t^T
 
 so A_t = exp(dt_t a_h) is one scalar per head, and a span's transition is the scalar
-T_h = exp(a_h * sum_t dt_t). E is the layer's own chunked scan (`mamba2_chunk_scan`, or the
-mamba_ssm kernel when installed) run from a zero state; `naive_scan` is the plain sequential
-reference beside it. The five families share the mixer code and differ only in layout:
+T_h = exp(a_h * sum_t dt_t). E is the layer's own chunked scan (the torch `mamba2_chunk_scan`,
+even where mamba_ssm is installed: adapters/kernels.py) run from a zero state; `naive_scan` is
+the plain sequential reference beside it. The five families share the mixer code and differ
+only in layout:
 
 - bamba / granitemoehybrid / nemotron_h: separate Mamba and attention layers (Granite and
   Nemotron-H attention is NoPE; Nemotron-H also has MLP-only / MoE-only layers, no state);
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from ..operators import LinearOperator
 from .base import Capture, ModelAdapter, require
+from .kernels import KernelSelection
 
 _MODELING = {
     "bamba": "transformers.models.bamba.modeling_bamba",
@@ -48,10 +50,13 @@ _LAYER_KINDS = {
 class Mamba2Adapter(ModelAdapter):
     family = "mamba2"
     model_types = tuple(_MODELING)
+    kernel_ops = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan", "mamba2_selective_state_update",
+                  "mamba2_split_conv1d_scan_combined")  # mamba_ssm; the last runs only in training without a cache
 
     def __init__(self, model: torch.nn.Module):
         super().__init__(model)
         self._modeling = importlib.import_module(_MODELING[self.config.model_type])
+        self.kernels = KernelSelection.install(self._modeling, self.kernel_ops)
         layers = self.model.base_model.layers
         self._mixers = [_find_mixer(layers[i]) for i in self.linear_layers]
 
@@ -68,8 +73,8 @@ class Mamba2Adapter(ModelAdapter):
     # --- capture ------------------------------------------------------------------------
     def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
         mod = self._modeling
-        conv_wrapper = self._recording_conv(cap, mod.causal_conv1d_fn)
-        scan_fn = mod.mamba2_chunk_scan
+        conv_wrapper = self._recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
+        scan_fn = self.kernels.fallback("mamba2_chunk_scan")
 
         def scan_wrapper(hidden_states, dt, A, B, C, *args, **kwargs):
             cap.scan_args.append(dict(
@@ -94,7 +99,7 @@ class Mamba2Adapter(ModelAdapter):
 
         T [H] = exp(A * sum of effective dt); E [H, P, N] = the layer's chunked scan from zero.
         """
-        kernel = self._modeling.mamba2_chunk_scan
+        kernel = self.kernels.fallback("mamba2_chunk_scan")
         _, E = kernel(x, dt, A, B, torch.zeros_like(B), chunk_size=chunk_size, D=None, dt_bias=dt_bias,
                       initial_states=None, dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=True)
         step = effective_dt(dt[0], dt_bias, dt_softplus, dt_limit)  # [L, H]
