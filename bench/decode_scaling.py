@@ -7,6 +7,7 @@ Each stream: a 3 x 200-token context + a 20-token question, mode hypic, `--token
 tokens with ignore_eos; the clock runs from every stream's first token to the last token.
 
 Run:  .venv/bin/python bench/decode_scaling.py [--model models/hypic-tiny | --bench-model] [--threads 1]
+      [--device cuda --dtype bfloat16 --streams 1 8 32]
 """
 
 from __future__ import annotations
@@ -52,16 +53,23 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    config = EngineConfig(max_running=max(args.streams), max_step_tokens=max(512, 700 * max(args.streams)))
+    dtype = getattr(torch, args.dtype)
     if args.bench_model:
         from ttft import bench_model
 
-        engine, name = Engine(bench_model(), config=EngineConfig(max_running=max(args.streams))), "bench_model() of bench/ttft.py"
+        engine = Engine(bench_model().to(device=args.device, dtype=dtype), config=config)
+        name = "bench_model() of bench/ttft.py"
     else:
-        engine, name = Engine.from_pretrained(args.model, EngineConfig(max_running=max(args.streams))), args.model.name
+        engine = Engine.from_pretrained(args.model, config, dtype=dtype, device=args.device)
+        name = args.model.name
     params = sum(p.numel() for p in engine.model.parameters()) / 1e6
-    print(f"model: {name} ({params:.1f}M parameters, fp32, CPU, {args.threads} torch thread(s)); "
+    where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else f"CPU, {args.threads} torch thread(s)"
+    print(f"model: {name} ({params:.1f}M parameters, {args.dtype}, {where}); "
           f"{args.tokens} tokens per stream, median of {args.reps}")
     rng = random.Random(0)
     throughput(engine, 1, 4, rng)  # warm-up
