@@ -6,7 +6,7 @@
     ingest_paths(["docs/"], index, Chunker(serving_tokenizer))
     hits = index.search("how does the seam work?", top_k=5)
 
-Modules: `document` (Document, Chunk), `chunker`, `embedder`, `index` (VectorIndex), `ingest`,
+Modules: `document` (Document, Chunk), `formats` (file types), `chunker`, `embedder`, `index` (VectorIndex), `ingest`,
 `errors` (RetrievalError and subclasses), `cli` (the `hypic ingest` command).
 No FastAPI or pydantic here: results are plain dataclasses.
 """

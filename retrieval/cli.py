@@ -43,7 +43,7 @@ def resolve_tokenizer(directory: Path | None, embedder: Any) -> Any:
 
 
 def ingest_command(
-    paths: Annotated[list[Path], typer.Argument(help="Files (.txt, .md, .jsonl) or directories to ingest.")],
+    paths: Annotated[list[Path], typer.Argument(help="Files (.txt, .md, .rst, .html, .jsonl, each optionally .gz) or directories to ingest.")],
     index_dir: Annotated[Path, typer.Option("--index-dir", help="Index directory (created if missing).")] = DEFAULT_INDEX_DIR,
     embedder: Annotated[str, typer.Option("--embedder", help="minilm, hashing, hashing-DIM, or a model directory.")] = "minilm",
     tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="Tokenizer directory for chunk sizes (default: the serving model's).")] = None,

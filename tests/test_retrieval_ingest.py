@@ -147,7 +147,7 @@ def test_missing_paths_duplicates_and_empty_directories(tmp_path, corpus, index,
         load_documents([tmp_path / "missing"])
     (tmp_path / "only-images").mkdir()
     (tmp_path / "only-images" / "a.png").write_bytes(b"png")
-    with pytest.raises(InputNotFoundError, match="no .txt, .md, .jsonl files"):
+    with pytest.raises(InputNotFoundError, match=r"no .txt, .md, .rst, .html, .htm, .jsonl \(or any of them \+ .gz\) files"):
         load_documents([tmp_path / "only-images"])
     with pytest.raises(InvalidInputError, match="'notes.txt' appears twice"):
         load_documents([corpus / "notes.txt", corpus / "notes.txt"])
