@@ -23,7 +23,7 @@ import zlib
 from html.parser import HTMLParser
 
 from retrieval.document import Document
-from retrieval.errors import BinaryInputError, EmptyInputError, InvalidInputError, MalformedLineError, UnsupportedFormatError
+from retrieval.errors import BinaryInputError, EmptyInputError, InvalidInputError, MalformedItemError, MalformedLineError, UnsupportedFormatError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".html", ".htm")
 JSONL_SUFFIX = ".jsonl"
@@ -135,6 +135,35 @@ def parse_jsonl(body: str | bytes, source: str = "<request>") -> list[Document]:
         documents.append(document)
     if not documents:
         raise EmptyInputError(f"{source}: no documents")
+    return documents
+
+
+def parse_json(body: str | bytes, source: str = "<request>") -> list[Document]:
+    """The documents of a JSON body: one document object or a list of them (the records of
+    `parse_jsonl`). Raises `MalformedItemError` naming the item and field at fault (also for
+    malformed JSON, a repeated id or an empty list) and `decode_text`'s errors."""
+    try:
+        value = json.loads(decode_text(body, source))
+    except json.JSONDecodeError as exc:
+        raise MalformedItemError(source, None, None, f"malformed JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
+    single = isinstance(value, dict)
+    records = [value] if single else value
+    if not isinstance(records, list):
+        raise MalformedItemError(source, None, None, f"expected a document object or a list of them, got {type(value).__name__}")
+    if not records:
+        raise MalformedItemError(source, None, None, "no documents (an empty list)")
+    documents: list[Document] = []
+    first_item: dict[str, int] = {}
+    for position, record in enumerate(records):
+        item = None if single else position
+        problem = record_problem(record)
+        if problem is not None:
+            raise MalformedItemError(source, item, problem[0], problem[1])
+        document = document_from_record(record, source)
+        if document.document_id in first_item:
+            raise MalformedItemError(source, item, "id", f"duplicate id {document.document_id!r} (first in item {first_item[document.document_id]})")
+        first_item[document.document_id] = position
+        documents.append(document)
     return documents
 
 
