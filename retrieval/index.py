@@ -198,7 +198,16 @@ class VectorIndex:
         returned vectors of the wrong shape); on any error the index is unchanged.
         """
         _check_chunk_sets(chunks)
-        vectors = self._embed([chunk.text for chunk in chunks], progress)
+        return self._write(chunks, self._embed([chunk.text for chunk in chunks], progress))
+
+    def upsert_embedded(self, chunks: Sequence[Chunk], vectors: np.ndarray) -> int:
+        """`upsert` with the chunks' vectors already computed by this index's embedder (row i
+        is chunk i's), e.g. by `retrieval.ingest.chunk_and_embed`. Checks as `upsert` does."""
+        _check_chunk_sets(chunks)
+        return self._write(chunks, self._checked(np.asarray(vectors, dtype=np.float32), len(chunks)))
+
+    def _write(self, chunks: Sequence[Chunk], vectors: np.ndarray) -> int:
+        """Replace the documents of `chunks` with them and their checked `vectors`; persist."""
         document_ids = sorted({chunk.document_id for chunk in chunks})
         with self._lock, self._mutation():
             replaced = [doc for doc in document_ids if self.has_document(doc)]
@@ -268,9 +277,14 @@ class VectorIndex:
             if progress is not None:
                 progress(min(first + EMBED_BATCH, len(texts)), len(texts))
         vectors = np.concatenate(parts) if parts else np.zeros((0, self._manifest.dim), dtype=np.float32)
-        if vectors.ndim != 2 or vectors.shape != (len(texts), self._manifest.dim):
+        return self._checked(vectors, len(texts))
+
+    def _checked(self, vectors: np.ndarray, count: int) -> np.ndarray:
+        """`vectors` as a contiguous float32 array, if it holds `count` finite rows of the index
+        dimension; else `DimensionMismatchError` or `InvalidInputError`."""
+        if vectors.ndim != 2 or vectors.shape != (count, self._manifest.dim):
             raise DimensionMismatchError(
-                f"embedder {self.embedder.name!r} returned vectors of shape {vectors.shape}, the index needs ({len(texts)}, {self._manifest.dim})"
+                f"embedder {self.embedder.name!r} returned vectors of shape {vectors.shape}, the index needs ({count}, {self._manifest.dim})"
             )
         if not np.isfinite(vectors).all():
             raise InvalidInputError(f"embedder {self.embedder.name!r} returned non-finite values")

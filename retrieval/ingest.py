@@ -24,7 +24,8 @@ from retrieval.chunker import Chunker
 from retrieval.document import Document
 from retrieval.errors import EmptyInputError, InputNotFoundError, InvalidInputError
 from retrieval.formats import SUPPORTED_DESCRIPTION, decode_text, is_supported, markdown_title, parse_jsonl, read_documents, require_format
-from retrieval.index import Progress, VectorIndex
+from retrieval.index import VectorIndex
+from retrieval.pipeline import IngestCallback, chunk_and_embed
 
 
 
@@ -63,19 +64,21 @@ def load_documents(paths: Iterable[str | Path]) -> tuple[list[Document], tuple[s
     return documents, tuple(skipped)
 
 
-def ingest_documents(documents: Sequence[Document], index: VectorIndex, chunker: Chunker, progress: Progress | None = None) -> IngestSummary:
-    """Chunk `documents` and upsert them into `index` (replacing documents of the same id).
-    `progress(done, total)` is called as chunks are embedded. Atomic: on error nothing changes."""
+def ingest_documents(documents: Sequence[Document], index: VectorIndex, chunker: Chunker, progress: IngestCallback | None = None) -> IngestSummary:
+    """Chunk `documents` and upsert them into `index` (replacing documents of the same id):
+    chunking runs on a thread while the index's embedder embeds windows of chunks across
+    documents (`retrieval.pipeline.chunk_and_embed`). `progress(IngestProgress)` is called as
+    chunks are embedded. Atomic: on error nothing changes."""
     started = time.perf_counter()
     if not documents:
         raise EmptyInputError("no documents to ingest")
     _check_unique(documents)
-    chunks = [chunk for document in documents for chunk in chunker.chunk(document)]
-    replaced = index.upsert(chunks, progress)
-    return IngestSummary(len(documents), len(chunks), time.perf_counter() - started, replaced)
+    embedded = chunk_and_embed(documents, chunker, index.embedder, progress)
+    replaced = index.upsert_embedded(embedded.chunks, embedded.vectors)
+    return IngestSummary(len(documents), len(embedded.chunks), time.perf_counter() - started, replaced)
 
 
-def ingest_paths(paths: Iterable[str | Path], index: VectorIndex, chunker: Chunker, progress: Progress | None = None) -> IngestSummary:
+def ingest_paths(paths: Iterable[str | Path], index: VectorIndex, chunker: Chunker, progress: IngestCallback | None = None) -> IngestSummary:
     """Read (`load_documents`) and ingest (`ingest_documents`) files and directories."""
     started = time.perf_counter()
     documents, skipped = load_documents(paths)

@@ -60,11 +60,11 @@ def _snapshot(index: VectorIndex):
 
 def test_directory_walk_reads_every_format(corpus, index, chunker):
     progress = []
-    summary = ingest_paths([corpus], index, chunker, progress=lambda done, total: progress.append((done, total)))
+    summary = ingest_paths([corpus], index, chunker, progress=lambda p: progress.append((p.documents, p.documents_total, p.chunks)))
     assert (summary.documents, summary.chunks, summary.replaced) == (4, 4, 0)
     assert summary.skipped == (str(corpus / "image.png"),)
     assert summary.seconds > 0
-    assert progress[-1] == (4, 4)
+    assert progress[-1] == (4, 4, 4)
     documents = {d.document_id: d for d in index.list_documents()}
     assert set(documents) == {"corpus/notes.txt", "corpus/sub/guide.md", "j1", "j2"}
     assert documents["corpus/sub/guide.md"].title == "Brewing guide"
