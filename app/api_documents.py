@@ -1,29 +1,71 @@
-"""Documents in the vector index: POST /documents, GET /documents, DELETE /documents/{id}.
+"""Documents in the vector index, and retrieval without generation.
 
-POST takes the raw body, by Content-Type:
-- `application/jsonl` (or `application/x-ndjson`): one JSON object per line with "id" and
-  "text" ("title", "source" optional);
+    POST   /documents              add or replace documents (body by Content-Type, below)
+    GET    /documents              a page of documents: ?limit= (1-1000, default 100) &after=<id>
+    GET    /documents/{id}         one document, with its chunks
+    DELETE /documents/{id}         remove a document
+    POST   /search                 {"query", "top_k"?, "document_ids"?} -> ranked chunks
+
+POST /documents takes, by Content-Type:
+- `application/json`: one `{"id", "text", "title"?, "source"?}` object or a list of them;
+- `application/jsonl` (or `application/x-ndjson`): one such object per line;
+- `multipart/form-data`: files in the repeatable field `file`, read by their names' suffixes as
+  `hypic ingest` reads them (`retrieval.formats`: .txt .md .rst .html .htm .jsonl, each maybe
+  .gz); a text file's document id is its file name, or the form field `id` (and `title`) when
+  one file is sent;
 - `text/plain` or `text/markdown`: one document; `?id=` is required, `?title=` optional (a
   Markdown `# heading` on the first line is the default title).
-A document whose id exists is replaced. Chunking and embedding run on a thread; the whole body
-is validated first, so a bad line changes nothing (400 naming the line).
+A document whose id exists is replaced. The whole body is read and validated before anything
+is chunked, so a bad item changes nothing (400 naming the item and field: `body[2].text`,
+`file[1]`); chunking and embedding run on a thread.
+
+The `{document_id:path}` routes match ids with slashes (`notes/readme.md`); no other route may
+start with `/documents/`, or they would shadow it.
 """
 
 from __future__ import annotations
 
 import anyio
 from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from retrieval.errors import DocumentNotFoundError, RetrievalError
+from retrieval.document import Document
+from retrieval.errors import DocumentNotFoundError, MalformedItemError, RetrievalError
+from retrieval.formats import parse_json, parse_jsonl, read_documents
 from retrieval.index import DocumentInfo
-from retrieval.ingest import document_from_text, ingest_documents, parse_jsonl
+from retrieval.ingest import document_from_text, ingest_documents
 
+from . import pipeline
 from .errors import APIError
 from .runtime import Runtime
 
 router = APIRouter()
+JSON_TYPES = ("application/json",)
 JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/json-lines", "application/x-jsonlines")
+MULTIPART_TYPES = ("multipart/form-data",)
 TEXT_TYPES = ("text/plain", "text/markdown")
+CONTENT_TYPES = JSON_TYPES + JSONL_TYPES + MULTIPART_TYPES + TEXT_TYPES
+FORM_FIELDS = ("file", "id", "title")
+# An uploaded .gz file may expand to this many times the body limit, no more.
+GUNZIP_FACTOR = 16
+
+
+class SearchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = Field(description="The text to search with.")
+    top_k: int | None = Field(None, ge=1, description="Chunks to return (default: settings.default_top_k, at most settings.max_top_k).")
+    document_ids: list[str] | None = Field(None, description="Only search these documents.")
+
+    @field_validator("query")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise PydanticCustomError("empty", "must not be empty")
+        return value
 
 
 @router.post("/documents", status_code=201)
@@ -31,17 +73,14 @@ async def add_documents(request: Request, id: str | None = Query(None, descripti
                         title: str = Query("", description="Title of a text body.")) -> dict:
     rt = _runtime(request)
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type not in JSONL_TYPES + TEXT_TYPES:
-        raise APIError(415, f"content-type: expected one of {', '.join(JSONL_TYPES + TEXT_TYPES)}, got {content_type or 'none'!r}",
+    if content_type not in CONTENT_TYPES:
+        raise APIError(415, f"content-type: expected one of {', '.join(CONTENT_TYPES)}, got {content_type or 'none'!r}",
                        param="content-type")
-    body = await request.body()
+    if content_type in MULTIPART_TYPES:
+        documents = await _uploaded_documents(request, rt)
+    else:
+        documents = _body_documents(await request.body(), content_type, id, title)
     try:
-        if content_type in JSONL_TYPES:
-            documents = parse_jsonl(body)
-        elif id is None or not id.strip():
-            raise APIError.invalid("id", "a text body needs ?id=<document id>")
-        else:
-            documents = [document_from_text(body, id, title)]
         summary = await anyio.to_thread.run_sync(ingest_documents, documents, rt.index, rt.chunker)
     except RetrievalError as exc:
         raise APIError.invalid("body", str(exc)) from None
@@ -50,10 +89,26 @@ async def add_documents(request: Request, id: str | None = Query(None, descripti
 
 
 @router.get("/documents")
-async def list_documents(request: Request) -> dict:
+async def list_documents(request: Request,
+                         limit: int = Query(100, ge=1, le=1000, description="Documents per page."),
+                         after: str | None = Query(None, description="Return documents whose id sorts after this one (the previous page's last_id).")) -> dict:
     rt = _runtime(request)
-    docs = await anyio.to_thread.run_sync(rt.index.list_documents)
-    return {"object": "list", "data": [_info(d) for d in docs]}
+    # One extra row says whether another page follows.
+    docs = await anyio.to_thread.run_sync(lambda: rt.index.list_documents(after=after, limit=limit + 1))
+    page = docs[:limit]
+    return {"object": "list", "data": [_info(d) for d in page], "first_id": page[0].document_id if page else None,
+            "last_id": page[-1].document_id if page else None, "has_more": len(docs) > limit}
+
+
+@router.get("/documents/{document_id:path}")
+async def get_document(document_id: str, request: Request) -> dict:
+    rt = _runtime(request)
+    try:
+        info, chunks = await anyio.to_thread.run_sync(lambda: (rt.index.document(document_id), rt.index.chunks(document_id)))
+    except DocumentNotFoundError as exc:
+        raise _not_found(exc) from None
+    return _info(info) | {"content": [{"chunk_id": c.chunk_id, "chunk_index": c.chunk_index, "text": c.text, "tokens": c.token_count}
+                                       for c in chunks]}
 
 
 @router.delete("/documents/{document_id:path}")
@@ -62,15 +117,94 @@ async def delete_document(document_id: str, request: Request) -> dict:
     try:
         chunks = await anyio.to_thread.run_sync(rt.index.delete_document, document_id)
     except DocumentNotFoundError as exc:
-        raise APIError(404, f"document_id: {exc}", type="not_found_error", param="document_id",
-                       code="document_not_found") from None
+        raise _not_found(exc) from None
     return {"document_id": document_id, "deleted": True, "chunks": chunks}
+
+
+@router.post("/search")
+async def search(body: SearchRequest, request: Request) -> dict:
+    """The `top_k` chunks closest to the query, best first; nothing is generated."""
+    rt = _runtime(request)
+    found = await pipeline.retrieve(rt, body.query, body.top_k or rt.settings.default_top_k, body.document_ids)
+    return {"object": "list", "query": body.query, "retrieval_ms": found.ms,
+            "data": [{"chunk_id": h.chunk.chunk_id, "document_id": h.chunk.document_id, "title": h.chunk.title,
+                      "source": h.chunk.source, "chunk_index": h.chunk.chunk_index, "text": h.chunk.text,
+                      "tokens": h.chunk.token_count, "score": round(h.score, 6)} for h in found.hits]}
+
+
+def _body_documents(body: bytes, content_type: str, id: str | None, title: str) -> list[Document]:
+    """The documents of a JSON, JSONL or text body; 400 naming the item and field at fault."""
+    try:
+        if content_type in JSON_TYPES:
+            return parse_json(body)
+        if content_type in JSONL_TYPES:
+            return parse_jsonl(body)
+        if id is None or not id.strip():
+            raise APIError.invalid("id", "a text body needs ?id=<document id>")
+        return [document_from_text(body, id, title)]
+    except MalformedItemError as exc:
+        item = "" if exc.item is None else f"[{exc.item}]"
+        param = f"body{item}" + (f".{exc.field}" if exc.field else "")
+        raise APIError.invalid(param, exc.reason) from None
+    except RetrievalError as exc:
+        raise APIError.invalid("body", str(exc)) from None
+
+
+async def _uploaded_documents(request: Request, rt: Runtime) -> list[Document]:
+    """The documents of the files in a multipart body; 400 naming the field or file at fault."""
+    try:
+        form = await request.form()
+    except StarletteHTTPException as exc:  # Starlette's answer to a malformed multipart body
+        if exc.status_code != 400:
+            raise
+        raise APIError.invalid("body", f"malformed multipart body: {exc.detail}") from None
+    try:
+        return await _read_form(form, rt.settings.max_body_bytes * GUNZIP_FACTOR)
+    finally:
+        await form.close()
+
+
+async def _read_form(form: FormData, max_bytes: int) -> list[Document]:
+    unknown = sorted(set(form.keys()) - set(FORM_FIELDS))
+    if unknown:
+        raise APIError.invalid(unknown[0], f"unknown form field; expected {', '.join(FORM_FIELDS)}")
+    files = form.getlist("file")
+    if not files:
+        raise APIError.invalid("file", "no files: send them in the form field 'file'")
+    names = {field: form.get(field) for field in ("id", "title")}
+    for field, value in names.items():
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise APIError.invalid(field, "must be a non-empty text field")
+        if value is not None and len(files) > 1:
+            raise APIError.invalid(field, f"names one document, but {len(files)} files were sent")
+    documents: list[Document] = []
+    first_file: dict[str, int] = {}
+    for number, upload in enumerate(files):
+        param = f"file[{number}]" if len(files) > 1 else "file"
+        if not isinstance(upload, UploadFile) or not upload.filename:
+            raise APIError.invalid(param, "expected a file with a file name")
+        try:
+            read = read_documents(await upload.read(), upload.filename, names["id"] or upload.filename, upload.filename, max_bytes)
+        except RetrievalError as exc:
+            raise APIError.invalid(param, str(exc)) from None
+        if len(read) > 1 and (names["id"] or names["title"]):
+            raise APIError.invalid("id" if names["id"] else "title", f"{upload.filename} holds {len(read)} documents with their own ids and titles")
+        for document in read:
+            if document.document_id in first_file:
+                raise APIError.invalid(param, f"{upload.filename}: document id {document.document_id!r} also comes from file[{first_file[document.document_id]}]")
+            first_file[document.document_id] = number
+            documents.append(Document(document.document_id, document.text, names["title"], document.source) if names["title"] else document)
+    return documents
 
 
 def _runtime(request: Request) -> Runtime:
     rt: Runtime = request.app.state.runtime
     rt.require_ready()
     return rt
+
+
+def _not_found(exc: DocumentNotFoundError) -> APIError:
+    return APIError(404, f"document_id: {exc}", type="not_found_error", param="document_id", code="document_not_found")
 
 
 def _info(d: DocumentInfo) -> dict:

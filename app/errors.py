@@ -66,7 +66,8 @@ def field_path(loc: tuple) -> str:
     Pydantic appends the member tried to the location of a union error (`str`, `list[str]`,
     `function-after[...]`); the path stops there, at the field itself.
     """
-    parts = [p for p in loc if p not in ("body", "query", "path")] or list(loc[:1])
+    # Only the first element is the location; a field may itself be called "query" (POST /search).
+    parts = list(loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc) or list(loc[:1])
     out = ""
     for part in parts:
         if isinstance(part, str) and (part.lower() in _TYPE_TAGS or "[" in part):

@@ -3,7 +3,8 @@
 The engine and the index load on a background thread started by `start_loading`, so the server
 answers /health and /ready (503) at once. An engine or index given to `create_app` (an object,
 or a zero-argument callable returning one, e.g. for tests) replaces loading it from settings.
-When the index is empty after loading and `corpus_path` exists, the corpus is ingested first.
+When the index is empty after loading and a corpus is due (`corpus_to_seed`: the demo corpus only
+into the default index), the corpus is ingested first.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Union
 
 from hypic_core.cache import build_store as build_segment_store
@@ -19,13 +21,13 @@ from hypic_core.engine import Engine
 from hypic_core.registry import KNOWN_MODELS, ResolvedModel
 from hypic_core.registry import resolve as resolve_model
 from hypic_core.store import SegmentStore
-from retrieval.chunker import Chunker
+from retrieval.chunker import Chunker, default_chunk_tokens
 from retrieval.index import VectorIndex
 
 from .errors import APIError
 from .metrics import Metrics
 from .prompter import Prompter
-from .settings import Settings
+from .settings import DEFAULT_INDEX_DIR, Settings
 from .tokens import TokenText
 from .worker import Worker
 
@@ -56,6 +58,28 @@ def load_index(settings: Settings) -> VectorIndex:
     from retrieval.embedder import load_embedder
 
     return VectorIndex(settings.index_dir, load_embedder(settings.embedder))
+
+
+def corpus_to_seed(settings: Settings) -> Path | None:
+    """The corpus to ingest into an empty index at startup: `corpus_path` when it was set
+    explicitly; the demo corpus (its default) only into the default `index_dir`, so an index the
+    user pointed the gateway at never receives demo documents. None: ingest nothing."""
+    if "corpus_path" in settings.model_fields_set or settings.index_dir == Path(DEFAULT_INDEX_DIR):
+        return settings.corpus_path
+    return None
+
+
+def build_chunker(settings: Settings, engine: Engine) -> Chunker:
+    """A chunker in the engine's tokenizer, `settings.chunk_tokens` per chunk (default: min(384,
+    a quarter of the model's context)), chunks of at most 4/3 of that."""
+    target = settings.chunk_tokens or default_chunk_tokens(_context_window(engine))
+    return Chunker(engine.tokenizer, target, target * 4 // 3)
+
+
+def _context_window(engine: Engine) -> int | None:
+    config = getattr(getattr(engine, "model", None), "config", None)
+    positions = getattr(config, "max_position_embeddings", None)
+    return positions if isinstance(positions, int) else None
 
 
 class Runtime:
@@ -115,12 +139,15 @@ class Runtime:
                 engine = _resolve(self._engine_source)
             engine.set_limits(self.settings.max_running, self.settings.max_step_tokens, self.settings.running_budget_bytes)
             index = load_index(self.settings) if self._index_source is None else _resolve(self._index_source)
-            chunker = Chunker(engine.tokenizer)
-            corpus = self.settings.corpus_path
+            chunker = build_chunker(self.settings, engine)
+            corpus = corpus_to_seed(self.settings)
             if len(index) == 0 and corpus is not None and corpus.is_file():
                 from retrieval.ingest import ingest_paths
+                from retrieval.pipeline import ProgressLog
 
-                summary = ingest_paths([corpus], index, chunker)
+                progress = ProgressLog(lambda p: log.info("ingesting corpus", extra={"documents": p.documents, "of": p.documents_total,
+                                                                                     "chunks": p.chunks, "chunks_per_s": round(p.chunks_per_second, 1)}))
+                summary = ingest_paths([corpus], index, chunker, progress)
                 log.info("ingested corpus", extra={"corpus": str(corpus), "documents": summary.documents, "chunks": summary.chunks})
             self.engine, self.index, self.chunker = engine, index, chunker
             layout = self.settings.prompt_layout(engine.tokenizer, known.prompt if known else None)

@@ -17,6 +17,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from hypic_core.config import DEFAULT_SEAM, Mode
 from hypic_core.errors import InvalidRequestError
 
+DEFAULT_INDEX_DIR = "data/index"
+DEMO_CORPUS_PATH = "data/demo_corpus.jsonl"
 
 
 class Settings(BaseSettings):
@@ -48,8 +50,12 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(1, ge=1, description="torch intra-op threads; None: torch's default.")
 
     # retrieval
-    index_dir: Path = Path("data/index")
-    corpus_path: Path | None = Field(Path("data/demo_corpus.jsonl"), description="Ingested at startup when the index is empty.")
+    index_dir: Path = Path(DEFAULT_INDEX_DIR)
+    corpus_path: Path | None = Field(Path(DEMO_CORPUS_PATH), description="Ingested at startup when the index is empty. The demo corpus "
+                                     "(this default) only goes into the default index_dir, never into an index you point the gateway at; "
+                                     "a corpus_path you set goes into any empty index. none: never ingest at startup.")
+    chunk_tokens: int | None = Field(None, ge=8, description="Chunk size (serving-model tokens) for documents added through the API; "
+                                     "default: min(384, a quarter of the model's context). Chunks may reach 4/3 of it.")
     embedder: str = Field("minilm", description="minilm, hashing, hashing-<dim>, or a model directory.")
     default_top_k: int = Field(4, ge=1)
     max_top_k: int = Field(32, ge=1)
@@ -60,7 +66,8 @@ class Settings(BaseSettings):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Where the model runs: cpu or cuda[:N].")
     cache_device_bytes: int = Field(0, ge=0, description="Hot tier of the segment cache in the model's device memory (GPU only).")
     cache_memory_bytes: int = Field(2 << 30, ge=0, description="Host-memory tier of the segment cache.")
-    cache_dir: Path | None = Field(None, description="Adds a disk tier here (tiered store); None: memory only.")
+    cache_dir: Path | None = Field(None, description="Disk tier of the segment cache. Unset: a 'cache' directory beside index_dir "
+                                   "(data/cache by default); none: no disk tier, memory only.")
     cache_disk_bytes: int = Field(16 << 30, ge=0)
     cache_storage_dtype: str = Field("auto", description="Disk-tier entries: auto (as computed: K/V in the model's dtype, "
                                      "T and E fp32) or bf16 (narrowed); fp32, a former name of auto, is still read.")
@@ -83,6 +90,14 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _cache_beside_index(self) -> "Settings":
+        # Unset (not even "none"): the disk tier lives beside the index, so an index pointed
+        # elsewhere (a test's tmp dir) takes its cache along instead of writing into data/.
+        if "cache_dir" not in self.model_fields_set:
+            self.cache_dir = self.index_dir.parent / "cache"
+        return self
 
     @field_validator("default_mode")
     @classmethod

@@ -6,7 +6,8 @@
     ingest_paths(["docs/"], index, Chunker(serving_tokenizer))
     hits = index.search("how does the seam work?", top_k=5)
 
-Modules: `document` (Document, Chunk), `chunker`, `embedder`, `index` (VectorIndex), `ingest`,
+Modules: `document` (Document, Chunk), `formats` (file types), `chunker`, `embedder`, `index` (VectorIndex),
+`pipeline` (chunking while embedding), `ingest`,
 `errors` (RetrievalError and subclasses), `cli` (the `hypic ingest` command).
 No FastAPI or pydantic here: results are plain dataclasses.
 """
@@ -23,10 +24,12 @@ from retrieval.errors import (
     IndexCorruptError,
     InputNotFoundError,
     InvalidInputError,
+    MalformedItemError,
     MalformedLineError,
     RetrievalError,
     UnsupportedFormatError,
 )
+from retrieval.formats import parse_json, read_documents
 from retrieval.index import DocumentInfo, Manifest, SearchHit, VectorIndex
 from retrieval.ingest import (
     IngestSummary,
@@ -38,6 +41,7 @@ from retrieval.ingest import (
     load_documents,
     parse_jsonl,
 )
+from retrieval.pipeline import EmbeddedChunks, IngestProgress, ProgressLog, chunk_and_embed, chunk_and_embed_reference
 
 __all__ = [
     "BinaryInputError",
@@ -47,22 +51,28 @@ __all__ = [
     "Document",
     "DocumentInfo",
     "DocumentNotFoundError",
+    "EmbeddedChunks",
     "Embedder",
     "EmbedderMismatchError",
     "EmptyInputError",
     "HashingEmbedder",
     "IndexCorruptError",
+    "IngestProgress",
     "IngestSummary",
     "InputNotFoundError",
     "InvalidInputError",
     "LocalEmbedder",
+    "MalformedItemError",
     "MalformedLineError",
     "Manifest",
     "MiniLMEmbedder",
+    "ProgressLog",
     "RetrievalError",
     "SearchHit",
     "UnsupportedFormatError",
     "VectorIndex",
+    "chunk_and_embed",
+    "chunk_and_embed_reference",
     "chunk_id_for",
     "document_from_text",
     "ingest_documents",
@@ -72,5 +82,7 @@ __all__ = [
     "load_documents",
     "load_embedder",
     "minilm_model_dir",
+    "parse_json",
     "parse_jsonl",
+    "read_documents",
 ]

@@ -18,7 +18,18 @@ from typing import Any
 
 from retrieval.document import Chunk, Document
 
-__all__ = ["Chunk", "Chunker"]
+__all__ = ["Chunk", "Chunker", "default_chunk_tokens"]
+
+DEFAULT_TARGET_TOKENS = 384
+
+
+def default_chunk_tokens(context_window: int | None) -> int:
+    """The chunk size for a model with `context_window` positions: 384 tokens, or a quarter of
+    the context when that is less (so a prompt holds a few chunks and the question); 384 when
+    the context is unknown."""
+    if context_window is None or context_window <= 0:
+        return DEFAULT_TARGET_TOKENS
+    return max(1, min(DEFAULT_TARGET_TOKENS, context_window // 4))
 
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n\s*")
 _SENTENCE_BREAK = re.compile(r"[.!?][\"'\u201d\u2019)\]]*\s+|\n\s*")
@@ -64,11 +75,8 @@ class Chunker:
     def chunk(self, document: Document) -> list[Chunk]:
         """Return the chunks of `document` in order; never empty, since a `Document` has text."""
         text = document.text.replace("\r\n", "\n").replace("\r", "\n")
-        groups = self._fit(text, self._pack(self._units(text)))
-        spans = [(group[0].start, group[-1].end) for group in groups]
-        texts = [text[start:end] for start, end in spans]
-        counts = self.count_tokens(texts)
-        return [Chunk.create(document, index, chunk_text, count) for index, (chunk_text, count) in enumerate(zip(texts, counts))]
+        fitted = self._fit(text, self._pack(self._units(text)))
+        return [Chunk.create(document, index, text[group[0].start : group[-1].end], count) for index, (group, count) in enumerate(fitted)]
 
     def _token_spans(self, text: str) -> list[tuple[int, int]]:
         """Character spans of the tokens of `text` (zero-width tokens dropped)."""
@@ -130,20 +138,21 @@ class Chunker:
                 cut = position + 1
         return cut
 
-    def _fit(self, text: str, groups: list[list[_Unit]]) -> list[list[_Unit]]:
+    def _fit(self, text: str, groups: list[list[_Unit]]) -> list[tuple[list[_Unit], int]]:
         """Split any group whose exact token count exceeds `max_tokens` (unit counts are
-        estimates: a tokenizer may merge across unit boundaries)."""
+        estimates: a tokenizer may merge across unit boundaries). Returns each final group with
+        its exact count, so no chunk text is tokenized twice."""
         counts = self.count_tokens([text[group[0].start : group[-1].end] for group in groups])
-        fitted: list[list[_Unit]] = []
+        fitted: list[tuple[list[_Unit], int]] = []
         for group, count in zip(groups, counts):
             if count <= self.max_tokens:
-                fitted.append(group)
+                fitted.append((group, count))
             elif len(group) > 1:
                 fitted.extend(self._fit(text, [group[: len(group) // 2], group[len(group) // 2 :]]))
             else:
                 halves = self._windows(text, group[0], max(1, (count + 1) // 2))
                 # One window means a single token that is over the limit alone: keep it.
-                fitted.extend([group] if len(halves) == 1 else self._fit(text, [[window] for window in halves]))
+                fitted.extend([(group, count)] if len(halves) == 1 else self._fit(text, [[window] for window in halves]))
         return fitted
 
 

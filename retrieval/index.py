@@ -61,6 +61,7 @@ CREATE TABLE chunks (
 CREATE INDEX chunks_by_document ON chunks(document_id);
 """
 
+_DOCUMENT_COLUMNS = "d.document_id, d.title, d.source, COUNT(c.row_id), COALESCE(SUM(c.token_count), 0), d.ingested_at"
 _CHUNK_COLUMNS = "c.row_id, c.chunk_id, c.document_id, d.title, d.source, c.chunk_index, c.text, c.token_count"
 
 
@@ -152,14 +153,30 @@ class VectorIndex:
         with self._lock:
             return self._db.execute("SELECT 1 FROM documents WHERE document_id = ?", (document_id,)).fetchone() is not None
 
-    def list_documents(self) -> list[DocumentInfo]:
-        """All documents, ordered by id."""
+    def list_documents(self, after: str | None = None, limit: int | None = None) -> list[DocumentInfo]:
+        """Documents ordered by id: all of them, or (a page) the first `limit` whose id sorts
+        after `after` (which need not be in the index). Raises `InvalidInputError` for limit < 0."""
+        if limit is not None and limit < 0:
+            raise InvalidInputError(f"limit must be >= 0, got {limit}")
         with self._lock:
             rows = self._db.execute(
-                "SELECT d.document_id, d.title, d.source, COUNT(c.row_id), COALESCE(SUM(c.token_count), 0), d.ingested_at"
-                " FROM documents d LEFT JOIN chunks c USING (document_id) GROUP BY d.document_id ORDER BY d.document_id"
+                f"SELECT {_DOCUMENT_COLUMNS} FROM documents d LEFT JOIN chunks c USING (document_id)"
+                " WHERE ? IS NULL OR d.document_id > ? GROUP BY d.document_id ORDER BY d.document_id LIMIT ?",
+                (after, after, -1 if limit is None else limit),
             ).fetchall()
         return [DocumentInfo(*row) for row in rows]
+
+    def document(self, document_id: str) -> DocumentInfo:
+        """The document of this id; raises `DocumentNotFoundError` if it is not in the index."""
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT {_DOCUMENT_COLUMNS} FROM documents d LEFT JOIN chunks c USING (document_id)"
+                " WHERE d.document_id = ? GROUP BY d.document_id",
+                (document_id,),
+            ).fetchone()
+        if row is None:
+            raise DocumentNotFoundError(document_id)
+        return DocumentInfo(*row)
 
     def chunks(self, document_id: str) -> list[Chunk]:
         """The chunks of a document in order; raises `DocumentNotFoundError` for an unknown id."""
@@ -181,7 +198,16 @@ class VectorIndex:
         returned vectors of the wrong shape); on any error the index is unchanged.
         """
         _check_chunk_sets(chunks)
-        vectors = self._embed([chunk.text for chunk in chunks], progress)
+        return self._write(chunks, self._embed([chunk.text for chunk in chunks], progress))
+
+    def upsert_embedded(self, chunks: Sequence[Chunk], vectors: np.ndarray) -> int:
+        """`upsert` with the chunks' vectors already computed by this index's embedder (row i
+        is chunk i's), e.g. by `retrieval.ingest.chunk_and_embed`. Checks as `upsert` does."""
+        _check_chunk_sets(chunks)
+        return self._write(chunks, self._checked(np.asarray(vectors, dtype=np.float32), len(chunks)))
+
+    def _write(self, chunks: Sequence[Chunk], vectors: np.ndarray) -> int:
+        """Replace the documents of `chunks` with them and their checked `vectors`; persist."""
         document_ids = sorted({chunk.document_id for chunk in chunks})
         with self._lock, self._mutation():
             replaced = [doc for doc in document_ids if self.has_document(doc)]
@@ -251,9 +277,14 @@ class VectorIndex:
             if progress is not None:
                 progress(min(first + EMBED_BATCH, len(texts)), len(texts))
         vectors = np.concatenate(parts) if parts else np.zeros((0, self._manifest.dim), dtype=np.float32)
-        if vectors.ndim != 2 or vectors.shape != (len(texts), self._manifest.dim):
+        return self._checked(vectors, len(texts))
+
+    def _checked(self, vectors: np.ndarray, count: int) -> np.ndarray:
+        """`vectors` as a contiguous float32 array, if it holds `count` finite rows of the index
+        dimension; else `DimensionMismatchError` or `InvalidInputError`."""
+        if vectors.ndim != 2 or vectors.shape != (count, self._manifest.dim):
             raise DimensionMismatchError(
-                f"embedder {self.embedder.name!r} returned vectors of shape {vectors.shape}, the index needs ({len(texts)}, {self._manifest.dim})"
+                f"embedder {self.embedder.name!r} returned vectors of shape {vectors.shape}, the index needs ({count}, {self._manifest.dim})"
             )
         if not np.isfinite(vectors).all():
             raise InvalidInputError(f"embedder {self.embedder.name!r} returned non-finite values")

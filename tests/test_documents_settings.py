@@ -1,0 +1,96 @@
+"""Settings around documents: where the disk cache goes, which index gets the demo corpus, chunk size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from app.runtime import build_chunker, corpus_to_seed
+from app.server import create_app
+from app.settings import DEFAULT_INDEX_DIR, DEMO_CORPUS_PATH, Settings
+from app.testing import LiveServer, single_torch_thread, tiny_engine
+from retrieval import HashingEmbedder, VectorIndex
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ("HYPIC_CACHE_DIR", "HYPIC_CORPUS_PATH", "HYPIC_INDEX_DIR", "HYPIC_CHUNK_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def settings(**overrides) -> Settings:
+    return Settings(_env_file=None, torch_threads=None, **overrides)
+
+
+def test_disk_cache_is_on_by_default_beside_the_index(tmp_path, monkeypatch):
+    assert settings().cache_dir == Path("data/cache")
+    assert settings(index_dir=tmp_path / "index").cache_dir == tmp_path / "cache"
+    assert settings(index_dir=tmp_path / "index", cache_dir=tmp_path / "elsewhere").cache_dir == tmp_path / "elsewhere"
+    assert settings(cache_dir=None).cache_dir is None
+    monkeypatch.setenv("HYPIC_CACHE_DIR", "none")
+    assert settings().cache_dir is None
+    monkeypatch.setenv("HYPIC_CACHE_DIR", "")  # empty counts as unset
+    assert settings(index_dir=tmp_path / "index").cache_dir == tmp_path / "cache"
+    monkeypatch.setenv("HYPIC_INDEX_DIR", str(tmp_path / "from-env" / "index"))
+    assert settings().cache_dir == tmp_path / "from-env" / "cache"
+
+
+def test_demo_corpus_seeds_only_the_default_index(tmp_path, monkeypatch):
+    assert corpus_to_seed(settings()) == Path(DEMO_CORPUS_PATH)
+    assert corpus_to_seed(settings(index_dir=Path(DEFAULT_INDEX_DIR))) == Path(DEMO_CORPUS_PATH)
+    assert corpus_to_seed(settings(index_dir=tmp_path / "mine")) is None
+    mine = tmp_path / "corpus.jsonl"
+    assert corpus_to_seed(settings(index_dir=tmp_path / "mine", corpus_path=mine)) == mine
+    monkeypatch.setenv("HYPIC_INDEX_DIR", str(tmp_path / "env-index"))
+    assert corpus_to_seed(settings()) is None
+    monkeypatch.setenv("HYPIC_CORPUS_PATH", str(mine))
+    assert corpus_to_seed(settings()) == mine
+    monkeypatch.setenv("HYPIC_CORPUS_PATH", "none")
+    monkeypatch.delenv("HYPIC_INDEX_DIR")
+    assert corpus_to_seed(settings()) is None
+
+
+def _documents_after_start(engine, settings_: Settings, index: VectorIndex) -> list[str]:
+    with single_torch_thread(), LiveServer(create_app(settings_, engine=engine, index=index)) as live:
+        live.wait_ready()
+        return [d["document_id"] for d in httpx.get(f"{live.url}/documents", params={"limit": 1000}).json()["data"]]
+
+
+def test_gateway_seeds_the_demo_corpus_only_into_the_default_index(tiny_tokenizer, tmp_path):
+    assert Path(DEMO_CORPUS_PATH).is_file(), "run from the repository root"
+    engine = tiny_engine(tiny_tokenizer)
+    pointed = settings(index_dir=tmp_path / "user-index")
+    assert _documents_after_start(engine, pointed, VectorIndex(pointed.index_dir, HashingEmbedder(64))) == []
+    # The default index_dir (the index object is a tmp one, so nothing is written to data/).
+    seeded = _documents_after_start(engine, settings(), VectorIndex(tmp_path / "stand-in", HashingEmbedder(64)))
+    assert len(seeded) > 10
+    off = settings(corpus_path=None)
+    assert _documents_after_start(engine, off, VectorIndex(tmp_path / "off", HashingEmbedder(64))) == []
+
+
+def _engine_with_context(tokenizer, positions: int) -> SimpleNamespace:
+    return SimpleNamespace(tokenizer=tokenizer, model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=positions)))
+
+
+def test_chunk_size_follows_the_model(tiny_tokenizer):
+    big = build_chunker(settings(), _engine_with_context(tiny_tokenizer, 32768))
+    assert (big.target_tokens, big.max_tokens) == (384, 512)
+    small = build_chunker(settings(), _engine_with_context(tiny_tokenizer, 256))
+    assert (small.target_tokens, small.max_tokens) == (64, 85)
+    unknown = build_chunker(settings(), SimpleNamespace(tokenizer=tiny_tokenizer))
+    assert unknown.target_tokens == 384
+    chosen = build_chunker(settings(chunk_tokens=30), _engine_with_context(tiny_tokenizer, 256))
+    assert (chosen.target_tokens, chosen.max_tokens) == (30, 40)
+
+
+def test_api_chunks_with_chunk_tokens(tiny_tokenizer, tmp_path):
+    s = settings(index_dir=tmp_path / "index", chunk_tokens=16)
+    text = "\n\n".join(f"The river Alna flows through Varo, paragraph {n}. Its mayor is Ines Kell." for n in range(8))
+    with single_torch_thread(), LiveServer(create_app(s, engine=tiny_engine(tiny_tokenizer), index=VectorIndex(s.index_dir, HashingEmbedder(64)))) as live:
+        live.wait_ready()
+        assert httpx.post(f"{live.url}/documents", json={"id": "long", "text": text}).status_code == 201
+        content = httpx.get(f"{live.url}/documents/long").json()["content"]
+    assert len(content) > 4 and max(c["tokens"] for c in content) <= 21
