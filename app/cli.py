@@ -8,10 +8,28 @@ from typing import Annotated
 
 import typer
 
+import retrieval.cli as retrieval_cli
 from retrieval.cli import ingest_command
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help="hypic-gateway: RAG serving with position-independent caching for hybrid LLMs.")
 cli.command("ingest")(ingest_command)
+
+
+def _ingest_defaults(model: str | None) -> retrieval_cli.IngestDefaults:
+    """`hypic ingest` reads the settings `hypic serve` reads: the same index, embedder, model and chunk size."""
+    from app.settings import Settings
+    from hypic_core.errors import HypicError
+    from hypic_core.registry import resolve
+
+    settings = Settings()
+    try:
+        resolved = resolve(model or settings.model, settings.models_dir, progress=lambda m: typer.echo(m, err=True))
+    except HypicError as exc:
+        _fail(str(exc))
+    return retrieval_cli.IngestDefaults(settings.index_dir, settings.embedder, resolved.path, settings.chunk_tokens)
+
+
+retrieval_cli.DEFAULTS = _ingest_defaults
 
 
 @cli.callback()

@@ -1,9 +1,11 @@
 """The `hypic ingest` command: read files into a vector index, with a progress bar and a summary.
 
-`app/cli.py` registers `ingest_command`; the work is done by `retrieval.ingest`. Chunks are
-measured in the serving model's tokenizer: `--tokenizer DIR` if given, else the tokenizer of
-models/hypic-tiny when that directory has one, else the embedder's own (MiniLM's for the
-hashing embedder, which has none).
+`app/cli.py` registers `ingest_command`, and sets `DEFAULTS` so that what is not given on the
+command line comes from the gateway's settings (HYPIC_INDEX_DIR, HYPIC_EMBEDDER, HYPIC_MODEL,
+HYPIC_CHUNK_TOKENS): the CLI writes the index a gateway with the same settings serves, chunked in
+that gateway's model's tokenizer. The work is done by `retrieval.ingest`. Chunks are measured in
+`--tokenizer DIR` if given, else the serving model's tokenizer, else models/hypic-tiny's when
+that directory has one, else the embedder's own (MiniLM's for the hashing embedder).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable
 
 import typer
 from rich.console import Console
@@ -24,6 +27,24 @@ from retrieval.errors import RetrievalError
 DEFAULT_INDEX_DIR = Path("data/index")
 SERVING_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "hypic-tiny"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class IngestDefaults:
+    """What `hypic ingest` uses for the options it is not given."""
+
+    index_dir: Path = DEFAULT_INDEX_DIR
+    embedder: str = "minilm"
+    model_dir: Path | None = None  # the serving model's checkpoint: its tokenizer and context size
+    chunk_tokens: int | None = None
+
+
+def _no_settings(model: str | None) -> IngestDefaults:
+    return IngestDefaults(model_dir=Path(model) if model else None)
+
+
+# model option -> defaults; app/cli.py replaces it with one that reads the gateway's settings.
+DEFAULTS: Callable[[str | None], IngestDefaults] = _no_settings
 
 
 def resolve_tokenizer(directory: Path | None, embedder: Any) -> Any:
@@ -61,8 +82,9 @@ def context_window(directory: Path | None) -> int | None:
 
 def ingest_command(
     paths: Annotated[list[Path], typer.Argument(help="Files (.txt, .md, .rst, .html, .jsonl, each optionally .gz) or directories to ingest.")],
-    index_dir: Annotated[Path, typer.Option("--index-dir", help="Index directory (created if missing).")] = DEFAULT_INDEX_DIR,
-    embedder: Annotated[str, typer.Option("--embedder", help="minilm, hashing, hashing-DIM, or a model directory.")] = "minilm",
+    index_dir: Annotated[Path | None, typer.Option("--index-dir", help="Index directory, created if missing (default: HYPIC_INDEX_DIR or data/index).")] = None,
+    embedder: Annotated[str | None, typer.Option("--embedder", help="minilm, hashing, hashing-DIM, or a model directory (default: HYPIC_EMBEDDER or minilm).")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="The serving model, whose tokenizer and context size chunks follow (default: HYPIC_MODEL or hypic-tiny).")] = None,
     tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="Tokenizer directory for chunk sizes (default: the serving model's).")] = None,
     target_tokens: Annotated[int | None, typer.Option("--target-tokens", help="Chunk size to aim for, in tokens (default: min(384, a quarter of the model's context)).")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Hard limit on a chunk's tokens (default: 4/3 of the target).")] = None,
@@ -82,10 +104,13 @@ def ingest_command(
     console = Console(stderr=True)
     transformers_logging.disable_progress_bar()  # one bar on screen: ours
     try:
-        model = load_embedder(embedder, workers=workers or len(os.sched_getaffinity(0)))
-        index = VectorIndex(index_dir, model, index_type)
-        target = target_tokens or default_chunk_tokens(context_window(tokenizer))
-        chunker = Chunker(resolve_tokenizer(tokenizer, model), target, max_tokens or max(target, target * 4 // 3))
+        defaults = DEFAULTS(model)
+        index_dir = index_dir or defaults.index_dir
+        tokenizer = tokenizer or defaults.model_dir
+        embedding = load_embedder(embedder or defaults.embedder, workers=workers or len(os.sched_getaffinity(0)))
+        index = VectorIndex(index_dir, embedding, index_type)
+        target = target_tokens or defaults.chunk_tokens or default_chunk_tokens(context_window(tokenizer))
+        chunker = Chunker(resolve_tokenizer(tokenizer, embedding), target, max_tokens or max(target, target * 4 // 3))
         if console.is_terminal:
             with Progress(TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TextColumn("documents, {task.fields[rate]}"),
                           TimeElapsedColumn(), console=console) as bar:

@@ -66,3 +66,27 @@ def test_tokenizer_resolution(tmp_path, monkeypatch):
     assert retrieval_cli.resolve_tokenizer(None, WithTokenizer(8)).name_or_path == str(serving)
     with pytest.raises(InvalidInputError, match="no tokenizer files"):
         retrieval_cli.resolve_tokenizer(tmp_path, HashingEmbedder(8))
+
+
+def test_ingest_follows_the_gateway_settings(tmp_path, monkeypatch, smollm2_dir):
+    """Without options, `hypic ingest` writes the index the gateway serves (HYPIC_INDEX_DIR), with
+    its embedder, chunked in its model's tokenizer (HYPIC_MODEL)."""
+    doc = tmp_path / "eiffel.md"
+    doc.write_text("# Eiffel\n\nThe Eiffel Tower was completed in 1889. It stands in Paris.\n")
+    monkeypatch.setenv("HYPIC_INDEX_DIR", str(tmp_path / "served-index"))
+    monkeypatch.setenv("HYPIC_EMBEDDER", "hashing-64")
+    monkeypatch.setenv("HYPIC_MODEL", "smollm2-135m-instruct")
+    monkeypatch.chdir(tmp_path)  # no .env, no data/index here
+    result = CliRunner().invoke(cli, ["ingest", str(doc)])
+    assert result.exit_code == 0, result.output
+    index = VectorIndex(tmp_path / "served-index", HashingEmbedder(64))
+    (chunk,) = [hit.chunk for hit in index.search("Eiffel", 1)]
+    smollm2 = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert chunk.token_count == len(smollm2.encode(chunk.text, add_special_tokens=False))
+    assert not (tmp_path / "data").exists()
+
+
+def test_ingest_names_an_unknown_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYPIC_MODEL", "nobody/nothing")
+    result = CliRunner().invoke(cli, ["ingest", str(tmp_path), "--index-dir", str(tmp_path / "i"), "--embedder", "hashing-8"])
+    assert result.exit_code == 1 and "nobody/nothing" in result.output
