@@ -123,7 +123,7 @@ def ingest_command(
         console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(code=1) from exc
     for skipped in summary.skipped:
-        console.print(f"[yellow]skipped[/yellow] {escape(skipped)} (unsupported type)", soft_wrap=True)
+        console.print(f"[yellow]skipped[/yellow] {escape(skipped)}", soft_wrap=True)
     rate = summary.chunks / summary.seconds if summary.seconds > 0 else float("inf")
     typer.echo(
         f"ingested {summary.documents} documents ({summary.replaced} replaced) as {summary.chunks} chunks "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from retrieval.chunker import Chunker
 from retrieval.document import Document
-from retrieval.errors import EmptyInputError, InputNotFoundError, InvalidInputError
+from retrieval.errors import EmptyInputError, InputNotFoundError, InvalidInputError, RetrievalError
 from retrieval.formats import SUPPORTED_DESCRIPTION, decode_text, is_supported, markdown_title, parse_jsonl, read_documents, require_format
 from retrieval.index import VectorIndex
 from retrieval.pipeline import IngestCallback, chunk_and_embed
@@ -49,7 +49,8 @@ def document_from_text(body: str | bytes, document_id: str, title: str = "", sou
 
 def load_documents(paths: Iterable[str | Path]) -> tuple[list[Document], tuple[str, ...]]:
     """Read every document under `paths` (files or directories). Returns the documents and the
-    files skipped during directory walks. Raises `InputNotFoundError` for a missing path or a
+    files skipped during directory walks, each as "path (reason)": an unsupported type, or
+    content that does not parse (a named file with such content raises instead). Raises `InputNotFoundError` for a missing path or a
     directory without documents, `UnsupportedFormatError` for a file named directly with an
     unknown extension, `InvalidInputError` for a document id found twice, and the errors of
     `decode_text` / `parse_jsonl` for bad content."""
@@ -59,7 +60,13 @@ def load_documents(paths: Iterable[str | Path]) -> tuple[list[Document], tuple[s
         files, skipped_here = _files_under(path)
         skipped += skipped_here
         for file, document_id in files:
-            documents += _read_file(file, document_id)
+            if path.is_dir():  # found by a walk: a file that does not parse is reported, not fatal
+                try:
+                    documents += _read_file(file, document_id)
+                except RetrievalError as exc:
+                    skipped.append(f"{file} ({exc})")
+            else:
+                documents += _read_file(file, document_id)
     _check_unique(documents)
     return documents, tuple(skipped)
 
@@ -112,7 +119,7 @@ def _files_under(path: Path) -> tuple[list[tuple[Path, str]], list[str]]:
         if is_supported(file.name):
             files.append((file, f"{root}/{relative.as_posix()}"))
         else:
-            skipped.append(str(file))
+            skipped.append(f"{file} (unsupported type)")
     if not files:
         raise InputNotFoundError(f"{path}: no {SUPPORTED_DESCRIPTION} files found")
     return files, skipped

@@ -43,10 +43,13 @@ def test_ingest_errors_exit_1_and_leave_the_index(tmp_path, docs):
     assert _ingest(str(docs), "--index-dir", str(tmp_path / "index")).exit_code == 0
     before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "index").iterdir())
     (docs / "empty.txt").write_text("")
-    result = _ingest(str(docs), "--index-dir", str(tmp_path / "index"))
+    result = _ingest(str(docs / "empty.txt"), "--index-dir", str(tmp_path / "index"))
     assert result.exit_code == 1
     assert "error:" in result.output and "empty.txt: empty" in result.output
     assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "index").iterdir()) == before
+    walked = _ingest(str(docs), "--index-dir", str(tmp_path / "index"))  # found by a walk: reported and skipped
+    assert walked.exit_code == 0 and "skipped" in walked.output and "empty.txt" in walked.output
+    assert "ingested 2 documents (2 replaced)" in walked.stdout
     mismatch = runner.invoke(cli, ["ingest", str(docs / "a.md"), "--index-dir", str(tmp_path / "index"), "--embedder", "hashing-32", "--tokenizer", str(minilm_model_dir())])
     assert mismatch.exit_code == 1 and "dimension 64" in mismatch.output
 

@@ -62,7 +62,7 @@ def test_directory_walk_reads_every_format(corpus, index, chunker):
     progress = []
     summary = ingest_paths([corpus], index, chunker, progress=lambda p: progress.append((p.documents, p.documents_total, p.chunks)))
     assert (summary.documents, summary.chunks, summary.replaced) == (4, 4, 0)
-    assert summary.skipped == (str(corpus / "image.png"),)
+    assert summary.skipped == (f"{corpus / 'image.png'} (unsupported type)",)
     assert summary.seconds > 0
     assert progress[-1] == (4, 4, 4)
     documents = {d.document_id: d for d in index.list_documents()}
@@ -170,3 +170,16 @@ def test_embedder_dimension_mismatch_leaves_the_index_untouched(corpus, index, c
     with pytest.raises(DimensionMismatchError):
         ingest_text("new text", "new", index, chunker)
     assert _snapshot(index) == before
+
+
+def test_a_file_that_does_not_parse_is_skipped_in_a_walk_but_fatal_when_named(tmp_path):
+    from retrieval.errors import RetrievalError
+    from retrieval.ingest import load_documents
+
+    (tmp_path / "notes.md").write_text("# Notes\n\nReal text.\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    documents, skipped = load_documents([tmp_path])
+    assert [d.document_id for d in documents] == [f"{tmp_path.name}/notes.md"]
+    assert len(skipped) == 1 and skipped[0].startswith(str(tmp_path / "metrics.jsonl")) and "'id'" in skipped[0]
+    with pytest.raises(RetrievalError, match="'id'"):
+        load_documents([tmp_path / "metrics.jsonl"])
