@@ -12,7 +12,8 @@
 # 2. checks that torch sees a GPU;
 # 3. builds the bench model (bench/make_bench_model.py: random-init 8-layer qwen3_5, width 512);
 # 4. runs bench/serve.py with HYPIC_DEVICE=cuda: every mode, Poisson rates $RATES (default 2 4 8),
-#    then decode scaling (1 vs 8 streams), bounded by $BENCH_TIMEOUT seconds (default 330).
+#    then decode scaling (1 vs 8 streams), bounded by $BENCH_TIMEOUT seconds (default 330);
+#    before it, bench/gpu_kernels.py (exactness on CUDA with torch and fla kernels; KERNEL_CHECK=0 skips).
 #
 # OUTDIR gets: results.json (every number; rewritten after each cell, so a run cut short keeps
 # what it measured), serve_ttft_vs_rate.png, serve.md (the docs/benchmarks.md section),
@@ -44,14 +45,14 @@ install() {
         if [ -n "${TORCH_INDEX_URL:-}" ]; then
             uv pip install -q -p "$VENV/bin/python" --index-url "$TORCH_INDEX_URL" "torch==2.13.0"
         fi
-        uv pip install -q -p "$VENV/bin/python" -e .
+        uv pip install -q -p "$VENV/bin/python" -e ".[gpu]"
     else
         [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
         "$VENV/bin/python" -m pip install -q --upgrade pip
         if [ -n "${TORCH_INDEX_URL:-}" ]; then
             "$VENV/bin/python" -m pip install -q --index-url "$TORCH_INDEX_URL" "torch==2.13.0"
         fi
-        "$VENV/bin/python" -m pip install -q -e .
+        "$VENV/bin/python" -m pip install -q -e ".[gpu]"
     fi
 }
 
@@ -77,6 +78,14 @@ export HYPIC_DEVICE="${HYPIC_DEVICE:-cuda}"
 export HYPIC_TORCH_THREADS="${HYPIC_TORCH_THREADS:-4}"
 export HYPIC_CACHE_DEVICE_BYTES="${HYPIC_CACHE_DEVICE_BYTES:-$((8 << 30))}"
 export TOKENIZERS_PARALLELISM=false
+
+if [ "${KERNEL_CHECK:-1}" = 1 ]; then
+    # The adapters' exactness checks on CUDA, torch fallbacks and (when installed: the gpu extra)
+    # fla kernels, and fla's prefill speed-up (docs/gpu.md). First use compiles Triton kernels.
+    log "running bench/gpu_kernels.py (at most ${KERNEL_TIMEOUT:-600} s; KERNEL_CHECK=0 skips it)"
+    timeout "${KERNEL_TIMEOUT:-600}" "$VENV/bin/python" bench/gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" \
+        || log "kernel check failed or timed out (see $OUT/kernels.log)"
+fi
 
 log "building the bench model"
 HF_HUB_DISABLE_PROGRESS_BARS=1 "$VENV/bin/python" bench/make_bench_model.py "$OUT/bench-model" >&2
