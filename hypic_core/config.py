@@ -124,6 +124,9 @@ class GenerationRequest:
     mode: Mode = Mode.HYPIC
     seam: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # hypic / pic-naive: the first `exact_prefix` context segments (system prompt, earlier turns)
+    # are computed exactly, or restored from an exact prefix snapshot; only the ones after are stitched.
+    exact_prefix: int = 0
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -138,6 +141,9 @@ class GenerationRequest:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
         if self.seam is not None and self.seam < 0:
             raise InvalidRequestError("seam", f"must be >= 0, got {self.seam}")
+        if not 0 <= self.exact_prefix <= len(self.segments) - 1:
+            raise InvalidRequestError("exact_prefix", f"must be in [0, {len(self.segments) - 1}] (the context segments), "
+                                                      f"got {self.exact_prefix}")
 
     @property
     def context(self) -> tuple[tuple[int, ...], ...]:

@@ -104,11 +104,14 @@ class PrefillPlan:
     boundaries: list[int] = field(default_factory=list)
     linear: list = field(default_factory=list)
     reused: int = 0  # leading segments restored from a snapshot
+    start: int = 0  # pic modes: where the stitched segments begin (after the exact prefix)
     logits: torch.Tensor | None = None
 
     def tokens_left(self, seq: Sequence) -> int:
         cold = sum(cw.left for cw, _ in self.cold)
-        stitch = sum(min(seq.seam, len(s)) for s in seq.request.context) + len(seq.request.question) if self.stitch_pending else 0
+        exact = seq.request.exact_prefix
+        stitch = (sum(min(seq.seam, len(s)) for s in seq.request.context[exact:]) + len(seq.request.question)
+                  if self.stitch_pending else 0)
         return cold + stitch + sum(len(r.ids) - r.done for r in self.runs)
 
 
@@ -283,30 +286,22 @@ class Engine:
         if request.mode is Mode.FULL:
             plan.runs.append(Run(tuple(t for s in request.segments for t in s), 0))
         elif request.mode is Mode.PREFIX:
-            digests = [SegmentKey.of(self.fingerprint, 0, s).tokens for s in request.context]
-            plan.chain = chain_hashes(digests)
-            snap, n = self.prefix_cache.longest(plan.chain)
-            pos = 0
-            if snap is not None:
-                pos = runner.restore_prefix(plan.cache, snap, n)
-                plan.boundaries, plan.linear = list(snap.boundaries[:n]), list(snap.linear[:n])
-                stats.cached_tokens, stats.segment_hits = pos, n
-            plan.reused = n
-            stats.segment_misses = len(request.context) - n
-            for seg in request.context[n:]:
-                plan.runs.append(Run(seg, pos, boundary=True))
-                pos += len(seg)
+            pos = self._exact_prefix(seq, plan, len(request.context))
             plan.runs.append(Run(request.question, pos))
         else:
+            exact = request.exact_prefix
+            plan.start = self._exact_prefix(seq, plan, exact) if exact else 0
             plan.entries = [None] * len(request.context)
             wanted: dict[str, tuple[ColdWork, list[int]]] = {}
             for i, seg in enumerate(request.context):
+                if i < exact:
+                    continue
                 key = SegmentKey.of(self.fingerprint, seq.seam, seg)
                 entry = self.store.lookup(key, seg)
                 if entry is not None:
                     plan.entries[i] = entry
                     stats.segment_hits += 1
-                    stats.cached_tokens += entry.body_length
+                    stats.composed_tokens += entry.body_length
                     continue
                 stats.segment_misses += 1
                 k = key.to_str()
@@ -319,10 +314,30 @@ class Engine:
                 wanted[k][1].append(i)
             plan.cold = list(wanted.values())
             plan.stitch_pending = True
-            stats.seam_tokens = sum(min(seq.seam, len(s)) for s in request.context)
+            stats.seam_tokens = sum(min(seq.seam, len(s)) for s in request.context[exact:])
         stats.timings_ms["lookup"] = _ms(t)
         seq.plan = plan
         seq.prefill_left = plan.tokens_left(seq)
+
+    def _exact_prefix(self, seq: Sequence, plan: "PrefillPlan", n_exact: int) -> int:
+        """Lay out the first `n_exact` context segments exactly: the longest run of them an exact
+        prefix snapshot holds is restored, the rest become runs (snapshotted at the end). Returns
+        the position after them."""
+        request, stats = seq.request, seq.stats
+        digests = [SegmentKey.of(self.fingerprint, 0, s).tokens for s in request.context[:n_exact]]
+        plan.chain = chain_hashes(digests)
+        snap, n = self.prefix_cache.longest(plan.chain)
+        pos = 0
+        if snap is not None:
+            pos = self.runner.restore_prefix(plan.cache, snap, n)
+            plan.boundaries, plan.linear = list(snap.boundaries[:n]), list(snap.linear[:n])
+            stats.exact_tokens, stats.segment_hits = pos, n
+        plan.reused = n
+        stats.segment_misses += n_exact - n
+        for seg in request.context[n:n_exact]:
+            plan.runs.append(Run(seg, pos, boundary=True))
+            pos += len(seg)
+        return pos
 
     def _prepare(self, seq: Sequence) -> None:
         """Plan `seq` as the scheduler admits it (a failure ends it with "error" in this step)."""
@@ -409,15 +424,22 @@ class Engine:
             seq.plan.cold = still
 
     def _advance(self, seq: Sequence, budget: int) -> None:
-        """Run up to `budget` tokens of `seq`'s remaining stitch / runs (cold work is done by `_run_cold`)."""
+        """Run up to `budget` tokens of `seq`'s remaining prefill (cold work is done by `_run_cold`):
+        its exact runs (an exact prefix; the whole prompt in `full` / `prefix` mode), then the
+        stitch of the cached segments (pic modes), then what is left of the question."""
         plan, request, runner, stats = seq.plan, seq.request, self.runner, seq.stats
         if plan.logits is not None or plan.cold or budget <= 0:
             return
-        if plan.stitch_pending:
+        budget = self._run_runs(seq, budget)
+        if plan.stitch_pending and not plan.runs and budget > 0:
+            if plan.reused < request.exact_prefix:  # a newly computed exact prefix: keep it for later requests
+                self.prefix_cache.insert(plan.chain, runner.prefix_snapshot(plan.cache, plan.boundaries, plan.linear))
             t = time.perf_counter()
             seams = stats.seam_tokens
             head = max(1, min(len(request.question), budget - seams))
-            logits = runner.stitch(plan.cache, request.context, plan.entries, request.question[:head], request.mode)
+            context = request.context[request.exact_prefix:]
+            logits = runner.stitch(plan.cache, context, plan.entries[request.exact_prefix:], request.question[:head],
+                                   request.mode, start=plan.start)
             plan.stitch_pending = False
             stats.computed_tokens += seams + head
             budget -= seams + head
@@ -427,11 +449,17 @@ class Engine:
             else:
                 plan.logits = logits
             _add_ms(stats, "stitch", t)
+            self._run_runs(seq, budget)
+
+    def _run_runs(self, seq: Sequence, budget: int) -> int:
+        """Run `seq`'s pending runs within `budget`; returns what is left of it. The last run of a
+        prefill (nothing else pending) yields the first-token logits."""
+        plan, request, runner, stats = seq.plan, seq.request, self.runner, seq.stats
         while plan.runs and budget > 0:
             t = time.perf_counter()
             run = plan.runs[0]
             n = min(budget, len(run.ids) - run.done)
-            last = len(plan.runs) == 1 and run.done + n == len(run.ids)
+            last = len(plan.runs) == 1 and run.done + n == len(run.ids) and not plan.stitch_pending
             logits = runner.forward(run.ids[run.done:run.done + n], run.start + run.done, plan.cache, logits=last)
             run.done += n
             budget -= n
@@ -445,7 +473,8 @@ class Engine:
                 plan.logits = logits
                 if request.mode is Mode.PREFIX and plan.reused < len(request.context):
                     self.prefix_cache.insert(plan.chain, runner.prefix_snapshot(plan.cache, plan.boundaries, plan.linear))
-            _add_ms(stats, "stitch" if request.mode is not Mode.FULL else "forward", t)
+            _add_ms(stats, "forward" if request.mode is Mode.FULL else "stitch", t)
+        return budget
 
     def _start_decoding(self, seq: Sequence) -> StepOutput:
         """Prefill done: sample the first token; the sequence decodes from the next step."""

@@ -164,14 +164,15 @@ class ModelRunner:
 
     # --- stitching --------------------------------------------------------------------------
     def stitch(self, cache, context: Sequence[tuple[int, ...]], entries: Sequence[SegmentEntry],
-               question: tuple[int, ...], mode: Mode = Mode.HYPIC) -> torch.Tensor:
-        """Stitched prefill of `context` (with their entries) then `question` on an empty `cache`.
+               question: tuple[int, ...], mode: Mode = Mode.HYPIC, start: int = 0) -> torch.Tensor:
+        """Stitched prefill of `context` (with their entries) then `question` on `cache`, which is
+        empty (`start` 0) or holds an exactly computed prefix of `start` tokens.
 
         Returns the first-token logits. Uses the fused path (one forward for every seam head
         and the question) when the adapter supports it, else `stitch_sequential`.
         """
         if not self.adapter.supports_fused_stitch:
-            return self.stitch_sequential(cache, context, entries, question, mode)
+            return self.stitch_sequential(cache, context, entries, question, mode, start)
         adapter = self.adapter
         run_ids: list[int] = []
         run_pos: list[int] = []
@@ -179,7 +180,7 @@ class ModelRunner:
         body_pos: list[torch.Tensor] = []
         body_keys: list[list[torch.Tensor]] = [[] for _ in range(len(self.attention))]
         body_values: list[list[torch.Tensor]] = [[] for _ in range(len(self.attention))]
-        offset = 0
+        offset = start
         for seg, entry in zip(context, entries):
             w = entry.seam
             has_body = entry.body_length > 0
@@ -198,9 +199,10 @@ class ModelRunner:
         if body_pos:
             self.attention.append(cache, [torch.cat(ks, dim=1)[None] for ks in body_keys],
                                   [torch.cat(vs, dim=1)[None] for vs in body_values])
-        self.linear.zero_start(cache)
+        if start == 0:
+            self.linear.zero_start(cache)  # else the prefix left its states in the cache
         qpos = torch.tensor(run_pos)
-        kpos = torch.cat([*body_pos, qpos])
+        kpos = torch.cat([torch.arange(start), *body_pos, qpos])
         mask = (kpos[None, :] <= qpos[:, None])[None, None].to(self.device)
         ids = torch.tensor([run_ids], dtype=torch.long, device=self.device)
         with adapter.stitch(spans, mode) as cap:
@@ -209,9 +211,9 @@ class ModelRunner:
         adapter.finish_stitch(cache, cap)
         return out.logits[0, -1].float()
 
-    def stitch_sequential(self, cache, context, entries, question, mode: Mode = Mode.HYPIC) -> torch.Tensor:
+    def stitch_sequential(self, cache, context, entries, question, mode: Mode = Mode.HYPIC, start: int = 0) -> torch.Tensor:
         """Reference stitch: each seam head through all layers, then its body appended; then the question."""
-        offset = 0
+        offset = start
         for seg, entry in zip(context, entries):
             if entry.seam:
                 self.forward(seg[: entry.seam], offset, cache)

@@ -52,13 +52,27 @@ class PrefillStats:
     mode: str
     seam: int
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # tokens whose work came from a cache (segment bodies, exact prefixes)
-    seam_tokens: int = 0  # seam-head tokens recomputed in context
-    computed_tokens: int = 0  # tokens run through the model for this request (cold + seams + question)
+    # What the prompt's tokens got, a partition: prompt_tokens = exact + composed + seam + fresh (a property).
+    exact_tokens: int = 0  # restored from an exact prefix snapshot (identical to recomputing them)
+    composed_tokens: int = 0  # segment bodies reused from cache hits by position-independent composition
+    seam_tokens: int = 0  # seam heads recomputed in context
+    computed_tokens: int = 0  # model work done for this request, in tokens (cold entries + seams + runs); a cold
+    #                           segment's body counts once here, and a seam-covered head can count twice
     segment_hits: int = 0
     segment_misses: int = 0
     prefill_steps: int = 0  # engine steps the prefill was spread over (chunked prefill)
     timings_ms: dict[str, float] = field(default_factory=dict)  # queue, lookup, cold, stitch, prefill
+
+    @property
+    def fresh_tokens(self) -> int:
+        """The rest of the prompt, computed for this request: the question, exact-prefix misses,
+        full/prefix forwards, and the bodies of segments whose entries were computed now (cold misses)."""
+        return self.prompt_tokens - self.exact_tokens - self.composed_tokens - self.seam_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose work came from a cache, exact or composed (not those computed for this request)."""
+        return self.exact_tokens + self.composed_tokens
 
 
 @dataclass(frozen=True)
