@@ -5,7 +5,9 @@ base URL. Supported: stream (chunks, final `finish_reason`, `data: [DONE]`),
 `stream_options.include_usage`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`,
 `seed`, `stop`, `logprobs` / `top_logprobs` (chat) and `logprobs: int` (completions), `n = 1`,
 and vLLM's sampling extras `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`, `min_tokens`,
-`ignore_eos`. Cache reuse is reported in `usage.prompt_tokens_details.cached_tokens`.
+`ignore_eos`. Cache reuse is reported in `usage.prompt_tokens_details`: `cached_tokens` counts
+exact reuse only (an exact prefix, as OpenAI and vLLM mean it); `composed_tokens` the tokens
+reused by position-independent composition (approximate); `seam_tokens` those recomputed at joins.
 
 Extra fields: `rag: {top_k, document_ids}` retrieves chunks for the last user message (chat) or
 the prompt (completions) and adds them as segments; the response then carries `sources` (the
@@ -126,7 +128,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     hits = await _retrieve(rt, body, messages[-1]["content"])
     asked = body.max_completion_tokens or body.max_tokens
     prompt = rt.prompter.chat(messages, hits, body.segments or (), reserve=asked or rt.settings.answer_reserve_tokens)
-    gen = _generation(rt, body, prompt.segments, asked or rt.settings.max_new_tokens, body.logprobs, body.top_logprobs or 0)
+    gen = _generation(rt, body, prompt, asked or rt.settings.max_new_tokens, body.logprobs, body.top_logprobs or 0)
     stream = pipeline.start(rt, gen, started, "/v1/chat/completions")
     reply = _Reply(rt, "chat.completion", body, chat=True, prompt=prompt)
     if body.stream:
@@ -148,7 +150,7 @@ async def completions(body: CompletionRequest, request: Request):
     hits = await _retrieve(rt, body, prompt)
     built = rt.prompter.completion(prompt, hits, body.segments or (), reserve=body.max_tokens or rt.settings.answer_reserve_tokens)
     want = body.logprobs is not None
-    gen = _generation(rt, body, built.segments, body.max_tokens or rt.settings.max_new_tokens, want, body.logprobs or 0)
+    gen = _generation(rt, body, built, body.max_tokens or rt.settings.max_new_tokens, want, body.logprobs or 0)
     stream = pipeline.start(rt, gen, started, "/v1/completions")
     reply = _Reply(rt, "text_completion", body, chat=False, prompt=built)
     if body.stream:
@@ -179,8 +181,8 @@ async def _retrieve(rt: Runtime, body: _Common, query: str) -> list:
     return found.hits
 
 
-def _generation(rt: Runtime, body: _Common, segments, max_tokens: int, logprobs: bool, top_logprobs: int):
-    return pipeline.generation_request(rt, segments, body.mode, body.seam, max_tokens=max_tokens,
+def _generation(rt: Runtime, body: _Common, prompt: Prompt, max_tokens: int, logprobs: bool, top_logprobs: int):
+    return pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, prompt.exact_prefix, max_tokens=max_tokens,
                                        temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                        stop=body.stops(), logprobs=logprobs, top_logprobs=top_logprobs,
                                        top_k=max(body.top_k, 0), **body.extras())
@@ -279,4 +281,5 @@ def _usage(stream: TokenStream) -> dict:
     u = pipeline.usage(stream)
     return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
             "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"], "composed_tokens": u["composed_tokens"],
+                                      "seam_tokens": u["seam_tokens"]}}

@@ -82,7 +82,7 @@ async def _answer(body: QueryRequest, request: Request):
     pipeline.require_room(rt)
     found = await pipeline.retrieve(rt, body.question, body.top_k or rt.settings.default_top_k, body.document_ids)
     prompt = rt.prompter.query(body.question, found.hits, reserve=body.max_tokens)
-    gen = pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, max_tokens=body.max_tokens,
+    gen = pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, prompt.exact_prefix, max_tokens=body.max_tokens,
                                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                       **body.extras())
     stream = pipeline.start(rt, gen, started, "/query")

@@ -147,7 +147,7 @@ def query_command(
                     sys.stdout.write("\n")
                     u, t = payload["usage"], payload["timings"]
                     typer.echo(f"({payload['finish_reason']}; {u['completion_tokens']} tokens; prompt {u['prompt_tokens']}, "
-                               f"cached {u['cached_tokens']}; ttft {t['ttft_ms']} ms, total {t['total_ms']} ms)", err=True)
+                               f"exact {u['cached_tokens']}, composed {u.get('composed_tokens', 0)}; ttft {t['ttft_ms']} ms, total {t['total_ms']} ms)", err=True)
                 elif event == "error":
                     _fail(payload["error"]["message"])
     except httpx.HTTPError as exc:

@@ -69,7 +69,7 @@ def run_demo(settings: Settings, n_docs: int = 3, max_tokens: int = 16, console:
     runs = [("full", "full", docs), ("prefix", "prefix", docs), ("hypic (cold)", "hypic", docs),
             ("pic-naive", "pic-naive", shuffled), ("hypic (warm, new order)", "hypic", shuffled)]
     table = Table(title=f"Q: {question}  (expected: {answer})")
-    for col in ("mode", "TTFT ms", "prompt", "cached", "seam", "hits/misses", "answer"):
+    for col in ("mode", "TTFT ms", "prompt", "exact", "composed", "seam", "hits/misses", "answer"):
         table.add_column(col, justify="right" if col not in ("mode", "answer") else "left")
     for label, mode, order in runs:
         req = request(order, mode)
@@ -79,7 +79,7 @@ def run_demo(settings: Settings, n_docs: int = 3, max_tokens: int = 16, console:
         ttft = (time.perf_counter() - t) * 1000
         text = first.text + "".join(o.text for o in outputs)
         s = first.stats
-        table.add_row(label, f"{ttft:.0f}", str(s.prompt_tokens), str(s.cached_tokens), str(s.seam_tokens),
+        table.add_row(label, f"{ttft:.0f}", str(s.prompt_tokens), str(s.exact_tokens), str(s.composed_tokens), str(s.seam_tokens),
                       f"{s.segment_hits}/{s.segment_misses}", text.strip())
     console.print(table)
     console.print(f"segment store: {engine.store.stats()}")

@@ -1,15 +1,23 @@
 """Prometheus metrics of one gateway, in its own registry (several apps can live in one process).
 
-Latencies are in seconds. Token counters split each prompt into the part whose work came from a
-cache (`reused`) and the part run through the model (`recomputed`: cold segments, seams,
-question). Segment-store counters are read from `store.stats()` at scrape time.
+Every series carries a `model_name` label (the served model), added at scrape time. Latencies
+are in seconds. `hypic_prompt_tokens{kind}` partitions every prompt, so the kinds sum to the
+prompt tokens: `exact` (restored from an exact prefix snapshot), `composed` (segment bodies
+reused from the cache by position-independent composition), `seam` (seam heads recomputed in
+context), `fresh` (everything else computed for the request: the question, cold segments,
+full/prefix forwards). Segment-store counters are read from `store.stats()` at scrape time, as
+`lookups` / `hits` pairs per tier (hit rate = hits / lookups). The standard process, platform and
+GC collectors are included.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+import copy
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector, disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hypic_core.sequence import PrefillStats
@@ -24,9 +32,13 @@ disable_created_metrics()  # process-wide: no `*_created` series, they only add 
 class Metrics:
     """The gateway's instruments. Methods are thread-safe (prometheus-client is)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name  # the `model_name` label of every series; the runtime sets it once loaded
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.requests = Counter("hypic_requests", "HTTP requests by route template ('unmatched': refused before "
                                 "routing, e.g. 401, 413, 404) and status code.", ["route", "status"], registry=r)
         self.ttft = Histogram("hypic_time_to_first_token_seconds", "Request arrival to first generated token.",
@@ -41,7 +53,8 @@ class Metrics:
                                buckets=_LATENCY_BUCKETS, registry=r)
         self.prefill = Histogram("hypic_prefill_seconds", "Engine prefill time per request.",
                                  ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("hypic_prompt_tokens", "Prompt tokens by how their work was done.", ["kind"], registry=r)
+        self.prompt_tokens = Counter("hypic_prompt_tokens", "Prompt tokens by how their work was done (a partition: exact, "
+                                     "composed, seam, fresh).", ["kind"], registry=r)
         self.generated_tokens = Counter("hypic_generated_tokens", "Generated tokens.", registry=r)
         self.segments = Counter("hypic_segment_lookups", "Context segments looked up per request.", ["result"], registry=r)
         self.finished = Counter("hypic_generations_finished", "Finished generations by finish reason.", ["reason"], registry=r)
@@ -56,14 +69,26 @@ class Metrics:
     def observe_prefill(self, stats: PrefillStats) -> None:
         self.queue.observe(stats.timings_ms.get("queue", 0.0) / 1000.0)
         self.prefill.labels(stats.mode).observe(stats.timings_ms.get("prefill", 0.0) / 1000.0)
-        self.prompt_tokens.labels("reused").inc(stats.cached_tokens)
-        self.prompt_tokens.labels("recomputed").inc(stats.computed_tokens)
-        self.prompt_tokens.labels("seam").inc(stats.seam_tokens)
+        for kind in ("exact", "composed", "seam", "fresh"):
+            self.prompt_tokens.labels(kind).inc(getattr(stats, f"{kind}_tokens"))
         self.segments.labels("hit").inc(stats.segment_hits)
         self.segments.labels("miss").inc(stats.segment_misses)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_WithLabel(self.registry, "model_name", self.model_name))
+
+
+class _WithLabel:
+    """A registry view that adds one label to every sample of `registry`."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, value: str) -> None:
+        self._registry, self._name, self._value = registry, name, value
+
+    def collect(self):
+        for metric in self._registry.collect():
+            labelled = copy.copy(metric)
+            labelled.samples = [s._replace(labels={**s.labels, self._name: self._value}) for s in metric.samples]
+            yield labelled
 
 
 class _StoreCollector:
@@ -72,6 +97,10 @@ class _StoreCollector:
 
     def collect(self):
         stats = self._read()
+        tiers = set(stats.hits) | set(stats.tier_misses)
+        yield _by_tier(CounterMetricFamily, "hypic_cache_lookups", "Segment-store lookups that reached each tier "
+                       "(hit rate of a tier = hits / lookups).",
+                       {t: stats.hits.get(t, 0) + stats.tier_misses.get(t, 0) for t in tiers})
         yield _by_tier(CounterMetricFamily, "hypic_cache_hits", "Segment-store hits by tier.", stats.hits)
         yield _by_tier(CounterMetricFamily, "hypic_cache_tier_misses", "Lookups that reached a tier and missed there.",
                        stats.tier_misses)

@@ -72,14 +72,14 @@ def sources(prompt: Prompt) -> dict:
 
 
 def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: str | None, seam: int | None,
-                       **sampling) -> GenerationRequest:
+                       exact_prefix: int = 0, **sampling) -> GenerationRequest:
     """An engine request; `sampling` are `SamplingParams` fields. Raises 400 for max_tokens above
     `max_new_tokens`, an unknown mode and sampling values out of range; what depends on the
     model (token ids, the prompt's length) is checked once, by the engine, in `start`."""
     if sampling.get("max_tokens", 1) > rt.settings.max_new_tokens:
         raise APIError.invalid("max_tokens", f"must be <= {rt.settings.max_new_tokens}, got {sampling['max_tokens']}")
     return GenerationRequest(tuple(segments), Mode.parse(mode or rt.settings.default_mode), seam,
-                             SamplingParams(**sampling))
+                             SamplingParams(**sampling), exact_prefix=exact_prefix)
 
 
 def require_room(rt: Runtime) -> None:
@@ -127,10 +127,14 @@ async def collect(stream: TokenStream, request: Request) -> list[StepOutput]:
 
 
 def usage(stream: TokenStream) -> dict:
-    """Token counts of a finished stream: prompt, completion, cached (reused) and seam tokens."""
+    """Token counts of a finished stream. The prompt's tokens split into `cached_tokens` (reused
+    exactly: an exact prefix, identical to recomputing them, as OpenAI and vLLM report it),
+    `composed_tokens` (segment bodies reused by position-independent composition: approximate),
+    `seam_tokens` (recomputed at segment joins) and the rest, computed for this request."""
     stats = stream.stats
     return {"prompt_tokens": stats.prompt_tokens if stats else 0, "completion_tokens": stream.completion_tokens,
-            "cached_tokens": stats.cached_tokens if stats else 0, "seam_tokens": stats.seam_tokens if stats else 0}
+            "cached_tokens": stats.exact_tokens if stats else 0, "composed_tokens": stats.composed_tokens if stats else 0,
+            "seam_tokens": stats.seam_tokens if stats else 0}
 
 
 def ms_since(start: float, end: float | None = None) -> float:

@@ -9,7 +9,9 @@ Two prompt formats (`PromptLayout.format`):
 - `chat`: the tokenizer's chat template. The system prompt is the system message; documents go
   into the last user turn, before its content:
 
-      s_0 = everything the template puts before the last user message's content
+      s_0.. = one segment per earlier message (template text and content: the system prompt,
+              earlier turns), then the template text before the last user message's content;
+              these are the exact prefix: reused exactly from a prefix snapshot, never composed
       s_i = document i (`document_template`)
       q   = the last user content (a /query question through `question_template`), everything
             the template puts after it (the generation prompt), then `answer_prefix`
@@ -133,6 +135,7 @@ class Prompt:
     segments: list[Tokens]
     used: list[SearchHit]
     dropped: int  # retrieved chunks left out because they did not fit the context
+    exact_prefix: int = 0  # leading segments (system prompt, earlier turns) to reuse exactly, never by composition
 
     @property
     def tokens(self) -> int:
@@ -202,19 +205,23 @@ class Prompter:
         pieces = _MARK_RE.split(rendered)  # literal, index, literal, index, ..., literal
         if len(pieces) != 2 * len(messages) + 1:
             raise APIError.invalid(field, "the chat template did not render every message")
-        parts: list[Part] = []
-        last_start = 0
+        # One head segment per earlier message (its template text and content), then the template
+        # text before the last message: turn n's head is a prefix, segment for segment, of turn n+1's.
+        groups: list[list[Part]] = []
+        current: list[Part] = []
+        tail: list[Part] | None = None
         for i, piece in enumerate(pieces):
-            if i % 2:
-                index = int(piece)
-                if index == len(messages) - 1:
-                    last_start = len(parts)
-                parts.extend(contents[index])
-            elif piece:
-                parts.append((piece, True))
-        head = self.encoder.encode(parts[:last_start])
-        tail = self.encoder.encode([*parts[last_start:], (layout.answer_prefix, True)])
-        return [head] if head else [], [tail]
+            if i % 2 == 0:
+                if piece:
+                    (current if tail is None else tail).append((piece, True))
+            elif int(piece) == len(messages) - 1:
+                groups.append(current)
+                tail = list(contents[int(piece)])
+            else:
+                groups.append([*current, *contents[int(piece)]])
+                current = []
+        head = [ids for ids in map(self.encoder.encode, groups) if ids]
+        return head, [self.encoder.encode([*(tail or []), (layout.answer_prefix, True)])]
 
     def _fit(self, head: list[Tokens], kept: list[Tokens], hits: Sequence[SearchHit], tail: list[Tokens],
              reserve: int, field: str) -> Prompt:
@@ -239,4 +246,5 @@ class Prompter:
             total += len(ids)
         ordered = sorted(used, key=lambda d: d[0].score)  # worst first: the best sits next to the question
         segments = [s for s in head + kept + [ids for _, ids in ordered] + tail if s]
-        return Prompt(segments, [h for h, _ in used], len(docs) - len(used))
+        exact = sum(1 for s in head if s)
+        return Prompt(segments, [h for h, _ in used], len(docs) - len(used), min(exact, len(segments) - 1))

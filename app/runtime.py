@@ -87,7 +87,7 @@ class Runtime:
 
     def __init__(self, settings: Settings, engine: EngineSource = None, index: IndexSource = None) -> None:
         self.settings = settings
-        self.metrics = Metrics()
+        self.metrics = Metrics(settings.served_model_name)
         self.worker = Worker(settings.max_running, settings.max_queue, self.metrics)
         self.engine: Engine | None = None
         self.index: VectorIndex | None = None
@@ -155,6 +155,7 @@ class Runtime:
             self.tokens = TokenText(engine.tokenizer)
             if not self._owns_engine:
                 self.model_name = self.settings.model_name or engine.model_id
+                self.metrics.model_name = self.model_name
             self.metrics.watch_store(engine.store)
             self._ready.set()
             log.info("ready", extra={"model": self.model_name, "chunks": len(index), "seconds": round(time.perf_counter() - started, 3)})

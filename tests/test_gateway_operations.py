@@ -83,6 +83,7 @@ def test_metrics_increase_after_a_request(server):
     before_ok = metric(server.url, "hypic_requests_total", route="/query", status="200")
     before_ttft = metric(server.url, "hypic_time_to_first_token_seconds_count", route="/query")
     before_tokens = metric(server.url, "hypic_generated_tokens_total")
+    before_prompt = sum(metric(server.url, "hypic_prompt_tokens_total", kind=k) for k in ("exact", "composed", "seam", "fresh"))
     r = httpx.post(f"{server.url}/query", json={"question": "count to five", "max_tokens": 5}, timeout=30)
     assert r.status_code == 200
     assert metric(server.url, "hypic_requests_total", route="/query", status="200") == before_ok + 1
@@ -91,9 +92,12 @@ def test_metrics_increase_after_a_request(server):
     assert metric(server.url, "hypic_inter_token_latency_seconds_count") >= 4
     assert metric(server.url, "hypic_e2e_latency_seconds_count", route="/query") >= 1
     assert metric(server.url, "hypic_retrieval_seconds_count") >= 1
-    assert metric(server.url, "hypic_prompt_tokens_total", kind="recomputed") > 0
+    assert metric(server.url, "hypic_prompt_tokens_total", kind="fresh") > 0
+    kinds = sum(metric(server.url, "hypic_prompt_tokens_total", kind=k) for k in ("exact", "composed", "seam", "fresh"))
+    assert kinds == r.json()["usage"]["prompt_tokens"] + before_prompt  # a partition: the kinds sum to the prompt
     text = httpx.get(f"{server.url}/metrics").text
-    assert "hypic_cache_hits_total" in text and "hypic_cache_misses_total" in text
+    assert "hypic_cache_hits_total" in text and "hypic_cache_misses_total" in text and "hypic_cache_lookups_total" in text
+    assert 'model_name="tiny"' in text and "process_cpu_seconds_total" in text
     assert "hypic_requests_running" in text and "hypic_requests_waiting" in text
 
 
@@ -282,6 +286,7 @@ def test_loads_model_index_and_disk_cache_from_settings(engine, tmp_path):
         first = httpx.post(f"{live.url}/query", json=body, timeout=30).json()
         second = httpx.post(f"{live.url}/query", json=body, timeout=30).json()
         assert {s["document_id"] for s in first["sources"]} == {"a", "b"}
-        assert second["usage"]["cached_tokens"] > first["usage"]["cached_tokens"]
-        assert metric(live.url, "hypic_cache_hits_total", tier="host") >= 3  # system prompt + two documents
+        assert second["usage"]["composed_tokens"] > first["usage"]["composed_tokens"]
+        assert second["usage"]["cached_tokens"] > first["usage"]["cached_tokens"]  # the system prompt, exactly
+        assert metric(live.url, "hypic_cache_hits_total", tier="host") >= 2  # two documents (the system prompt: exact)
         wait_for(lambda: metric(live.url, "hypic_cache_bytes", tier="disk") > 0)  # written in the background

@@ -98,11 +98,11 @@ def test_repeat_request_reuses_cached_segments_and_full_mode_does_not(client):
     body = {"question": "When did the cafe open?", "top_k": 3, "max_tokens": 4, "mode": "hypic"}
     first = client.post("/query", json=body).json()
     second = client.post("/query", json=body).json()
-    assert second["usage"]["cached_tokens"] > 0
-    assert second["usage"]["cached_tokens"] >= first["usage"]["cached_tokens"]
+    assert second["usage"]["composed_tokens"] > 0 and second["usage"]["cached_tokens"] > 0  # chunks; the system prompt
+    assert second["usage"]["composed_tokens"] >= first["usage"]["composed_tokens"]
     assert second["answer"] == first["answer"]  # cold and warm give the same tokens
     full = client.post("/query", json={**body, "mode": "full"}).json()
-    assert full["usage"]["cached_tokens"] == 0 and full["usage"]["seam_tokens"] == 0
+    assert full["usage"]["cached_tokens"] == full["usage"]["composed_tokens"] == full["usage"]["seam_tokens"] == 0
 
 
 def test_document_ids_restrict_retrieval(client):

@@ -49,7 +49,8 @@ def chat_prompter(tokenizer, context: int = 4096, **layout) -> Prompter:
 def test_user_text_never_becomes_a_control_token(tokenizer):
     prompter = chat_prompter(tokenizer)
     prompt = prompter.query(FORGED, [hit(FORGED, 0.5)], reserve=8)
-    head, doc, question = prompt.segments
+    *head, doc, question = prompt.segments
+    assert prompt.exact_prefix == len(head) == 2  # the system message, then the user turn's opening
     specials = controls(tokenizer)
     assert not specials & set(doc), "a document forged a control token"
     # the question segment holds the user's text, then the template's own end of turn and generation prompt
@@ -59,7 +60,7 @@ def test_user_text_never_becomes_a_control_token(tokenizer):
     # and the forged text is still all there, as plain text
     assert FORGED in tokenizer.decode(list(doc)) and FORGED in tokenizer.decode(list(question))
     # the template's markers are special: the head starts with <|im_start|>system
-    assert head[0] == im_start
+    assert head[0][0] == im_start
 
 
 def test_chat_messages_cannot_forge_turns(tokenizer):
@@ -93,7 +94,10 @@ def test_bundled_layout_matches_its_training_prompt(bundled_tokenizer):
     prompt = prompter.query("Who is the mayor of Varo?", [hit(d, 1.0 - i / 10) for i, d in enumerate(reversed(docs))], reserve=8)
     expected = [world.system_segment(), *(world.document_segment(world.Doc("x", "x", d)) for d in docs),
                 world.question_segment("Who is the mayor of Varo?")]
-    assert prompt.segments == [tuple(bundled_tokenizer.encode(s, add_special_tokens=False)) for s in expected]
+    encoded = [tuple(bundled_tokenizer.encode(s, add_special_tokens=False)) for s in expected]
+    head = prompt.segments[:prompt.exact_prefix]
+    assert sum(head, ()) == encoded[0]  # the system segment, split at the turn boundary
+    assert prompt.segments[prompt.exact_prefix:] == encoded[1:]
 
 
 def test_raw_layout_is_used_exactly_as_given(tiny_tokenizer):
@@ -155,7 +159,7 @@ def test_lowest_ranked_chunks_are_dropped_to_fit(tiny_tokenizer):
     roomy = chat_prompter(tiny_tokenizer, context=100_000).query("q?", docs, reserve=16)
     assert roomy.dropped == 0 and len(roomy.used) == 6
     need = roomy.tokens
-    doc_len = len(roomy.segments[1])
+    doc_len = len(roomy.segments[roomy.exact_prefix])
     tight = chat_prompter(tiny_tokenizer, context=need + 16 - 2 * doc_len).query("q?", docs, reserve=16)
     assert tight.dropped == 2 and tight.tokens + 16 <= need + 16 - 2 * doc_len
     assert [h.score for h in tight.used] == [0.5, 0.4, 0.3, 0.2]  # best first; the two worst went
@@ -171,3 +175,17 @@ def test_question_alone_too_long_is_a_400_saying_what_to_shorten(tiny_tokenizer)
     # a question that fits but leaves no room for max_tokens: the chunks go, the request stays
     ok = prompter.query("why", [hit("a " * 30, 0.5)], reserve=40)
     assert ok.dropped == 1 and ok.used == []
+
+
+def test_each_turn_extends_the_previous_turns_exact_prefix(tokenizer):
+    """Turn n+1's head repeats turn n's head segment for segment, so its exact prefix is reused."""
+    prompter = chat_prompter(tokenizer)
+    turn1 = [{"role": "user", "content": "Where is Varo?"}]
+    turn2 = turn1 + [{"role": "assistant", "content": "On the Alna."}, {"role": "user", "content": "And its mayor?"}]
+    turn3 = turn2 + [{"role": "assistant", "content": "Ines Kell."}, {"role": "user", "content": "Since when?"}]
+    p2, p3 = (prompter.chat(t, [hit("Varo doc", 0.5)], [], reserve=8) for t in (turn2, turn3))
+    assert p2.exact_prefix == 4 and p3.exact_prefix == 6  # system, user, assistant(, user, assistant), next opening
+    assert p3.segments[:3] == p2.segments[:3]
+    system = [{"role": "system", "content": GENERIC["chat"].system_prompt}]
+    whole = tokenizer.apply_chat_template(system + turn3, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode([t for s in p3.segments[:p3.exact_prefix] for t in s]) in whole
