@@ -351,9 +351,11 @@ class Guard:
         """Maybe queue a shadow check of an admitted `request` (sampled at `sample_rate`); True if queued.
 
         It checks the base configuration and, when approximate and different, the one the
-        request ran with.
+        request ran with. A prompt with fewer than two context segments is not checked: its
+        one segment is computed where it lands, so every mode is exact on it, and its
+        agreement would only flatter the window.
         """
-        if not self.config.enabled:
+        if not self.config.enabled or len(request.context) < 2:
             return False
         served = Choice(request.mode, self.policy.base.seam if request.seam is None else request.seam)
         choices = tuple(c for c in dict.fromkeys((self.policy.base, served)) if c.mode not in EXACT_MODES)

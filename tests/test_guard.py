@@ -169,7 +169,8 @@ def test_offer_samples_picks_configurations_and_drops_the_oldest(poor_engine):
     registry = CollectorRegistry()
     guard = Guard(GuardConfig(sample_rate=1.0, greedy_sample=0.0, queue_size=2), poor_engine, "tiny", HYPIC8, registry,
                   rng=random.Random(0))
-    segments = ((5, 6, 7), (8, 9))
+    segments = ((5, 6, 7), (10, 11), (8, 9))
+    assert not guard.offer(GenerationRequest(segments[1:]))  # one context segment: exact in every mode
     assert guard.offer(GenerationRequest(segments, Mode.FULL))
     assert guard.offer(GenerationRequest(segments, Mode.HYPIC, 2))
     assert guard.offer(GenerationRequest(segments, Mode.HYPIC))
@@ -365,3 +366,13 @@ def test_exact_opt_out(endless_engine, tmp_path, monkeypatch):
         assert httpx.post(f"{live.url}/v1/chat/completions", json=chat, timeout=30).status_code == 200
         assert spy.seqs[-1].stats.mode == "prefix"
         assert complete(live.url, 0).status_code == 200 and spy.seqs[-1].stats.mode == "hypic"  # the default
+
+
+def test_health_guard_is_null_until_loaded(tmp_path):
+    from fastapi.testclient import TestClient
+
+    app = create_app(settings_for(tmp_path), engine=lambda: None, index=lambda: None)
+    try:
+        assert TestClient(app).get("/health").json() == {"status": "ok", "guard": None}  # no lifespan: nothing loads
+    finally:
+        app.state.runtime.close()
