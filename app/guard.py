@@ -170,7 +170,7 @@ class GuardPolicy:
 
     `record` adds a result and returns the `Action` it triggered, if any. Only the base
     configuration (the configured default) and the one being served are judged; results of
-    other configurations (requests that named their own) are kept for reporting.
+    other configurations are kept for reporting.
     """
 
     def __init__(self, base: Choice, config: GuardConfig) -> None:
@@ -350,16 +350,17 @@ class Guard:
     def offer(self, request: GenerationRequest) -> bool:
         """Maybe queue a shadow check of an admitted `request` (sampled at `sample_rate`); True if queued.
 
-        It checks the base configuration and, when approximate and different, the one the
-        request ran with. A prompt with fewer than two context segments is not checked: its
+        It checks the configurations the guard answers for: the base and, when approximate and
+        different, the one default-mode requests get now; not a configuration a request named
+        for itself (so windows and metric labels stay a small set whatever seams clients send).
+        A prompt with fewer than two context segments is not checked: its
         one segment is computed where it lands, so every mode is exact on it, and its
         agreement would only flatter the window.
         """
         if not self.config.enabled or len(request.context) < 2:
             return False
-        served = Choice(request.mode, self.policy.base.seam if request.seam is None else request.seam)
-        choices = tuple(c for c in dict.fromkeys((self.policy.base, served)) if c.mode not in EXACT_MODES)
         with self._lock:
+            choices = tuple(c for c in dict.fromkeys((self.policy.base, self.policy.serving)) if c.mode not in EXACT_MODES)
             if not choices or self._rng.random() >= self.config.sample_rate:
                 return False
             greedy = self._rng.random() < self.config.greedy_sample

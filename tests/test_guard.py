@@ -171,10 +171,11 @@ def test_offer_samples_picks_configurations_and_drops_the_oldest(poor_engine):
                   rng=random.Random(0))
     segments = ((5, 6, 7), (10, 11), (8, 9))
     assert not guard.offer(GenerationRequest(segments[1:]))  # one context segment: exact in every mode
-    assert guard.offer(GenerationRequest(segments, Mode.FULL))
+    assert guard.offer(GenerationRequest(segments, Mode.FULL))  # any admitted request's prompt checks the base
     assert guard.offer(GenerationRequest(segments, Mode.HYPIC, 2))
-    assert guard.offer(GenerationRequest(segments, Mode.HYPIC))
-    assert [c.choices for c in guard._queue] == [(HYPIC8, Choice(Mode.HYPIC, 2)), (HYPIC8,)]
+    guard.policy.serving = Choice(Mode.HYPIC, 16)  # as if widened
+    assert guard.offer(GenerationRequest(segments, Mode.HYPIC, 16))
+    assert [c.choices for c in guard._queue] == [(HYPIC8,), (HYPIC8, Choice(Mode.HYPIC, 16))]
     health = guard.health()
     assert health["pending"] == 2 and health["dropped"] == 1 and health["state"] == "ok" and health["checks"] == 0
     assert registry.get_sample_value("hypic_guard_dropped_checks_total", {"model": "tiny"}) == 1
