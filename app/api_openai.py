@@ -14,7 +14,7 @@ the prompt (completions) and adds them as segments; the response then carries `s
 chunks used, best first, as in /query) and `dropped_chunks` (chunks left out because they did
 not fit the context) at its top level, in a stream on the first chunk; `segments: [text, ...]` are cached
 independently (chat: placed before the last user message, like retrieved documents;
-completions: before the prompt, verbatim); `mode` and `seam` as in /query. Without `rag` or
+completions: before the prompt, verbatim); `mode`, `seam` and `exact` as in /query. Without `rag` or
 `segments`, a chat is plain chat. Fields this server cannot honour (`tools`, `logit_bias`,
 penalties, `response_format` other than text, ...) are refused with a 400 naming them when
 they ask for something; other unknown fields are ignored, as OpenAI-compatible servers do.
@@ -90,6 +90,7 @@ class _Common(pipeline.SamplingExtras):
     segments: list[str] | None = None
     mode: str | None = None
     seam: int | None = Field(None, ge=0)
+    exact: bool = False  # exact reuse only, as in /query
     top_k: int = Field(-1, ge=-1, description="Sample from the k most likely tokens; -1 or 0: all.")  # vLLM's
 
     def stops(self) -> tuple[str, ...]:
@@ -182,7 +183,7 @@ async def _retrieve(rt: Runtime, body: _Common, query: str) -> list:
 
 
 def _generation(rt: Runtime, body: _Common, prompt: Prompt, max_tokens: int, logprobs: bool, top_logprobs: int):
-    return pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, prompt.exact_prefix, max_tokens=max_tokens,
+    return pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, body.exact, prompt.exact_prefix, max_tokens=max_tokens,
                                        temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                        stop=body.stops(), logprobs=logprobs, top_logprobs=top_logprobs,
                                        top_k=max(body.top_k, 0), **body.extras())

@@ -12,9 +12,11 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health() -> dict:
-    """200 while the process serves HTTP, loaded or not."""
-    return {"status": "ok"}
+async def health(request: Request) -> dict:
+    """200 while the process serves HTTP, loaded or not; `guard`: the accuracy guard's state
+    (app/guard.py), null until the model is loaded."""
+    guard = request.app.state.runtime.guard
+    return {"status": "ok", "guard": guard.health() if guard is not None else None}
 
 
 @router.get("/ready")

@@ -44,6 +44,7 @@ class QueryRequest(pipeline.SamplingExtras):
     document_ids: list[str] | None = Field(None, description="Only retrieve from these documents.")
     mode: str | None = Field(None, description="full, prefix, pic-naive or hypic (default: settings.default_mode).")
     seam: int | None = Field(None, ge=0, description="Seam width in tokens (default: the engine's).")
+    exact: bool = Field(False, description="Exact reuse only: prefix mode (or full when named); 400 with an approximate mode.")
     max_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -82,7 +83,8 @@ async def _answer(body: QueryRequest, request: Request):
     pipeline.require_room(rt)
     found = await pipeline.retrieve(rt, body.question, body.top_k or rt.settings.default_top_k, body.document_ids)
     prompt = rt.prompter.query(body.question, found.hits, reserve=body.max_tokens)
-    gen = pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, prompt.exact_prefix, max_tokens=body.max_tokens,
+    gen = pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, body.exact, prompt.exact_prefix,
+                                      max_tokens=body.max_tokens,
                                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                       **body.extras())
     stream = pipeline.start(rt, gen, started, "/query")

@@ -22,6 +22,7 @@ from retrieval.errors import DocumentNotFoundError, RetrievalError
 from retrieval.index import SearchHit
 
 from .errors import APIError, from_engine, from_retrieval
+from .guard import exact_mode
 from .prompter import Prompt
 from .runtime import Runtime
 from .worker import QueueFullError, TokenStream
@@ -72,12 +73,22 @@ def sources(prompt: Prompt) -> dict:
 
 
 def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: str | None, seam: int | None,
-                       exact_prefix: int = 0, **sampling) -> GenerationRequest:
+                       exact: bool = False, exact_prefix: int = 0, **sampling) -> GenerationRequest:
     """An engine request; `sampling` are `SamplingParams` fields. Raises 400 for max_tokens above
-    `max_new_tokens`, an unknown mode and sampling values out of range; what depends on the
-    model (token ids, the prompt's length) is checked once, by the engine, in `start`."""
+    `max_new_tokens`, an unknown mode, `exact` with an approximate mode and sampling values out
+    of range; what depends on the model (token ids, the prompt's length) is checked once, by the
+    engine, in `start`.
+
+    A request that names neither `mode` nor `seam` (nor `exact`) runs as the accuracy guard
+    chooses now (app/guard.py: the configured default, a wider seam, or `prefix`); one that
+    names either gets what it named, the configured default for the other. `exact` means
+    `prefix`, or `full` when named."""
     if sampling.get("max_tokens", 1) > rt.settings.max_new_tokens:
         raise APIError.invalid("max_tokens", f"must be <= {rt.settings.max_new_tokens}, got {sampling['max_tokens']}")
+    if exact:
+        mode = exact_mode(mode)
+    elif mode is None and seam is None and rt.guard is not None:
+        mode, seam = rt.guard.serving()
     return GenerationRequest(tuple(segments), Mode.parse(mode or rt.settings.default_mode), seam,
                              SamplingParams(**sampling), exact_prefix=exact_prefix)
 
@@ -93,11 +104,14 @@ def start(rt: Runtime, request: GenerationRequest, started: float, route: str) -
     """Admit `request` to the worker; 400 for a request the engine refuses (naming the field),
     429 with Retry-After when the queue is full."""
     try:
-        return rt.worker.submit(rt.engine, request, started, route)
+        stream = rt.worker.submit(rt.engine, request, started, route)
     except QueueFullError as exc:
         raise _queue_full(rt, exc) from None
     except InvalidRequestError as exc:
         raise from_engine(exc) from None
+    if rt.guard is not None:
+        rt.guard.offer(request)  # maybe a shadow check, run once the engine is idle
+    return stream
 
 
 def _queue_full(rt: Runtime, exc: QueueFullError) -> APIError:

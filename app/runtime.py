@@ -25,6 +25,7 @@ from retrieval.chunker import Chunker, default_chunk_tokens
 from retrieval.index import VectorIndex
 
 from .errors import APIError
+from .guard import Guard
 from .metrics import Metrics
 from .prompter import Prompter
 from .settings import DEFAULT_INDEX_DIR, Settings
@@ -94,6 +95,7 @@ class Runtime:
         self.chunker: Chunker | None = None
         self.prompter: Prompter | None = None
         self.tokens: TokenText | None = None
+        self.guard: Guard | None = None  # the accuracy guard (app/guard.py), set once loaded
         self.model_name = settings.served_model_name
         self.load_error: str | None = None
         self.created = int(time.time())
@@ -157,6 +159,8 @@ class Runtime:
                 self.model_name = self.settings.model_name or engine.model_id
                 self.metrics.model_name = self.model_name
             self.metrics.watch_store(engine.store)
+            self.guard = Guard.for_engine(self.settings, engine, self.model_name, self.metrics.registry, wake=self.worker.wake)
+            self.worker.run_when_idle(self.guard)
             self._ready.set()
             log.info("ready", extra={"model": self.model_name, "chunks": len(index), "seconds": round(time.perf_counter() - started, 3)})
         except Exception as exc:  # reported by /ready; the process stays up for inspection

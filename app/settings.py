@@ -72,6 +72,18 @@ class Settings(BaseSettings):
     cache_storage_dtype: str = Field("auto", description="Disk-tier entries: auto (as computed: K/V in the model's dtype, "
                                      "T and E fp32) or bf16 (narrowed); fp32, a former name of auto, is still read.")
     prefix_cache_bytes: int = Field(512 << 20, ge=0)
+
+    # online accuracy guard of the served model (app/guard.py; docs/architecture.md)
+    guard_enabled: bool = Field(True, description="Shadow-check approximate reuse against full prefill and widen the seam "
+                                "or fall back to prefix when agreement drops.")
+    guard_sample_rate: float = Field(0.05, ge=0.0, le=1.0, description="Share of admitted requests shadow-checked (when the engine is idle).")
+    guard_greedy_sample: float = Field(0.2, ge=0.0, le=1.0, description="Share of checks that also compare the first greedy tokens.")
+    guard_greedy_tokens: int = Field(8, ge=1, description="Greedy tokens compared by such a check.")
+    guard_window: int = Field(50, ge=1, description="Checks kept per (mode, seam) for the rolling agreement.")
+    guard_min_checks: int = Field(20, ge=1, description="Checks in a window before the guard acts on it (<= guard_window).")
+    guard_min_agreement: float = Field(0.9, ge=0.0, le=1.0, description="Rolling top-1 agreement below which the guard acts.")
+    guard_max_seam: int = Field(64, ge=0, description="Widest seam the guard widens to before it switches to prefix.")
+    guard_queue_size: int = Field(64, ge=1, description="Checks waiting for an idle engine; a full queue drops its oldest.")
     max_new_tokens: int = Field(1024, ge=1, description="Upper bound on max_tokens of any request.")
 
     # admission and limits
@@ -106,6 +118,12 @@ class Settings(BaseSettings):
             return Mode.parse(value).value
         except InvalidRequestError as exc:
             raise ValueError(exc.message) from None
+
+    @model_validator(mode="after")
+    def _guard_window(self) -> "Settings":
+        if self.guard_min_checks > self.guard_window:
+            raise ValueError(f"guard_min_checks ({self.guard_min_checks}) must be <= guard_window ({self.guard_window})")
+        return self
 
     @model_validator(mode="after")
     def _former_model_path(self) -> "Settings":

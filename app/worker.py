@@ -9,6 +9,10 @@ batching and chunked prefill all live in the engine (hypic_core/scheduler.py).
 
 Closing a stream early (client disconnect, cancelled task) fires its `AbortHandle`: the engine
 drops the request at its next step and frees its slot.
+
+Idle work (`run_when_idle`, the accuracy guard's shadow checks) runs on the engine thread one
+task at a time, only while no request is admitted and the engine has nothing unfinished; a
+request admitted meanwhile waits for that one task at most.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 from hypic_core.config import GenerationRequest
 from hypic_core.engine import Engine
@@ -29,6 +33,15 @@ from .metrics import Metrics
 
 log = logging.getLogger("hypic.worker")
 _END = object()
+
+
+class IdleTask(Protocol):
+    """Work the engine thread does while it serves nothing (app/guard.py's `Guard`)."""
+
+    def pending(self) -> bool: ...
+
+    def run_one(self) -> None:
+        """One unit of work; may call the engine (it holds no request meanwhile)."""
 
 
 class QueueFullError(Exception):
@@ -138,6 +151,7 @@ class Worker:
         self._wake = threading.Condition(self._lock)
         self._routes: dict[str, _Route] = {}
         self._engine: Engine | None = None
+        self._idle: IdleTask | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="hypic-engine", daemon=True)
         self._thread.start()
@@ -166,6 +180,17 @@ class Worker:
             self._wake.notify()
         return stream
 
+    def run_when_idle(self, task: IdleTask) -> None:
+        """Run `task` whenever the engine is idle (see the module docstring); replaces any earlier one."""
+        with self._lock:
+            self._idle = task
+            self._wake.notify()
+
+    def wake(self) -> None:
+        """Make an idle engine thread look for idle work again (call after queuing some)."""
+        with self._lock:
+            self._wake.notify()
+
     def close(self) -> None:
         """Abort every admitted generation and stop the engine thread (waits up to 10 s)."""
         with self._lock:
@@ -179,11 +204,17 @@ class Worker:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and not self._routes:
+                while not self._closed and not self._routes and not self._idle_work():
                     self._wake.wait()
                 if self._closed and not self._routes:
                     return
-                engine = self._engine
+                engine, idle = self._engine, None if self._routes else self._idle
+            if idle is not None:  # one task, then look again: a request may have arrived meanwhile
+                try:
+                    idle.run_one()
+                except Exception:
+                    log.exception("idle task failed")
+                continue
             outbox = _Outbox()
             try:
                 outputs = engine.step()
@@ -202,6 +233,11 @@ class Worker:
             outbox.flush()
             with self._lock:
                 self._publish()
+
+    def _idle_work(self) -> bool:
+        """Whether an idle task is waiting and the engine is idle (call under `_lock`)."""
+        engine = self._engine
+        return self._idle is not None and (engine is None or not engine.has_unfinished()) and self._idle.pending()
 
     def _deliver(self, route: _Route, out: StepOutput, outbox: _Outbox) -> None:
         stream, now = route.stream, time.perf_counter()

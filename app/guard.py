@@ -1,0 +1,426 @@
+"""The online accuracy guard: shadow checks of approximate reuse against full prefill, and the
+policy that widens the seam or falls back to exact reuse when agreement drops.
+
+A sampled request is queued (bounded; a full queue drops its oldest check) once admitted. The
+worker's engine thread runs one queued check at a time, and only while the engine holds no
+request: it prefills the request's segments with `full` and with each approximate
+configuration under watch, and compares the first-token distributions (KL(full || served),
+top-1 agreement); a sampled share of checks also compares the first `greedy_tokens` greedy
+tokens. Results go into a rolling window per (mode, seam).
+
+`GuardPolicy` (pure: results in, decisions out) watches the configured default (the "base"):
+when its rolling top-1 agreement over at least `min_checks` checks falls below
+`min_agreement`, default-mode requests get a doubled seam (up to `max_seam`, each new seam
+judged on its own window), then `prefix` (exact) once the widest seam is no better. The base
+configuration stays under watch in every state, and when its window is good again (a full
+window, `window` checks, at or above `min_agreement`: recovery needs more evidence than
+tripping, so the guard does not flap) it returns to it. Requests that name a mode or a seam
+are never overridden.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from hypic_core.config import GenerationRequest, Mode
+from hypic_core.engine import Engine, PrefillResult
+from hypic_core.errors import InvalidRequestError
+
+log = logging.getLogger("hypic.guard")
+
+EXACT_MODES = frozenset({Mode.FULL, Mode.PREFIX})
+_KL_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+class GuardState(str, enum.Enum):
+    OK = "ok"  # default-mode requests run as configured
+    WIDENED = "widened"  # ... with a wider seam
+    EXACT = "exact"  # ... with `prefix` (exact reuse)
+
+
+_STATE_VALUE = {GuardState.OK: 0, GuardState.WIDENED: 1, GuardState.EXACT: 2}
+
+
+class Choice(NamedTuple):
+    """A serving configuration: how context segments are reused."""
+
+    mode: Mode
+    seam: int
+
+    def describe(self) -> str:
+        return self.mode.value if self.mode in EXACT_MODES else f"{self.mode.value} seam {self.seam}"
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode.value, "seam": self.seam}
+
+
+def exact_mode(mode: str | None) -> Mode:
+    """The mode of a request with `exact: true`: `prefix`, or `full` when it names full.
+    Raises InvalidRequestError (field "exact") when it names an approximate mode."""
+    if mode is None:
+        return Mode.PREFIX
+    parsed = Mode.parse(mode)
+    if parsed not in EXACT_MODES:
+        raise InvalidRequestError("exact", f"exact: true asks for exact reuse; mode {parsed.value!r} is approximate "
+                                  "(use full or prefix, or leave mode out)")
+    return parsed
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Thresholds of the guard (app/settings.py `guard_*`). Raises ValueError for values out of range."""
+
+    enabled: bool = True
+    sample_rate: float = 0.05  # share of admitted requests checked
+    greedy_sample: float = 0.2  # share of checks that also compare greedy tokens
+    greedy_tokens: int = 8
+    window: int = 50  # checks kept per (mode, seam)
+    min_checks: int = 20  # checks in a window before the policy judges it
+    min_agreement: float = 0.9  # rolling top-1 agreement below this trips the guard
+    max_seam: int = 64
+    queue_size: int = 64  # checks waiting for an idle engine
+
+    def __post_init__(self) -> None:
+        for name in ("sample_rate", "greedy_sample", "min_agreement"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"guard {name} must be in [0, 1], got {getattr(self, name)!r}")
+        for name in ("greedy_tokens", "window", "min_checks", "queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"guard {name} must be >= 1, got {getattr(self, name)!r}")
+        if self.min_checks > self.window:
+            raise ValueError(f"guard min_checks ({self.min_checks}) must be <= window ({self.window})")
+        if self.max_seam < 0:
+            raise ValueError(f"guard max_seam must be >= 0, got {self.max_seam}")
+
+    @classmethod
+    def from_settings(cls, settings) -> "GuardConfig":
+        return cls(settings.guard_enabled, settings.guard_sample_rate, settings.guard_greedy_sample,
+                   settings.guard_greedy_tokens, settings.guard_window, settings.guard_min_checks,
+                   settings.guard_min_agreement, settings.guard_max_seam, settings.guard_queue_size)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One configuration compared with full prefill on one request."""
+
+    choice: Choice
+    kl: float  # KL(full || served) of the first-token distributions, nats
+    top1: bool  # same most likely first token
+    greedy: bool | None = None  # same first N greedy tokens; None: not compared
+
+
+class Window:
+    """The last `size` check results of one configuration."""
+
+    def __init__(self, size: int) -> None:
+        self._results: deque[CheckResult] = deque(maxlen=size)
+
+    def add(self, result: CheckResult) -> None:
+        self._results.append(result)
+
+    def clear(self) -> None:
+        self._results.clear()
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+    @property
+    def top1_agreement(self) -> float | None:
+        return sum(r.top1 for r in self._results) / len(self._results) if self._results else None
+
+    @property
+    def greedy_agreement(self) -> float | None:
+        greedy = [r.greedy for r in self._results if r.greedy is not None]
+        return sum(greedy) / len(greedy) if greedy else None
+
+    @property
+    def mean_kl(self) -> float | None:
+        return sum(r.kl for r in self._results) / len(self._results) if self._results else None
+
+
+@dataclass(frozen=True)
+class Action:
+    """A change of what default-mode requests get."""
+
+    action: str  # "widen", "exact" or "recover"
+    state: GuardState
+    previous: Choice
+    choice: Choice
+    reason: str
+    at: float  # time.time()
+
+    def as_dict(self) -> dict:
+        return {"action": self.action, "state": self.state.value, "from": self.previous.as_dict(),
+                "to": self.choice.as_dict(), "reason": self.reason,
+                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.at))}
+
+
+class GuardPolicy:
+    """Windows of check results and the decisions they lead to; no I/O, not thread-safe.
+
+    `record` adds a result and returns the `Action` it triggered, if any. Only the base
+    configuration (the configured default) and the one being served are judged; results of
+    other configurations are kept for reporting.
+    """
+
+    def __init__(self, base: Choice, config: GuardConfig) -> None:
+        self.base = base
+        self.config = config
+        self.state = GuardState.OK
+        self.serving = base
+        self.windows: dict[Choice, Window] = {}
+        self.last_action: Action | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the base configuration is approximate (an exact one has nothing to guard)."""
+        return self.config.enabled and self.base.mode not in EXACT_MODES
+
+    def window(self, choice: Choice) -> Window:
+        if choice not in self.windows:
+            self.windows[choice] = Window(self.config.window)
+        return self.windows[choice]
+
+    def record(self, result: CheckResult, now: float | None = None) -> Action | None:
+        self.window(result.choice).add(result)
+        if not self.active:
+            return None
+        action = self._decide(time.time() if now is None else now)
+        if action is not None:
+            self.state, self.serving, self.last_action = action.state, action.choice, action
+            if action.action == "widen":
+                self.window(action.choice).clear()  # a new seam is judged on fresh checks only
+        return action
+
+    def _decide(self, now: float) -> Action | None:
+        base = self.window(self.base)
+        if self.state is not GuardState.OK:
+            if len(base) >= self.config.window and base.top1_agreement >= self.config.min_agreement:
+                return Action("recover", GuardState.OK, self.serving, self.base,
+                              f"{self._summary(self.base)} >= {self.config.min_agreement}", now)
+            if self.state is GuardState.EXACT:
+                return None
+        current = self.serving
+        if not self._bad(self.window(current)):
+            return None
+        why = f"{self._summary(current)} < {self.config.min_agreement}"
+        if current.seam < self.config.max_seam:
+            wider = Choice(current.mode, min(self.config.max_seam, max(1, 2 * current.seam)))
+            return Action("widen", GuardState.WIDENED, current, wider, why, now)
+        return Action("exact", GuardState.EXACT, current, Choice(Mode.PREFIX, self.base.seam),
+                      f"{why} at the widest seam ({self.config.max_seam})", now)
+
+    def _judged(self, window: Window) -> bool:
+        return len(window) >= self.config.min_checks
+
+    def _bad(self, window: Window) -> bool:
+        return self._judged(window) and window.top1_agreement < self.config.min_agreement
+
+    def _summary(self, choice: Choice) -> str:
+        w = self.window(choice)
+        return f"top-1 agreement {w.top1_agreement:.3f} over the last {len(w)} checks of {choice.describe()}"
+
+
+@dataclass(frozen=True)
+class ShadowCheck:
+    """A request queued for checking: its segments and the approximate configurations to compare."""
+
+    segments: tuple[tuple[int, ...], ...]
+    choices: tuple[Choice, ...]
+    greedy: bool
+    exact_prefix: int = 0  # leading segments the served request reused exactly (checked as served)
+
+
+def run_check(engine: Engine, check: ShadowCheck, greedy_tokens: int) -> list[CheckResult]:
+    """Compare each of `check.choices` with full prefill of the same segments (engine thread only,
+    between steps: `Engine.prefill` runs outside the scheduler). Mutates only the caches: the
+    served configuration's entries are usually there already; others are computed and stored."""
+    full = engine.prefill(GenerationRequest(check.segments, Mode.FULL))
+    reference = full.logits.log_softmax(-1)
+    full_tokens = _greedy_tokens(engine, full, greedy_tokens) if check.greedy else None
+    results = []
+    for choice in check.choices:
+        served = engine.prefill(GenerationRequest(check.segments, choice.mode, choice.seam, exact_prefix=check.exact_prefix))
+        logq = served.logits.log_softmax(-1)
+        kl = max(0.0, float((reference.exp() * (reference - logq)).sum()))
+        top1 = int(served.logits.argmax()) == int(full.logits.argmax())
+        greedy = _greedy_tokens(engine, served, greedy_tokens) == full_tokens if check.greedy else None
+        results.append(CheckResult(choice, kl, top1, greedy))
+    return results
+
+
+def _greedy_tokens(engine: Engine, prefilled: PrefillResult, n: int) -> list[int]:
+    """Up to `n` greedy tokens decoded from `prefilled` (to the first EOS, inclusive).
+
+    Decodes on the check's own cache through the runner rather than `Engine.generate`: that
+    steps every sequence in the engine, and the outputs of a request admitted while the check
+    runs would be consumed here instead of reaching its client.
+    """
+    logits, position, tokens = prefilled.logits, prefilled.position, []
+    limit = min(n, engine.max_positions - position)
+    with torch.inference_mode():
+        while len(tokens) < limit:
+            token = int(logits.argmax())
+            tokens.append(token)
+            if token in engine.eos_ids or len(tokens) == limit:
+                break
+            logits = engine.runner.forward([token], position, prefilled.cache, logits=True)
+            position += 1
+    return tokens
+
+
+class _GuardMetrics:
+    def __init__(self, registry: CollectorRegistry, model: str) -> None:
+        r, labels = registry, ["model", "mode", "seam"]
+        self.model = model
+        self.checks = Counter("hypic_guard_checks", "Shadow checks run against full prefill, by configuration.",
+                              labels, registry=r)
+        self.kl = Histogram("hypic_guard_kl", "KL(full || served) of the first-token distributions, nats.",
+                            labels, buckets=_KL_BUCKETS, registry=r)
+        self.top1 = Gauge("hypic_guard_top1_agreement", "Rolling top-1 first-token agreement with full prefill.",
+                          labels, registry=r)
+        self.greedy = Gauge("hypic_guard_greedy_agreement", "Rolling share of greedy-compared checks whose first "
+                            "N greedy tokens equal full prefill's.", labels, registry=r)
+        self.dropped = Counter("hypic_guard_dropped_checks", "Shadow checks dropped (the queue was full).",
+                               ["model"], registry=r).labels(model)
+        self.errors = Counter("hypic_guard_check_errors", "Shadow checks that failed.", ["model"], registry=r).labels(model)
+        self.pending = Gauge("hypic_guard_pending_checks", "Shadow checks waiting for an idle engine.",
+                             ["model"], registry=r).labels(model)
+        self.state = Gauge("hypic_guard_state", "What default-mode requests get: 0 ok (as configured), 1 widened "
+                           "seam, 2 exact (prefix).", ["model"], registry=r).labels(model)
+        self.seam = Gauge("hypic_guard_seam", "Seam default-mode requests get.", ["model"], registry=r).labels(model)
+
+    def observe(self, result: CheckResult, window: Window) -> None:
+        labels = (self.model, result.choice.mode.value, str(result.choice.seam))
+        self.checks.labels(*labels).inc()
+        self.kl.labels(*labels).observe(result.kl)
+        self.top1.labels(*labels).set(window.top1_agreement)
+        if window.greedy_agreement is not None:
+            self.greedy.labels(*labels).set(window.greedy_agreement)
+
+    def serving(self, state: GuardState, choice: Choice) -> None:
+        self.state.set(_STATE_VALUE[state])
+        self.seam.set(choice.seam)
+
+
+class Guard:
+    """Shadow checks of one served model and the policy they drive. Thread-safe: `serving`,
+    `offer` and `health` run on the event loop, `pending` and `run_one` on the engine thread.
+
+    `wake` is called (without the guard's lock) after a check is queued, so an idle engine
+    thread looks again.
+    """
+
+    def __init__(self, config: GuardConfig, engine: Engine, model: str, base: Choice, registry: CollectorRegistry,
+                 wake: Callable[[], None] = lambda: None, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.engine = engine
+        self.model = model
+        self.policy = GuardPolicy(base, config)
+        self._wake = wake
+        self._rng = rng or random.Random()
+        self._lock = threading.Lock()
+        self._queue: deque[ShadowCheck] = deque()
+        self._checks = self._dropped = self._errors = 0
+        self._metrics = _GuardMetrics(registry, model)
+        self._metrics.serving(self.policy.state, base)
+
+    @classmethod
+    def for_engine(cls, settings, engine: Engine, model: str, registry: CollectorRegistry,
+                   wake: Callable[[], None] = lambda: None) -> "Guard":
+        """A guard over `settings.default_mode` at the engine's seam (what a request naming neither gets)."""
+        base = Choice(Mode.parse(settings.default_mode), engine.config.seam)
+        return cls(GuardConfig.from_settings(settings), engine, model, base, registry, wake)
+
+    # --- event loop ----------------------------------------------------------------------
+    def serving(self) -> Choice:
+        """The configuration a request that names neither mode nor seam runs with now."""
+        with self._lock:
+            return self.policy.serving
+
+    def offer(self, request: GenerationRequest) -> bool:
+        """Maybe queue a shadow check of an admitted `request` (sampled at `sample_rate`); True if queued.
+
+        It checks the configurations the guard answers for: the base and, when approximate and
+        different, the one default-mode requests get now; not a configuration a request named
+        for itself (so windows and metric labels stay a small set whatever seams clients send).
+        A prompt with fewer than two context segments is not checked: its
+        one segment is computed where it lands, so every mode is exact on it, and its
+        agreement would only flatter the window.
+        """
+        if not self.config.enabled or len(request.context) < 2:
+            return False
+        with self._lock:
+            choices = tuple(c for c in dict.fromkeys((self.policy.base, self.policy.serving)) if c.mode not in EXACT_MODES)
+            if not choices or self._rng.random() >= self.config.sample_rate:
+                return False
+            greedy = self._rng.random() < self.config.greedy_sample
+            if len(self._queue) >= self.config.queue_size:
+                self._queue.popleft()
+                self._dropped += 1
+                self._metrics.dropped.inc()
+            self._queue.append(ShadowCheck(request.segments, choices, greedy, request.exact_prefix))
+            self._metrics.pending.set(len(self._queue))
+        self._wake()
+        return True
+
+    def health(self) -> dict:
+        """The `guard` object of GET /health."""
+        with self._lock:
+            p = self.policy
+            base = p.window(p.base)
+            windows = [{**c.as_dict(), "checks": len(w), "top1_agreement": _round(w.top1_agreement),
+                        "greedy_agreement": _round(w.greedy_agreement), "mean_kl": _round(w.mean_kl)}
+                       for c, w in sorted(p.windows.items(), key=lambda item: (item[0].mode.value, item[0].seam)) if len(w)]
+            return {"enabled": self.config.enabled, "state": p.state.value, **p.serving.as_dict(),
+                    "base": p.base.as_dict(), "agreement": _round(base.top1_agreement),
+                    "greedy_agreement": _round(base.greedy_agreement), "window_checks": len(base),
+                    "checks": self._checks, "pending": len(self._queue), "dropped": self._dropped, "errors": self._errors,
+                    "windows": windows, "last_action": p.last_action.as_dict() if p.last_action else None}
+
+    # --- engine thread -------------------------------------------------------------------
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._queue)
+
+    def run_one(self) -> None:
+        """Run the oldest queued check (call only while the engine holds no request)."""
+        with self._lock:
+            if not self._queue:
+                return
+            check = self._queue.popleft()
+            self._metrics.pending.set(len(self._queue))
+        try:
+            results = run_check(self.engine, check, self.config.greedy_tokens)
+        except Exception:
+            log.exception("shadow check failed", extra={"model": self.model})
+            with self._lock:
+                self._errors += 1
+            self._metrics.errors.inc()
+            return
+        with self._lock:
+            self._checks += 1
+            for result in results:
+                action = self.policy.record(result)
+                self._metrics.observe(result, self.policy.window(result.choice))
+                if action is not None:
+                    self._metrics.serving(action.state, action.choice)
+                    log.warning(f"accuracy guard: {action.action}", extra={
+                        "model": self.model, "guard_action": action.action, "guard_state": action.state.value,
+                        "from_mode": action.previous.mode.value, "from_seam": action.previous.seam,
+                        "to_mode": action.choice.mode.value, "to_seam": action.choice.seam, "reason": action.reason})
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
