@@ -28,17 +28,19 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from hypic_core.config import MAX_SEED
 from hypic_core.sequence import StepOutput
 from hypic_core.errors import InvalidRequestError
 
 from . import pipeline, sse
-from .errors import APIError, from_engine
+from .errors import APIError, from_engine, shown
 from .prompter import Prompt
+from .routing import StrictJSONRoute
 from .runtime import Runtime
 from .worker import TokenStream
 
 log = logging.getLogger("hypic.openai")
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=StrictJSONRoute)
 
 
 class RagOptions(BaseModel):
@@ -83,7 +85,7 @@ class _Common(pipeline.SamplingExtras):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed for sampling, 0..2**64-1.")
     rag: RagOptions | None = None
     segments: list[str] | None = None
     mode: str | None = None
@@ -161,11 +163,11 @@ def _accept(request: Request, body: _Common) -> Runtime:
     `body.model` and has room for one more request."""
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-            raise APIError.invalid(name, f"is not supported by this server (got {value!r})")
+            raise APIError.invalid(name, f"is not supported by this server (got {shown(value)})")
     rt: Runtime = request.app.state.runtime
     rt.require_ready()
     if body.model != rt.model_name:
-        raise APIError(404, f"model: {body.model!r} does not exist; this server serves {rt.model_name!r}",
+        raise APIError(404, f"model: {shown(body.model)} does not exist; this server serves {rt.model_name!r}",
                        param="model", code="model_not_found")
     pipeline.require_room(rt)
     return rt

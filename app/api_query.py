@@ -22,15 +22,17 @@ from fastapi import APIRouter, Query, Request
 from pydantic import ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from hypic_core.config import MAX_SEED
 from hypic_core.errors import InvalidRequestError
 
 from . import pipeline, sse
 from .errors import APIError, from_engine
+from .routing import StrictJSONRoute
 from .runtime import Runtime
 from .worker import TokenStream
 
 log = logging.getLogger("hypic.query")
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 class QueryRequest(pipeline.SamplingExtras):
@@ -47,7 +49,7 @@ class QueryRequest(pipeline.SamplingExtras):
     max_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed for sampling, 0..2**64-1: the same seed, same answer.")
     stream: bool = False
 
     @field_validator("question")

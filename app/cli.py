@@ -48,6 +48,7 @@ def serve_command(
     import uvicorn
 
     from app import logs
+    from app.connections import uvicorn_options
     from app.server import create_app
     from app.settings import Settings
 
@@ -56,7 +57,7 @@ def serve_command(
     logs.configure(settings.log_level)
     # On shutdown, open streams get 5 s to finish; then they are cancelled (and their generations aborted).
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, **uvicorn_options(settings))
 
 
 models_cli = typer.Typer(no_args_is_help=False, help="The named models: list them, install one.")

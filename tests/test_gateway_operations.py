@@ -166,11 +166,11 @@ def test_full_queue_answers_429_with_retry_after(server):
 
 def test_body_limit_is_413(server):
     big = "x" * 5000
-    r = httpx.post(f"{server.url}/documents?id=big", content=big, headers={"content-type": "text/plain"})
+    r = httpx.post(f"{server.url}/documents?id=big", content=big, headers={"content-type": "text/markdown"})
     assert r.status_code == 413 and r.json()["error"]["param"] == "body"
     r = httpx.post(f"{server.url}/query", json={"question": big})
     assert r.status_code == 413
-    chunked = httpx.post(f"{server.url}/documents?id=big", content=iter([big.encode()] * 2), headers={"content-type": "text/plain"})
+    chunked = httpx.post(f"{server.url}/documents?id=big", content=iter([big.encode()] * 2), headers={"content-type": "text/markdown"})
     assert chunked.status_code == 413
 
 
