@@ -132,7 +132,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     stream = pipeline.start(rt, gen, started, "/v1/chat/completions")
     reply = _Reply(rt, "chat.completion", body, chat=True, prompt=prompt)
     if body.stream:
-        return sse.response(reply.stream(stream))
+        return sse.response(reply.stream(stream), rt.settings.sse_keepalive_s)
     return await reply.whole(stream, request)
 
 
@@ -154,7 +154,7 @@ async def completions(body: CompletionRequest, request: Request):
     stream = pipeline.start(rt, gen, started, "/v1/completions")
     reply = _Reply(rt, "text_completion", body, chat=False, prompt=built)
     if body.stream:
-        return sse.response(reply.stream(stream))
+        return sse.response(reply.stream(stream), rt.settings.sse_keepalive_s)
     return await reply.whole(stream, request)
 
 

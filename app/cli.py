@@ -149,7 +149,7 @@ def query_command(
                     u, t = payload["usage"], payload["timings"]
                     typer.echo(f"({payload['finish_reason']}; {u['completion_tokens']} tokens; prompt {u['prompt_tokens']}, "
                                f"cached {u['cached_tokens']}; ttft {t['ttft_ms']} ms, total {t['total_ms']} ms)", err=True)
-                elif event == "error":
+                elif event == "failure":
                     _fail(payload["error"]["message"])
     except httpx.HTTPError as exc:
         _fail(f"cannot reach {base}: {exc}")
