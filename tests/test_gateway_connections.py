@@ -166,8 +166,11 @@ def raw_exchange(server: LiveServer, data: bytes, wait: float = 10.0) -> tuple[b
         if data:
             s.sendall(data)
         received = b""
-        while chunk := s.recv(65536):
-            received += chunk
+        try:
+            while chunk := s.recv(65536):
+                received += chunk
+        except ConnectionResetError:  # the server closed with some of `data` unread
+            pass
     return received, time.monotonic() - started
 
 
@@ -186,25 +189,20 @@ def test_a_silent_connection_is_closed(server):
 
 
 def test_a_slow_head_gets_408_and_the_connection_closes(server):
+    """Slowloris: a header line every quarter second. The deadline (1 s here) counts from the
+    connection's start, so the lines do not extend it: the 408 comes at about 1 s, not 1 s
+    after the last line (1.75 s)."""
     started = time.monotonic()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(b"POST /query HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        for _ in range(3):  # then stop, well before the deadline: the server reads everything before it closes
+            time.sleep(0.25)
+            s.sendall(b"x-slow: 1\r\n")
         answer = b""
-        while time.monotonic() - started < 8:  # slowloris: a header line now and then keeps no deadline open
-            try:
-                s.sendall(b"x-slow: 1\r\n")
-            except OSError:
-                break
-            s.settimeout(0.3)
-            try:
-                chunk = s.recv(65536)
-            except socket.timeout:
-                continue
+        while chunk := s.recv(65536):
             answer += chunk
-            if not chunk or answer.endswith(b"}"):
-                break
     assert answer.startswith(b"HTTP/1.1 408"), answer
-    assert b'"param": "headers"' in answer and time.monotonic() - started < 5
+    assert b'"param": "headers"' in answer and time.monotonic() - started < 1.7
 
 
 def test_a_stalled_body_gets_408(server):
