@@ -17,7 +17,10 @@ POST /documents takes, by Content-Type:
   Markdown `# heading` on the first line is the default title).
 A document whose id exists is replaced. The whole body is read and validated before anything
 is chunked, so a bad item changes nothing (400 naming the item and field: `body[2].text`,
-`file[1]`); chunking and embedding run on a thread.
+`file[1]`); chunking and embedding run on a thread. Ids are kept in Unicode NFC and are at most
+256 characters (`retrieval.document.normalize_document_id`); ids in paths, `after` and
+`document_ids` are normalised the same way, so either spelling of `café` finds it. Without an
+API key a `text/plain` body also needs `X-Requested-With` (`middleware.OriginCheck`).
 
 The `{document_id:path}` routes match ids with slashes (`notes/readme.md`); no other route may
 start with `/documents/`, or they would shadow it.

@@ -1,7 +1,8 @@
 """OpenAI-compatible endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
 
 Request and response shapes follow the OpenAI API, so any OpenAI client works by changing its
-base URL. Supported: stream (chunks, final `finish_reason`, `data: [DONE]`),
+base URL. Supported: stream (chunks, final `finish_reason`, `data: [DONE]`; `: keep-alive`
+comments fill silences),
 `stream_options.include_usage`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`,
 `seed`, `stop`, `logprobs` / `top_logprobs` (chat) and `logprobs: int` (completions), `n = 1`,
 and vLLM's sampling extras `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`, `min_tokens`,

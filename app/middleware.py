@@ -163,7 +163,12 @@ class OriginCheck:
     def allows(self, origin: str, host: str) -> bool:
         """Whether a page on `origin` may write: a listed origin, or the gateway's own (its /docs page)."""
         origin = origin.strip().lower()
-        return self.any or origin in self.origins or (origin != "null" and bool(host) and urlsplit(origin).netloc == host.strip().lower())
+        if self.any or origin in self.origins:
+            return True
+        try:
+            return origin != "null" and bool(host) and urlsplit(origin).netloc == host.strip().lower()
+        except ValueError:  # not a URL ("http://[::1")
+            return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in UNSAFE_METHODS:
