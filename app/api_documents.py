@@ -17,13 +17,18 @@ POST /documents takes, by Content-Type:
   Markdown `# heading` on the first line is the default title).
 A document whose id exists is replaced. The whole body is read and validated before anything
 is chunked, so a bad item changes nothing (400 naming the item and field: `body[2].text`,
-`file[1]`); chunking and embedding run on a thread.
+`file[1]`); chunking and embedding run on a thread. Ids are kept in Unicode NFC and are at most
+256 characters (`retrieval.document.normalize_document_id`); ids in paths, `after` and
+`document_ids` are normalised the same way, so either spelling of `café` finds it. Without an
+API key a `text/plain` body also needs `X-Requested-With` (`middleware.OriginCheck`).
 
 The `{document_id:path}` routes match ids with slashes (`notes/readme.md`); no other route may
 start with `/documents/`, or they would shadow it.
 """
 
 from __future__ import annotations
+
+import unicodedata
 
 import anyio
 from fastapi import APIRouter, Query, Request
@@ -37,12 +42,14 @@ from retrieval.errors import DocumentNotFoundError, MalformedItemError, Retrieva
 from retrieval.formats import parse_json, parse_jsonl, read_documents
 from retrieval.index import DocumentInfo
 from retrieval.ingest import document_from_text, ingest_documents
+from retrieval.strict_json import lone_surrogate
 
 from . import pipeline
 from .errors import APIError
+from .routing import StrictJSONRoute
 from .runtime import Runtime
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 JSON_TYPES = ("application/json",)
 JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/json-lines", "application/x-jsonlines")
 MULTIPART_TYPES = ("multipart/form-data",)
@@ -93,6 +100,7 @@ async def list_documents(request: Request,
                          limit: int = Query(100, ge=1, le=1000, description="Documents per page."),
                          after: str | None = Query(None, description="Return documents whose id sorts after this one (the previous page's last_id).")) -> dict:
     rt = _runtime(request)
+    after = None if after is None else unicodedata.normalize("NFC", after)  # ids are kept in NFC
     # One extra row says whether another page follows.
     docs = await anyio.to_thread.run_sync(lambda: rt.index.list_documents(after=after, limit=limit + 1))
     page = docs[:limit]
@@ -103,6 +111,7 @@ async def list_documents(request: Request,
 @router.get("/documents/{document_id:path}")
 async def get_document(document_id: str, request: Request) -> dict:
     rt = _runtime(request)
+    document_id = pipeline.document_id(document_id, "document_id")
     try:
         info, chunks = await anyio.to_thread.run_sync(lambda: (rt.index.document(document_id), rt.index.chunks(document_id)))
     except DocumentNotFoundError as exc:
@@ -114,6 +123,7 @@ async def get_document(document_id: str, request: Request) -> dict:
 @router.delete("/documents/{document_id:path}")
 async def delete_document(document_id: str, request: Request) -> dict:
     rt = _runtime(request)
+    document_id = pipeline.document_id(document_id, "document_id")
     try:
         chunks = await anyio.to_thread.run_sync(rt.index.delete_document, document_id)
     except DocumentNotFoundError as exc:
@@ -141,7 +151,7 @@ def _body_documents(body: bytes, content_type: str, id: str | None, title: str) 
             return parse_jsonl(body)
         if id is None or not id.strip():
             raise APIError.invalid("id", "a text body needs ?id=<document id>")
-        return [document_from_text(body, id, title)]
+        return [document_from_text(body, pipeline.document_id(id, "id"), title)]
     except MalformedItemError as exc:
         item = "" if exc.item is None else f"[{exc.item}]"
         param = f"body{item}" + (f".{exc.field}" if exc.field else "")
@@ -177,6 +187,10 @@ async def _read_form(form: FormData, max_bytes: int) -> list[Document]:
             raise APIError.invalid(field, "must be a non-empty text field")
         if value is not None and len(files) > 1:
             raise APIError.invalid(field, f"names one document, but {len(files)} files were sent")
+        if value is not None and lone_surrogate(value) >= 0:  # a multipart body may declare charset=utf-7
+            raise APIError.invalid(field, "contains a lone UTF-16 surrogate, which is not valid Unicode text")
+    if names["id"] is not None:
+        names["id"] = pipeline.document_id(names["id"], "id")
     documents: list[Document] = []
     first_file: dict[str, int] = {}
     for number, upload in enumerate(files):

@@ -1,7 +1,8 @@
 """OpenAI-compatible endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
 
 Request and response shapes follow the OpenAI API, so any OpenAI client works by changing its
-base URL. Supported: stream (chunks, final `finish_reason`, `data: [DONE]`),
+base URL. Supported: stream (chunks, final `finish_reason`, `data: [DONE]`; `: keep-alive`
+comments fill silences),
 `stream_options.include_usage`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`,
 `seed`, `stop`, `logprobs` / `top_logprobs` (chat) and `logprobs: int` (completions), `n = 1`,
 and vLLM's sampling extras `top_k` (-1 or 0: off), `min_p`, `repetition_penalty`, `min_tokens`,
@@ -30,17 +31,19 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from hypic_core.config import MAX_SEED
 from hypic_core.sequence import StepOutput
 from hypic_core.errors import InvalidRequestError
 
 from . import pipeline, sse
-from .errors import APIError, from_engine
+from .errors import APIError, from_engine, shown
 from .prompter import Prompt
+from .routing import StrictJSONRoute
 from .runtime import Runtime
 from .worker import TokenStream
 
 log = logging.getLogger("hypic.openai")
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=StrictJSONRoute)
 
 
 class RagOptions(BaseModel):
@@ -85,7 +88,7 @@ class _Common(pipeline.SamplingExtras):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed for sampling, 0..2**64-1.")
     rag: RagOptions | None = None
     segments: list[str] | None = None
     mode: str | None = None
@@ -133,7 +136,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     stream = pipeline.start(rt, gen, started, "/v1/chat/completions")
     reply = _Reply(rt, "chat.completion", body, chat=True, prompt=prompt)
     if body.stream:
-        return sse.response(reply.stream(stream))
+        return sse.response(reply.stream(stream), rt.settings.sse_keepalive_s)
     return await reply.whole(stream, request)
 
 
@@ -155,7 +158,7 @@ async def completions(body: CompletionRequest, request: Request):
     stream = pipeline.start(rt, gen, started, "/v1/completions")
     reply = _Reply(rt, "text_completion", body, chat=False, prompt=built)
     if body.stream:
-        return sse.response(reply.stream(stream))
+        return sse.response(reply.stream(stream), rt.settings.sse_keepalive_s)
     return await reply.whole(stream, request)
 
 
@@ -164,11 +167,11 @@ def _accept(request: Request, body: _Common) -> Runtime:
     `body.model` and has room for one more request."""
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-            raise APIError.invalid(name, f"is not supported by this server (got {value!r})")
+            raise APIError.invalid(name, f"is not supported by this server (got {shown(value)})")
     rt: Runtime = request.app.state.runtime
     rt.require_ready()
     if body.model != rt.model_name:
-        raise APIError(404, f"model: {body.model!r} does not exist; this server serves {rt.model_name!r}",
+        raise APIError(404, f"model: {shown(body.model)} does not exist; this server serves {rt.model_name!r}",
                        param="model", code="model_not_found")
     pipeline.require_room(rt)
     return rt

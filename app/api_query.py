@@ -5,15 +5,18 @@ Non-streaming: `{answer, finish_reason, sources, dropped_chunks, usage, timings}
 lists the retrieved chunks in the prompt, best first; chunks that did not fit the model's
 context (with `max_tokens` kept for the answer) are left out, lowest-ranked first, and counted
 in `dropped_chunks`.
-Streaming (`"stream": true`): SSE named events, in order: `sources` once (`{sources,
-dropped_chunks}`), `delta` per token
-batch (`{"text": ...}`), `done` (`{finish_reason, usage, timings}`). An error after the stream
-started is sent as an `error` event (`{"error": {...}}`) and the stream ends. Every check that
-can fail (fields, document ids, prompt length, queue) runs before the first byte, as a 4xx.
+Streaming (`"stream": true`): SSE named events, numbered by `id:` from 1, in order: `sources`
+once (`{sources, dropped_chunks}`), `delta` per token batch (`{"text": ...}`), `done`
+(`{finish_reason, usage, timings}`). An error after the stream started is sent as a `failure`
+event (`{"error": {...}}`; not `error`, the name a browser's EventSource gives its own
+connection errors) and the stream ends. `: keep-alive` comments fill silences longer than
+`sse_keepalive_s`. Every check that can fail (fields, document ids, prompt length, queue) runs
+before the first byte, as a 4xx.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Annotated
@@ -22,15 +25,17 @@ from fastapi import APIRouter, Query, Request
 from pydantic import ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from hypic_core.config import MAX_SEED
 from hypic_core.errors import InvalidRequestError
 
 from . import pipeline, sse
 from .errors import APIError, from_engine
+from .routing import StrictJSONRoute
 from .runtime import Runtime
 from .worker import TokenStream
 
 log = logging.getLogger("hypic.query")
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 class QueryRequest(pipeline.SamplingExtras):
@@ -48,7 +53,7 @@ class QueryRequest(pipeline.SamplingExtras):
     max_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed for sampling, 0..2**64-1: the same seed, same answer.")
     stream: bool = False
 
     @field_validator("question")
@@ -90,27 +95,28 @@ async def _answer(body: QueryRequest, request: Request):
     stream = pipeline.start(rt, gen, started, "/query")
     sources = pipeline.sources(prompt)
     if body.stream:
-        return sse.response(_events(stream, sources, found.ms))
+        return sse.response(_events(stream, sources, found.ms), rt.settings.sse_keepalive_s)
     events = await pipeline.collect(stream, request)
     return {"answer": "".join(e.text for e in events), "finish_reason": events[-1].finish_reason} | sources | {
         "usage": pipeline.usage(stream), "timings": _timings(stream, found.ms)}
 
 
 async def _events(stream: TokenStream, sources: dict, retrieval_ms: float):
-    yield sse.event("sources", sources)
+    ids = itertools.count(1)
+    yield sse.event("sources", sources, next(ids))
     finish = None
     try:
         async for batch in stream.batches():
             text = "".join(e.text for e in batch)
             if text:
-                yield sse.event("delta", {"text": text})
+                yield sse.event("delta", {"text": text}, next(ids))
             finish = batch[-1].finish_reason or finish
     except Exception as exc:
         error = from_engine(exc) if isinstance(exc, InvalidRequestError) else APIError(500, "generation failed; see the server log", type="server_error")
         log.warning("stream failed", extra={"error": repr(exc)})
-        yield sse.event("error", error.body())
+        yield sse.event("failure", error.body(), next(ids))
         return
-    yield sse.event("done", {"finish_reason": finish, "usage": pipeline.usage(stream), "timings": _timings(stream, retrieval_ms)})
+    yield sse.event("done", {"finish_reason": finish, "usage": pipeline.usage(stream), "timings": _timings(stream, retrieval_ms)}, next(ids))
 
 
 def _timings(stream: TokenStream, retrieval_ms: float) -> dict:

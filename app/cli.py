@@ -48,6 +48,7 @@ def serve_command(
     import uvicorn
 
     from app import logs
+    from app.connections import uvicorn_options
     from app.server import create_app
     from app.settings import Settings
 
@@ -56,7 +57,7 @@ def serve_command(
     logs.configure(settings.log_level)
     # On shutdown, open streams get 5 s to finish; then they are cancelled (and their generations aborted).
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, **uvicorn_options(settings))
 
 
 models_cli = typer.Typer(no_args_is_help=False, help="The named models: list them, install one.")
@@ -148,7 +149,7 @@ def query_command(
                     u, t = payload["usage"], payload["timings"]
                     typer.echo(f"({payload['finish_reason']}; {u['completion_tokens']} tokens; prompt {u['prompt_tokens']}, "
                                f"exact {u['cached_tokens']}, composed {u.get('composed_tokens', 0)}; ttft {t['ttft_ms']} ms, total {t['total_ms']} ms)", err=True)
-                elif event == "error":
+                elif event == "failure":
                     _fail(payload["error"]["message"])
     except httpx.HTTPError as exc:
         _fail(f"cannot reach {base}: {exc}")

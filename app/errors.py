@@ -7,9 +7,16 @@
 (`InvalidRequestError.field`), retrieval errors and pydantic validation errors (`loc`) are
 mapped here, so a bad request is always a 4xx and never a 500. Anything else becomes a logged
 500 without internals in the body (`middleware.RequestContext`).
+
+Input is echoed in messages through `shown()`, at most about 100 characters; whatever a
+message holds, it is cut at `MAX_MESSAGE_CHARS` and lone surrogates are escaped, so an error
+body is small and always encodes.
 """
 
 from __future__ import annotations
+
+import re
+import reprlib
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,17 +26,36 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hypic_core.errors import InvalidRequestError, PromptTooLongError
 from retrieval.errors import DocumentNotFoundError, RetrievalError
 
+MAX_MESSAGE_CHARS = 2000
+MAX_PARAM_CHARS = 200
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 100
+_REPR.maxlevel = 3
+
+
+def shown(value: object) -> str:
+    """`repr(value)`, shortened for an error message: strings past 100 characters, containers
+    past a few items and 3 levels are elided with `...`."""
+    return _REPR.repr(value)
+
+
+def _bounded(text: str, limit: int) -> str:
+    text = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
 
 class APIError(Exception):
     """An error to send to the client as it is: HTTP `status`, a message naming `param`."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = _bounded(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
-        self.param = param
+        self.param = None if param is None else _bounded(param, MAX_PARAM_CHARS)
         self.code = code
         self.headers = headers or {}
 
@@ -64,7 +90,8 @@ def field_path(loc: tuple) -> str:
     """`("body", "messages", 0, "content")` -> `messages[0].content`; `("body",)` -> `body`.
 
     Pydantic appends the member tried to the location of a union error (`str`, `list[str]`,
-    `function-after[...]`); the path stops there, at the field itself.
+    `function-after[...]`); the path stops there, at the field itself. Keys past 64
+    characters (an unknown field's name can be anything) are clipped.
     """
     # Only the first element is the location; a field may itself be called "query" (POST /search).
     parts = list(loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc) or list(loc[:1])
@@ -72,6 +99,8 @@ def field_path(loc: tuple) -> str:
     for part in parts:
         if isinstance(part, str) and (part.lower() in _TYPE_TAGS or "[" in part):
             break
+        if not isinstance(part, int) and len(str(part)) > 64:
+            part = str(part)[:64] + "…"
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
@@ -115,4 +144,8 @@ def install(app: FastAPI) -> None:
         message, param, code = str(exc.detail), None, None
         if exc.status_code == 413:  # middleware.BodyLimit, for a body sent without Content-Length
             message, param, code = f"body: {message}", "body", "body_too_large"
+        elif exc.status_code == 408:  # middleware.BodyLimit: the body stopped arriving
+            message, param, code = f"body: {message}", "body", "body_timeout"
+        elif exc.status_code == 400:  # FastAPI's own "There was an error parsing the body"
+            message, param = f"body: {message}", "body"
         return APIError(exc.status_code, message, type=kind, param=param, code=code, headers=dict(exc.headers or {})).response()

@@ -6,6 +6,11 @@
 `request_id` comes from a context variable set by the request-id middleware, so it is present on
 every line logged while a request is handled, engine worker threads included.
 Fields passed as `extra={...}` are added to the object.
+
+`configure` makes this the process's one log stream: the gateway's loggers (`hypic.*`), the
+engine's (`hypic_core.*`), retrieval's and uvicorn's at the configured level; other libraries'
+warnings and errors, `warnings.warn` included; transformers' records, which it otherwise
+writes as plain text, with its weight-loading progress bars turned off.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import logging
 import sys
 import time
+from typing import TextIO
 
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -38,12 +44,33 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def configure(level: str = "info") -> None:
-    """Send the gateway's and uvicorn's logs to stderr as JSON lines (idempotent)."""
-    handler = logging.StreamHandler(sys.stderr)
+OWN_LOGGERS = ("hypic", "hypic_core", "retrieval", "uvicorn", "uvicorn.error")
+
+
+def configure(level: str = "info", stream: TextIO | None = None) -> None:
+    """Send every log record to `stream` (default stderr) as JSON lines: `OWN_LOGGERS` from
+    `level` up, other libraries' from warning up (idempotent)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter())
-    for name in ("hypic", "uvicorn", "uvicorn.error"):
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(logging.WARNING)
+    for name in OWN_LOGGERS:
         logger = logging.getLogger(name)
-        logger.handlers = [handler]
+        logger.handlers = []
         logger.setLevel(level.upper())
-        logger.propagate = False
+        logger.propagate = True
+    logging.captureWarnings(True)
+    _quiet_transformers()
+
+
+def _quiet_transformers() -> None:
+    """transformers writes its records through a handler of its own and draws tqdm bars while
+    loading weights: hand its records to the root logger and turn the bars off."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    hf_logging.disable_progress_bar()

@@ -2,32 +2,59 @@
 
 - `RequestContext`: gives every response an `X-Request-ID` (the client's, if it sent a sane
   one, else a new one), sets it for the logs, counts the request by route and status, and writes
-  one access-log line when the response has been sent. An exception that escaped every handler
-  is logged and answered with a 500 in the usual error shape.
+  one access-log line when the response has been sent (probes at debug level). An exception
+  that escaped every handler is logged and answered with a 500 in the usual error shape.
+- `HeaderLimit`: answers 431 for more than `max_headers` header fields or more than
+  `max_header_bytes` of them (h11 bounds only a head that arrives in pieces).
+- `HostCheck`: answers 400 for a `Host` that `allowed_hosts` does not list, which closes DNS
+  rebinding (a page on evil.example whose name now resolves to 127.0.0.1); probes pass.
+- `OriginCheck` (only without an API key): answers 403 to a state-changing request a browser
+  sent from a page on an origin not in `cors_origins`, and to a `text/plain` upload without
+  an `X-Requested-With` header. A page can send either without asking (a "simple" request,
+  no CORS preflight); everything else a page sends cross-origin the browser preflights, and
+  the CORS middleware allows only `cors_origins`.
 - `BodyLimit`: answers 413 for a body over `max_body_bytes`, before reading it when
-  Content-Length says so, else as soon as the chunks received pass the limit.
+  Content-Length says so, else as soon as the chunks received pass the limit; 408 (and closes
+  the connection) when no part of a body arrives for `body_timeout_s`.
 - `ApiKey`: when a key is configured, refuses requests without `Authorization: Bearer <key>`
-  (401), except the probes /health, /ready and /metrics.
+  (401; the scheme in any case), and a request with two `Authorization` headers (400),
+  except the probes /health, /ready and /metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
 import time
 import uuid
+from typing import Sequence
+from urllib.parse import urlsplit
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import logs
-from .errors import APIError
+from .errors import APIError, shown
 from .metrics import Metrics
 
 access_log = logging.getLogger("hypic.access")
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 OPEN_PATHS = ("/health", "/ready", "/metrics")
+UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def header_values(scope: Scope, name: bytes) -> list[bytes]:
+    """Every value of header `name` (lower case) in the request, in order."""
+    return [v for k, v in scope["headers"] if k == name]
+
+
+def host_name(host: str) -> str:
+    """The name of a Host header, without port or trailing dot: `[::1]:8000` -> `[::1]`."""
+    host = host.strip().lower()
+    name = host[: host.index("]") + 1] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+    return name.rstrip(".")
 
 
 class RequestContext:
@@ -61,7 +88,8 @@ class RequestContext:
             status = status or 500
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             self.metrics.requests.labels(route, str(status)).inc()
-            access_log.info("request", extra={"method": scope["method"], "path": scope["path"], "route": route,
+            level = logging.DEBUG if scope["path"] in OPEN_PATHS else logging.INFO  # probes come every few seconds
+            access_log.log(level, "request", extra={"method": scope["method"], "path": scope["path"], "route": route,
                                               "status": status, "ms": round((time.perf_counter() - started) * 1000, 3)})
             logs.request_id.reset(token)
 
@@ -69,16 +97,94 @@ class RequestContext:
 class ApiKey:
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {key}".encode()
+        self._expected = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self._expected):
+        given = header_values(scope, b"authorization")
+        if len(given) > 1:  # which one counts would depend on the proxy in front: refuse both
+            error = APIError.invalid("authorization", f"sent {len(given)} times; send one 'Authorization: Bearer <key>' header")
+            return await error.response()(scope, receive, send)
+        scheme, _, token = (given[0] if given else b"").strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._expected):
             error = APIError(401, "authorization: missing or invalid API key (expected 'Authorization: Bearer <key>')",
                              type="authentication_error", param="authorization", code="invalid_api_key",
                              headers={"WWW-Authenticate": "Bearer"})
+            return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class HeaderLimit:
+    def __init__(self, app: ASGIApp, max_headers: int, max_bytes: int) -> None:
+        self.app = app
+        self.max_headers = max_headers
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            size = sum(len(k) + len(v) + 4 for k, v in headers)  # "name: value\r\n"
+            problem = (f"{len(headers)} header fields, more than the {self.max_headers} allowed" if len(headers) > self.max_headers
+                       else f"{size} bytes of header fields, more than the {self.max_bytes} allowed" if size > self.max_bytes else None)
+            if problem:
+                error = APIError(431, f"headers: {problem}", param="headers", code="headers_too_large", headers={"Connection": "close"})
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class HostCheck:
+    def __init__(self, app: ASGIApp, allowed: Sequence[str]) -> None:
+        self.app = app
+        self.any = "*" in allowed
+        self.names = {host_name(h) for h in allowed if not h.startswith("*.")}
+        self.suffixes = tuple(h[1:].lower() for h in allowed if h.startswith("*."))  # "*.example.com" -> ".example.com"
+
+    def allows(self, host: str) -> bool:
+        name = host_name(host)
+        return self.any or name in self.names or name.endswith(self.suffixes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            for host in header_values(scope, b"host"):  # none: not a browser (HTTP/1.0); let it pass
+                if not self.allows(host.decode("latin-1")):
+                    error = APIError(400, f"host: {shown(host.decode('latin-1'))} is not an allowed host name (HYPIC_ALLOWED_HOSTS)",
+                                     param="host", code="host_not_allowed")
+                    return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class OriginCheck:
+    def __init__(self, app: ASGIApp, allowed_origins: Sequence[str]) -> None:
+        self.app = app
+        self.any = "*" in allowed_origins
+        self.origins = {o.rstrip("/").lower() for o in allowed_origins}
+
+    def allows(self, origin: str, host: str) -> bool:
+        """Whether a page on `origin` may write: a listed origin, or the gateway's own (its /docs page)."""
+        origin = origin.strip().lower()
+        if self.any or origin in self.origins:
+            return True
+        try:
+            return origin != "null" and bool(host) and urlsplit(origin).netloc == host.strip().lower()
+        except ValueError:  # not a URL ("http://[::1")
+            return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in UNSAFE_METHODS:
+            return await self.app(scope, receive, send)
+        host = b"".join(header_values(scope, b"host")[:1]).decode("latin-1")
+        for origin in header_values(scope, b"origin"):
+            if not self.allows(origin.decode("latin-1"), host):
+                error = APIError(403, f"origin: {shown(origin.decode('latin-1'))} may not change this server: it is not in "
+                                      "HYPIC_CORS_ORIGINS, and no API key is set", type="permission_error", param="origin",
+                                 code="origin_not_allowed")
+                return await error.response()(scope, receive, send)
+        content_type = b"".join(header_values(scope, b"content-type")[:1]).split(b";")[0].strip().lower()
+        if content_type == b"text/plain" and not header_values(scope, b"x-requested-with"):
+            error = APIError(403, "content-type: without an API key, a text/plain upload needs an 'X-Requested-With' header "
+                                  "(any value), which a page on another site cannot add unasked; or send it as text/markdown",
+                             type="permission_error", param="content-type", code="simple_request_refused")
             return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -90,10 +196,18 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"request body exceeds the limit of {limit} bytes")
 
 
+class BodyTimeout(HTTPException):
+    """Raised from `receive` when the body stops arriving; the error handlers answer 408 and the connection closes."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"no part of the request body arrived for {seconds:g} s", headers={"Connection": "close"})
+
+
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, idle_timeout: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.idle_timeout = idle_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -103,10 +217,17 @@ class BodyLimit:
             error = BodyTooLarge(self.max_bytes)
             return await APIError(413, f"body: {error.detail}", param="body", code="body_too_large").response()(scope, receive, send)
         seen = 0
+        complete = False
 
         async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:  # after the body, receive() waits for the disconnect: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_timeout)
+            except asyncio.TimeoutError:
+                raise BodyTimeout(self.idle_timeout) from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
                 raise BodyTooLarge(self.max_bytes)

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 from hypic_core.config import GenerationRequest, Mode, SamplingParams
 from hypic_core.sequence import StepOutput
 from hypic_core.errors import InvalidRequestError
+from retrieval.document import normalize_document_id
 from retrieval.errors import DocumentNotFoundError, RetrievalError
 from retrieval.index import SearchHit
 
@@ -52,9 +53,12 @@ class Retrieval:
 
 async def retrieve(rt: Runtime, query: str, top_k: int, document_ids: Sequence[str] | None, prefix: str = "") -> Retrieval:
     """The `top_k` chunks closest to `query` (only from `document_ids` when given), searched on a
-    thread. Raises 400 for top_k above `max_top_k`, an unknown document id, or bad retrieval input."""
+    thread. Raises 400 for top_k above `max_top_k`, an unknown or invalid document id, or bad
+    retrieval input."""
     if top_k > rt.settings.max_top_k:
         raise APIError.invalid(f"{prefix}top_k", f"must be <= {rt.settings.max_top_k}, got {top_k}")
+    if document_ids is not None:
+        document_ids = [document_id(d, f"{prefix}document_ids") for d in document_ids]
     started = time.perf_counter()
     try:
         hits = await anyio.to_thread.run_sync(lambda: rt.index.search(query, top_k, document_ids))
@@ -63,6 +67,15 @@ async def retrieve(rt: Runtime, query: str, top_k: int, document_ids: Sequence[s
     seconds = time.perf_counter() - started
     rt.metrics.retrieval.observe(seconds)
     return Retrieval(hits, round(seconds * 1000.0, 3))
+
+
+def document_id(value: str, param: str) -> str:
+    """A document id from a request as the index keeps it (`normalize_document_id`: NFC, at
+    most 256 characters); 400 naming `param` if it cannot be one."""
+    try:
+        return normalize_document_id(value)
+    except RetrievalError as exc:
+        raise APIError.invalid(param, str(exc)) from None
 
 
 def sources(prompt: Prompt) -> dict:

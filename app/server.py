@@ -3,9 +3,10 @@
     app = create_app(Settings())                        # loads settings.model and index_dir
     app = create_app(settings, engine=eng, index=idx)   # or given objects / zero-arg factories
 
-A request's life: `RequestContext` tags it with a request id -> CORS (when origins are set) ->
-`ApiKey` checks the key ->
-`BodyLimit` caps the body -> the route validates the body (pydantic; errors become 400s naming
+A request's life: `RequestContext` tags it with a request id -> `HeaderLimit` counts its headers
+-> `HostCheck` checks its Host -> CORS (when origins are set) -> `ApiKey` checks the key (or,
+without a key, `OriginCheck` refuses cross-site writes) ->
+`BodyLimit` caps the body and its pace -> the route validates the body (pydantic; errors become 400s naming
 the field) -> `pipeline` retrieves on a thread, builds segments (`Prompter`) and checks them
 against the engine -> `Worker` admits it (or 429) and runs prefill + decode on an engine
 thread -> the route reads the `TokenStream` on the event loop and answers with JSON or SSE.
@@ -21,7 +22,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from . import api_documents, api_openai, api_ops, api_query, errors
-from .middleware import ApiKey, BodyLimit, RequestContext
+from .middleware import ApiKey, BodyLimit, HeaderLimit, HostCheck, OriginCheck, RequestContext
 from .runtime import EngineSource, IndexSource, Runtime
 from .settings import Settings
 
@@ -42,12 +43,17 @@ def create_app(settings: Settings | None = None, engine: EngineSource = None, in
     errors.install(app)
     for module in (api_query, api_openai, api_documents, api_ops):
         app.include_router(module.router)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, idle_timeout=settings.body_timeout_s)
     if settings.api_key is not None:
         app.add_middleware(ApiKey, key=settings.api_key.get_secret_value())
+    else:
+        app.add_middleware(OriginCheck, allowed_origins=settings.cors_origins)
     if settings.cors_origins:  # outside ApiKey: browsers send preflight requests without credentials
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST", "DELETE"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-ID"], expose_headers=["X-Request-ID"])
+                           allow_headers=["Authorization", "Content-Type", "X-Request-ID", "X-Requested-With"],
+                           expose_headers=["X-Request-ID"])
+    app.add_middleware(HostCheck, allowed=settings.trusted_hosts)
+    app.add_middleware(HeaderLimit, max_headers=settings.max_headers, max_bytes=settings.max_header_bytes)
     app.add_middleware(RequestContext, metrics=runtime.metrics)  # added last: outermost
     return app
 

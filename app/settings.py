@@ -103,6 +103,32 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    # connections and browsers (docs/api.md, "Limits and browsers")
+    allowed_hosts: list[str] | None = Field(None, description='Host header names served, e.g. ["api.example.com", "*.example.com"]; '
+                                            '["*"]: any. Unset: localhost names when bound to a loopback address, also the bound '
+                                            'name when bound to one, any when bound to all interfaces (0.0.0.0, ::). localhost, '
+                                            '127.0.0.1 and [::1] are always allowed, and the probes answer any host.')
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="An idle connection is closed this long after its last response.")
+    header_timeout_s: float = Field(10.0, gt=0, description="A request's head must arrive within this long of the connection's "
+                                    "start or the previous response's end, else 408 and the connection is closed.")
+    body_timeout_s: float = Field(30.0, gt=0, description="A request body that stops arriving for this long gets a 408.")
+    max_headers: int = Field(100, ge=1, description="Header fields per request; beyond: 431.")
+    max_header_bytes: int = Field(16 << 10, ge=1024, description="Bytes of header fields per request; beyond: 431 (or 400 "
+                                  "from uvicorn for a head arriving in pieces).")
+    sse_keepalive_s: float = Field(15.0, gt=0, description="A stream that has nothing to send for this long sends a "
+                                   "': keep-alive' comment, so proxies do not close it.")
+
+    @property
+    def trusted_hosts(self) -> list[str]:
+        """The Host names served (`allowed_hosts` resolved): ["*"] or a list with the loopback names."""
+        loopback = ["localhost", "127.0.0.1", "[::1]"]
+        if self.allowed_hosts is not None:
+            return ["*"] if "*" in self.allowed_hosts else [*self.allowed_hosts, *loopback]
+        if self.host in ("0.0.0.0", "::", ""):  # all interfaces: a compose service name, a LAN address, ...
+            return ["*"]
+        bound = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return list(dict.fromkeys([*loopback, bound]))
+
     @model_validator(mode="after")
     def _cache_beside_index(self) -> "Settings":
         # Unset (not even "none"): the disk tier lives beside the index, so an index pointed

@@ -55,13 +55,18 @@ def tiny_engine(tokenizer, seed: int = 0, stop_at_eos: bool = True):
 
 
 class LiveServer:
-    """Serves `app` on 127.0.0.1 at a free port from `start()` (or `with`) until `stop()`."""
+    """Serves `app` on 127.0.0.1 at a free port from `start()` (or `with`) until `stop()`, with
+    the connection limits of the app's settings (`connections.uvicorn_options`), as `hypic serve`."""
 
     def __init__(self, app, port: int | None = None) -> None:
+        from .connections import uvicorn_options
+
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        runtime = getattr(app.state, "runtime", None)
+        options = uvicorn_options(runtime.settings) if runtime is not None else {}
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None, access_log=False,
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import reprlib
 from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError
 
 DEFAULT_SEAM = 8  # the reference implementation's default seam width
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias positive ones
 
 
 class Mode(str, enum.Enum):
@@ -24,7 +26,7 @@ class Mode(str, enum.Enum):
             return cls(value)
         except ValueError:
             choices = ", ".join(m.value for m in cls)
-            raise InvalidRequestError("mode", f"unknown mode {value!r}; expected one of {choices}") from None
+            raise InvalidRequestError("mode", f"unknown mode {reprlib.repr(value)}; expected one of {choices}") from None
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class SamplingParams:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if not 0.0 < self.repetition_penalty < float("inf"):
             raise InvalidRequestError("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidRequestError("seed", "must be an integer in [0, 2**64 - 1]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))

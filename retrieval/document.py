@@ -8,9 +8,13 @@ document it comes from.
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 from dataclasses import dataclass
 
 from retrieval.errors import EmptyInputError, InvalidInputError
+from retrieval.strict_json import lone_surrogate
+
+MAX_DOCUMENT_ID_CHARS = 256
 
 
 def chunk_id_for(text: str) -> str:
@@ -18,13 +22,30 @@ def chunk_id_for(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def normalize_document_id(value: str) -> str:
+    """A document id as the index keeps it: Unicode NFC, so `café` composed and decomposed
+    (as macOS file names are) is one document. Raises `InvalidInputError` for a blank id, one
+    longer than `MAX_DOCUMENT_ID_CHARS` or one holding a lone surrogate; the message does not
+    repeat a long id."""
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidInputError("document id must be a non-empty string")
+    if lone_surrogate(value) >= 0:
+        raise InvalidInputError("document id contains a lone UTF-16 surrogate, which is not valid Unicode text")
+    value = unicodedata.normalize("NFC", value)
+    if len(value) > MAX_DOCUMENT_ID_CHARS:
+        raise InvalidInputError(f"document id must be at most {MAX_DOCUMENT_ID_CHARS} characters, got {len(value)}")
+    return value
+
+
 @dataclass(frozen=True)
 class Document:
     """A text to ingest.
 
-    `document_id` names it in the index: ingesting another document with the same id replaces
-    it. `title` defaults to the id; `source` says where it came from (a path, "<request>").
-    Raises `InvalidInputError` for a blank id and `EmptyInputError` for blank text.
+    `document_id` names it in the index (normalised by `normalize_document_id`): ingesting
+    another document with the same id replaces it. `title` defaults to the id; `source` says
+    where it came from (a path, "<request>"). Raises `InvalidInputError` for an id
+    `normalize_document_id` refuses or a field holding a lone surrogate, and `EmptyInputError`
+    for blank text.
     """
 
     document_id: str
@@ -33,10 +54,14 @@ class Document:
     source: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.document_id, str) or not self.document_id.strip():
-            raise InvalidInputError("document id must be a non-empty string")
+        object.__setattr__(self, "document_id", normalize_document_id(self.document_id))
         if not isinstance(self.text, str) or not self.text.strip():
             raise EmptyInputError(f"document {self.document_id!r} has no text")
+        for field in ("text", "title", "source"):
+            at = lone_surrogate(getattr(self, field))
+            if at >= 0:
+                raise InvalidInputError(f"document {self.document_id!r}: {field} has a lone UTF-16 surrogate at character {at}, "
+                                        "which is not valid Unicode text")
         if not self.title:
             object.__setattr__(self, "title", self.document_id)
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import gzip
 import io
-import json
 import re
 import zlib
 from html.parser import HTMLParser
 
-from retrieval.document import Document
+from retrieval import strict_json
+from retrieval.document import Document, normalize_document_id
 from retrieval.errors import BinaryInputError, EmptyInputError, InvalidInputError, MalformedItemError, MalformedLineError, UnsupportedFormatError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".html", ".htm")
@@ -137,16 +137,20 @@ def decode_html(data: bytes, source: str) -> str:
 def parse_jsonl(body: str | bytes, source: str = "<request>") -> list[Document]:
     """The documents of a JSONL body, in order. Raises `MalformedLineError` (with the 1-based
     line number) for a line that is not a JSON object with a non-empty string "id" and "text",
-    or repeats an earlier id; `EmptyInputError` if there are no documents."""
+    is not JSON `strict_json.loads` accepts (nested too deep, a lone surrogate), or repeats an
+    earlier id; `EmptyInputError` if there are no documents."""
     documents: list[Document] = []
     first_line: dict[str, int] = {}
     for number, line in enumerate(decode_text(body, source).splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise MalformedLineError(source, number, f"invalid JSON: {exc.msg} (column {exc.colno})") from exc
+            record = strict_json.loads(line)
+        except strict_json.JSONInputError as exc:
+            if exc.line is not None:  # a line of JSONL is one line of JSON
+                raise MalformedLineError(source, number, f"invalid JSON: {exc.reason.removeprefix('malformed JSON: ')} (column {exc.column})") from exc
+            where = f"field {strict_json.format_path(exc.path)!r}: " if exc.path else ""
+            raise MalformedLineError(source, number, f"{where}{exc.reason}") from exc
         problem = record_problem(record)
         if problem is not None:
             raise MalformedLineError(source, number, problem[1])
@@ -163,11 +167,13 @@ def parse_jsonl(body: str | bytes, source: str = "<request>") -> list[Document]:
 def parse_json(body: str | bytes, source: str = "<request>") -> list[Document]:
     """The documents of a JSON body: one document object or a list of them (the records of
     `parse_jsonl`). Raises `MalformedItemError` naming the item and field at fault (also for
-    malformed JSON, a repeated id or an empty list) and `decode_text`'s errors."""
+    JSON `strict_json.loads` refuses, a repeated id or an empty list) and `decode_text`'s errors."""
     try:
-        value = json.loads(decode_text(body, source))
-    except json.JSONDecodeError as exc:
-        raise MalformedItemError(source, None, None, f"malformed JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
+        value = strict_json.loads(decode_text(body, source))
+    except strict_json.JSONInputError as exc:
+        item, field = _item_field(exc.path)
+        where = "" if exc.line is None else f" (line {exc.line}, column {exc.column})"
+        raise MalformedItemError(source, item, field, exc.reason + where) from exc
     single = isinstance(value, dict)
     records = [value] if single else value
     if not isinstance(records, list):
@@ -189,9 +195,17 @@ def parse_json(body: str | bytes, source: str = "<request>") -> list[Document]:
     return documents
 
 
+def _item_field(path: tuple[str | int, ...]) -> tuple[int | None, str | None]:
+    """(item, field) of a JSON body's path: `(2, "text")` -> (2, "text"); `("text",)` -> (None, "text")."""
+    item = path[0] if path and isinstance(path[0], int) else None
+    rest = path[1:] if item is not None else path
+    return item, (rest[0] if rest and isinstance(rest[0], str) else None)
+
+
 def record_problem(record: object) -> tuple[str | None, str] | None:
     """What is wrong with a JSON document record, as (field or None, reason); None if valid:
-    an object with non-empty string "id" and "text" and, when present, string "title" and "source"."""
+    an object with non-empty string "id" (one `normalize_document_id` accepts) and "text" and,
+    when present, string "title" and "source"."""
     if not isinstance(record, dict):
         return None, f"expected a JSON object, got {type(record).__name__}"
     for field in ("id", "text"):
@@ -200,6 +214,10 @@ def record_problem(record: object) -> tuple[str | None, str] | None:
     for field in ("title", "source"):
         if not isinstance(record.get(field, ""), str):
             return field, f"field {field!r} must be a string"
+    try:
+        normalize_document_id(record["id"])
+    except InvalidInputError as exc:
+        return "id", str(exc)
     return None
 
 

@@ -170,11 +170,11 @@ def test_full_queue_answers_429_with_retry_after(server):
 
 def test_body_limit_is_413(server):
     big = "x" * 5000
-    r = httpx.post(f"{server.url}/documents?id=big", content=big, headers={"content-type": "text/plain"})
+    r = httpx.post(f"{server.url}/documents?id=big", content=big, headers={"content-type": "text/markdown"})
     assert r.status_code == 413 and r.json()["error"]["param"] == "body"
     r = httpx.post(f"{server.url}/query", json={"question": big})
     assert r.status_code == 413
-    chunked = httpx.post(f"{server.url}/documents?id=big", content=iter([big.encode()] * 2), headers={"content-type": "text/plain"})
+    chunked = httpx.post(f"{server.url}/documents?id=big", content=iter([big.encode()] * 2), headers={"content-type": "text/markdown"})
     assert chunked.status_code == 413
 
 
@@ -251,13 +251,13 @@ class FailingEngine(Engine):
         return dataclasses.replace(out, text="partial answer") if out.index == 0 else out
 
 
-def test_engine_failure_mid_stream_ends_with_an_error_event(engine, tmp_path):
+def test_engine_failure_mid_stream_ends_with_a_failure_event(engine, tmp_path):
     failing = FailingEngine(engine.model, engine.tokenizer, engine.config, model_id="tiny")
     with LiveServer(create_app(settings_for(tmp_path), engine=failing, index=empty_index(tmp_path))) as live:
         live.wait_ready()
         with httpx.stream("POST", f"{live.url}/query", json={"question": "q", "max_tokens": 5, "ignore_eos": True, "stream": True}) as r:
             events = list(parse(r.iter_lines()))
-        assert [name for name, _ in events][0] == "sources" and events[-1][0] == "error"
+        assert [name for name, _ in events][0] == "sources" and events[-1][0] == "failure"
         assert [json.loads(data) for name, data in events if name == "delta"] == [{"text": "partial answer"}]
         assert json.loads(events[-1][1])["error"]["type"] == "server_error"
         with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={

@@ -131,7 +131,7 @@ def test_documents_add_list_delete(client):
     ("x", "application/pdf", "content-type", 415),
 ], ids=["bad-jsonl-line", "text-without-id", "empty", "unsupported-type"])
 def test_bad_document_bodies(client, content, ctype, param, status):
-    r = client.post("/documents", content=content, headers={"content-type": ctype})
+    r = client.post("/documents", content=content, headers={"content-type": ctype, "x-requested-with": "test"})
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
 

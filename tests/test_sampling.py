@@ -249,12 +249,20 @@ def test_all_extras_together_match_the_reference():
     (dict(min_p=float("nan")), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=-1.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(repetition_penalty=float("nan")), "repetition_penalty"), (dict(ignore_eos="yes"), "ignore_eos"),
-    (dict(top_k=-1), "top_k"),
+    (dict(top_k=-1), "top_k"), (dict(seed=2**64), "seed"), (dict(seed=-1), "seed"), (dict(seed=1.5), "seed"),
 ])
 def test_sampling_params_reject_bad_extras(kwargs, field):
     with pytest.raises(InvalidRequestError) as caught:
         SamplingParams(**kwargs)
     assert caught.value.field == field and str(caught.value).startswith(field)
+
+
+def test_seeds_span_64_bits():
+    """0 and 2**64 - 1 are both seeds torch takes; the same seed samples the same tokens."""
+    logits = big_logits(7, 3000)
+    for seed in (0, 2**64 - 1):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        assert Sampler(params)(logits).token_id == Sampler(params)(logits).token_id
 
 
 def test_sampling_params_accept_valid_extras():
