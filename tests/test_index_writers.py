@@ -89,8 +89,9 @@ def _cli_ingest(index_dir: Path, *paths: Path, lock_timeout: float | None = None
                "--embedder", "hashing-64", "--tokenizer", str(minilm_model_dir())]
     if lock_timeout is not None:
         command += ["--lock-timeout", str(lock_timeout)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYPIC_")} | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYPIC_")} | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}  # this checkout's code
+    return subprocess.run(command, cwd=index_dir.parent, env=env, capture_output=True, text=True, timeout=180)
 
 
 @pytest.fixture(scope="module")
