@@ -55,9 +55,10 @@ class _RefusedValue(Exception):
 
 
 class _MissingValue(Exception):
-    """Raised inside diskcache when a row names a value file that is not there. (diskcache
-    reads a row and its file in one transaction and removes a file only after its row, so this
-    is damage, not a race; its own `IOError` handling would make it a silent miss.)"""
+    """Raised inside diskcache when a row names a value file that is not there. (Under the LRU
+    policy diskcache reads a row and its file in one transaction, and removes a file only after
+    the transaction that deleted its row, so this is damage, not a race; diskcache's own
+    `IOError` handling would make it a silent miss that keeps the row.)"""
 
 
 class _Damaged(Exception):
@@ -141,7 +142,8 @@ class DiskTier:
     def _move_aside(self, error: BaseException) -> bool:
         """Rename the damaged directory to `<directory>.damaged-<time>-<pid>`, removing an older
         damaged copy; True if it is out of the way (another process may have moved it first)."""
-        aside = f"{self.directory}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        base = os.path.normpath(self.directory)
+        aside = f"{base}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         try:
             if os.stat(self.directory).st_ino != self._inode:
                 return True  # another process opening the same directory moved it first and made a new one
@@ -153,7 +155,7 @@ class DiskTier:
                       self.directory, type(error).__name__, error, e)
             return False
         self.moved_aside = aside
-        for older in glob.glob(f"{glob.escape(self.directory)}.damaged-*"):
+        for older in glob.glob(f"{glob.escape(base)}.damaged-*"):
             if older != aside:
                 shutil.rmtree(older, ignore_errors=True)
         log.error("disk cache at %s is damaged (%s: %s); moved it to %s and started an empty one",
