@@ -38,7 +38,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from retrieval.document import Document
-from retrieval.errors import DocumentNotFoundError, MalformedItemError, RetrievalError
+from retrieval.errors import DocumentNotFoundError, IndexLockedError, MalformedItemError, RetrievalError
 from retrieval.formats import parse_json, parse_jsonl, read_documents
 from retrieval.index import DocumentInfo
 from retrieval.ingest import document_from_text, ingest_documents
@@ -89,6 +89,8 @@ async def add_documents(request: Request, id: str | None = Query(None, descripti
         documents = _body_documents(await request.body(), content_type, id, title)
     try:
         summary = await anyio.to_thread.run_sync(ingest_documents, documents, rt.index, rt.chunker)
+    except IndexLockedError as exc:
+        raise _locked(rt, exc) from None
     except RetrievalError as exc:
         raise APIError.invalid("body", str(exc)) from None
     return {"documents": summary.documents, "chunks": summary.chunks, "replaced": summary.replaced,
@@ -128,6 +130,8 @@ async def delete_document(document_id: str, request: Request) -> dict:
         chunks = await anyio.to_thread.run_sync(rt.index.delete_document, document_id)
     except DocumentNotFoundError as exc:
         raise _not_found(exc) from None
+    except IndexLockedError as exc:
+        raise _locked(rt, exc) from None
     return {"document_id": document_id, "deleted": True, "chunks": chunks}
 
 
@@ -219,6 +223,11 @@ def _runtime(request: Request) -> Runtime:
 
 def _not_found(exc: DocumentNotFoundError) -> APIError:
     return APIError(404, f"document_id: {exc}", type="not_found_error", param="document_id", code="document_not_found")
+
+
+def _locked(rt: Runtime, exc: IndexLockedError) -> APIError:
+    """503: another process (`hypic ingest`) held the index's write lock for the whole wait."""
+    return APIError(503, str(exc), type="unavailable_error", code="index_locked", headers={"Retry-After": str(rt.settings.retry_after_s)})
 
 
 def _info(d: DocumentInfo) -> dict:

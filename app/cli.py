@@ -44,7 +44,9 @@ def serve_command(
     model: Annotated[str | None, typer.Option(help="A named model (see `hypic models`), a checkpoint directory, a .gguf "
                                                    "file or a cached hub id (default: HYPIC_MODEL or hypic-tiny).")] = None,
 ) -> None:
-    """Start the gateway with uvicorn; every other setting comes from HYPIC_* variables or .env."""
+    """Start the gateway with uvicorn; every other setting comes from HYPIC_* variables or .env.
+    Exits 1 with the reason when the model or index fails to load (HYPIC_EXIT_ON_LOAD_FAILURE),
+    3 when the server cannot start (as uvicorn does: e.g. the port is taken)."""
     import uvicorn
 
     from app import logs
@@ -55,9 +57,19 @@ def serve_command(
     overrides = {k: v for k, v in {"host": host, "port": port, "model": model}.items() if v is not None}
     settings = Settings(**overrides)
     logs.configure(settings.log_level)
+    app = create_app(settings)
     # On shutdown, open streams get 5 s to finish; then they are cancelled (and their generations aborted).
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False,
-                timeout_graceful_shutdown=5, **uvicorn_options(settings))
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                                           timeout_graceful_shutdown=5, **uvicorn_options(settings)))
+    runtime = app.state.runtime
+    if settings.exit_on_load_failure:
+        # From the loader thread: the server shuts down as on SIGTERM (uvicorn polls the flag), then we exit 1 below.
+        runtime.on_load_failure = lambda reason: setattr(server, "should_exit", True)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # uvicorn's STARTUP_FAILURE, what `uvicorn.run` exits with
+    if settings.exit_on_load_failure and runtime.load_error is not None:
+        _fail(f"loading failed: {runtime.load_error}")
 
 
 models_cli = typer.Typer(no_args_is_help=False, help="The named models: list them, install one.")

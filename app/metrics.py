@@ -108,6 +108,8 @@ class _StoreCollector:
         yield CounterMetricFamily("hypic_cache_misses", "Segment-store lookups no tier answered.", value=stats.misses)
         yield CounterMetricFamily("hypic_cache_dropped_writes", "Disk writes skipped (queue full or I/O error).", value=stats.dropped_writes)
         yield CounterMetricFamily("hypic_cache_disk_errors", "Disk-tier I/O failures.", value=stats.disk_errors)
+        yield CounterMetricFamily("hypic_cache_disk_damaged", "Disk-tier directories found damaged at startup, moved aside "
+                                  "and started empty.", value=stats.disk_damaged)
         yield CounterMetricFamily("hypic_cache_evictions", "Segment-store entries evicted for space.", value=stats.evictions)
         yield CounterMetricFamily("hypic_cache_corrupt", "Segment-store entries found damaged or foreign.", value=stats.corrupt)
         yield _by_tier(GaugeMetricFamily, "hypic_cache_bytes", "Bytes held by each segment-store tier.", stats.bytes)

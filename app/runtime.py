@@ -1,7 +1,8 @@
 """What a running gateway holds: settings, engine, vector index, chunker, prompter, worker, metrics.
 
 The engine and the index load on a background thread started by `start_loading`, so the server
-answers /health and /ready (503) at once. An engine or index given to `create_app` (an object,
+answers /health and /ready (503) at once. If loading fails, `load_error` says why and
+`on_load_failure` (set by `hypic serve`) is called with it. An engine or index given to `create_app` (an object,
 or a zero-argument callable returning one, e.g. for tests) replaces loading it from settings.
 When the index is empty after loading and a corpus is due (`corpus_to_seed`: the demo corpus only
 into the default index), the corpus is ingested first.
@@ -99,6 +100,7 @@ class Runtime:
         self.model_name = settings.served_model_name
         self.load_error: str | None = None
         self.created = int(time.time())
+        self.on_load_failure: Callable[[str], None] | None = None  # called on the loader thread with `load_error`
         self._ready = threading.Event()
         self._engine_source = engine
         self._index_source = index
@@ -127,6 +129,7 @@ class Runtime:
 
     def _load(self) -> None:
         started = time.perf_counter()
+        stage = f"loading model {self.settings.model}"  # what was being done, for the reason given on failure
         try:
             if self.settings.torch_threads:
                 import torch
@@ -136,10 +139,13 @@ class Runtime:
             if self._engine_source is None:
                 model = resolve_model(self.settings.model, self.settings.models_dir, progress=log.info)
                 known = model.known
+                stage = f"loading model {self.settings.model} from {model.path}"
                 engine = load_engine(self.settings, model)
             else:
+                stage = "loading the given engine"
                 engine = _resolve(self._engine_source)
             engine.set_limits(self.settings.max_running, self.settings.max_step_tokens, self.settings.running_budget_bytes)
+            stage = f"opening index {self.settings.index_dir}"
             index = load_index(self.settings) if self._index_source is None else _resolve(self._index_source)
             chunker = build_chunker(self.settings, engine)
             corpus = corpus_to_seed(self.settings)
@@ -147,6 +153,7 @@ class Runtime:
                 from retrieval.ingest import ingest_paths
                 from retrieval.pipeline import ProgressLog
 
+                stage = f"ingesting corpus {corpus}"
                 progress = ProgressLog(lambda p: log.info("ingesting corpus", extra={"documents": p.documents, "of": p.documents_total,
                                                                                      "chunks": p.chunks, "chunks_per_s": round(p.chunks_per_second, 1)}))
                 summary = ingest_paths([corpus], index, chunker, progress)
@@ -163,9 +170,11 @@ class Runtime:
             self.worker.run_when_idle(self.guard)
             self._ready.set()
             log.info("ready", extra={"model": self.model_name, "chunks": len(index), "seconds": round(time.perf_counter() - started, 3)})
-        except Exception as exc:  # reported by /ready; the process stays up for inspection
-            self.load_error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # reported by /ready; `hypic serve` exits unless told to stay up for inspection
+            self.load_error = f"{stage}: {type(exc).__name__}: {exc}"
             log.exception("loading failed")
+            if self.on_load_failure is not None:
+                self.on_load_failure(self.load_error)
 
 
 def _resolve(source):

@@ -129,6 +129,11 @@ class Settings(BaseSettings):
         bound = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return list(dict.fromkeys([*loopback, bound]))
 
+    # startup failures
+    exit_on_load_failure: bool = Field(True, description="When loading the model or index fails, `hypic serve` exits non-zero "
+                                       "with the reason, so a supervisor (Compose's restart policy) sees it; false: stay up, "
+                                       "/ready answering 503 with the reason.")
+
     @model_validator(mode="after")
     def _cache_beside_index(self) -> "Settings":
         # Unset (not even "none"): the disk tier lives beside the index, so an index pointed

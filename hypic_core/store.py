@@ -28,6 +28,7 @@ class StoreStats:
     load_seconds: dict[str, float] = field(default_factory=dict)  # total time spent serving hits, per tier
     dropped_writes: int = 0  # disk writes skipped: queue full or I/O failure
     disk_errors: int = 0  # disk I/O failures (the store kept serving from memory)
+    disk_damaged: int = 0  # disk-tier directories found damaged at open, moved aside and started empty
 
 
 class SegmentStore(ABC):

@@ -3,7 +3,9 @@
 `app/cli.py` registers `ingest_command`, and sets `DEFAULTS` so that what is not given on the
 command line comes from the gateway's settings (HYPIC_INDEX_DIR, HYPIC_EMBEDDER, HYPIC_MODEL,
 HYPIC_CHUNK_TOKENS): the CLI writes the index a gateway with the same settings serves, chunked in
-that gateway's model's tokenizer. The work is done by `retrieval.ingest`. Chunks are measured in
+that gateway's model's tokenizer. The work is done by `retrieval.ingest`. A running gateway may
+keep serving meanwhile: the two take turns at the index's write lock and each loads what the
+other wrote (`retrieval.index`), so the gateway serves the new documents from its next request. Chunks are measured in
 `--tokenizer DIR` if given, else the serving model's tokenizer, else models/hypic-tiny's when
 that directory has one, else the embedder's own (MiniLM's for the hashing embedder).
 """
@@ -91,13 +93,15 @@ def ingest_command(
     index_type: Annotated[str, typer.Option("--index-type", help="flat (exact) or hnsw; applies to a new index.")] = "flat",
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="Embedding batches run at once, one torch thread each (default: one per usable core); results do not depend on it.")] = None,
     log_every: Annotated[float, typer.Option("--log-every", min=0.1, help="Seconds between progress lines when stderr is not a terminal.")] = 10.0,
+    lock_timeout: Annotated[float | None, typer.Option("--lock-timeout", min=0.0, help="Seconds to wait while another process "
+                                                       "(a gateway) writes the index, then give up (default: 60).")] = None,
 ) -> None:
     """Chunk, embed and index documents; a document already in the index is replaced."""
     from transformers.utils import logging as transformers_logging
 
     from retrieval.chunker import Chunker, default_chunk_tokens
     from retrieval.embedder import load_embedder
-    from retrieval.index import VectorIndex
+    from retrieval.index import LOCK_TIMEOUT_S, VectorIndex
     from retrieval.ingest import ingest_paths
     from retrieval.pipeline import ProgressLog
 
@@ -108,7 +112,7 @@ def ingest_command(
         index_dir = index_dir or defaults.index_dir
         tokenizer = tokenizer or defaults.model_dir
         embedding = load_embedder(embedder or defaults.embedder, workers=workers or len(os.sched_getaffinity(0)))
-        index = VectorIndex(index_dir, embedding, index_type)
+        index = VectorIndex(index_dir, embedding, index_type, lock_timeout=LOCK_TIMEOUT_S if lock_timeout is None else lock_timeout)
         target = target_tokens or defaults.chunk_tokens or default_chunk_tokens(context_window(tokenizer))
         chunker = Chunker(resolve_tokenizer(tokenizer, embedding), target, max_tokens or max(target, target * 4 // 3))
         if console.is_terminal:

@@ -68,6 +68,18 @@ class IndexCorruptError(RetrievalError):
     """Index files on disk are missing, unreadable or disagree with their manifest."""
 
 
+class IndexLockedError(RetrievalError):
+    """Another process held the index's write lock for longer than the writer would wait;
+    `holder` describes it ("pid 4711: hypic serve") when the system can tell."""
+
+    def __init__(self, directory: str, holder: str | None, waited_s: float) -> None:
+        by = f"by {holder}" if holder else "by another process"
+        super().__init__(f"index {directory} is being written {by}; gave up after waiting {waited_s:g} s for its write lock")
+        self.directory = directory
+        self.holder = holder
+        self.waited_s = waited_s
+
+
 class DocumentNotFoundError(RetrievalError, KeyError):
     """A document id is not in the index."""
 

@@ -5,19 +5,28 @@ Layout of an index directory:
     manifest.json            names the current generation's two files; written last
     index-<gen>.faiss        FAISS IndexIDMap2 over IndexFlatIP (exact cosine) or IndexHNSWFlat
     meta-<gen>.sqlite        documents and chunks; chunks.row_id is the vector's FAISS id
+    write.lock               the write lock (an flock; its content means nothing)
 
 Every mutation writes a new generation (each file to a temp name, fsync, `os.replace`) and then
 replaces the manifest, so the manifest always names a complete, consistent pair: a crash at any
 point leaves the previous index readable. Files of older generations are removed afterwards.
 Mutations are validated (and vectors computed) before anything changes; if persisting fails
 the in-memory state is reloaded from disk, so a failed call leaves the index as it was.
-One process owns a directory; within it, a lock makes the methods thread-safe.
+
+Several processes may open one directory (a gateway serving it, `hypic ingest` adding to it).
+A write holds the directory's write lock (`write.lock`) and, under it, first loads any
+generation another process has published, so it never writes a generation that drops someone
+else's documents; the slow part of an upsert, embedding, runs before the lock is taken, so the
+lock is held for the save alone. Reads take no lock: each compares the manifest's stat (inode,
+mtime, size: one `stat` call) with the one it last loaded and reloads when another process has
+published since. Within a process, a thread lock makes the methods thread-safe.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -27,14 +36,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import faiss
+import filelock
 import numpy as np
 
 from retrieval.document import Chunk
 from retrieval.embedder import Embedder
-from retrieval.errors import DimensionMismatchError, DocumentNotFoundError, EmbedderMismatchError, IndexCorruptError, InvalidInputError
+from retrieval.errors import (DimensionMismatchError, DocumentNotFoundError, EmbedderMismatchError, IndexCorruptError, IndexLockedError,
+                              InvalidInputError, RetrievalError)
+
+log = logging.getLogger(__name__)
 
 INDEX_TYPES = ("flat", "hnsw")
 MANIFEST_NAME = "manifest.json"
+LOCK_NAME = "write.lock"
+LOCK_TIMEOUT_S = 60.0  # a writer waits this long for another process's save, then gives up (`hypic ingest --help` says 60)
+LOAD_ATTEMPTS = 5  # a generation's files can vanish under a reader while a newer one is published
 FORMAT_VERSION = 1
 EMBED_BATCH = 64
 HNSW_EF_SEARCH = 64
@@ -121,10 +137,13 @@ class VectorIndex:
     "hnsw": approximate, for large corpora, `hnsw_m` links per node); an existing index keeps the
     type it was built with. Raises `DimensionMismatchError` if `embedder.dim` differs from the
     stored index's, `EmbedderMismatchError` if only the name differs, `IndexCorruptError` if the
-    files are unreadable or inconsistent. Mutating methods persist before they return.
+    files are unreadable or inconsistent. Mutating methods persist before they return; they
+    wait up to `lock_timeout` seconds for another process's write, then raise `IndexLockedError`.
+    Reads see what other processes have written (see the module's docstring).
     """
 
-    def __init__(self, directory: str | Path, embedder: Embedder, index_type: str = "flat", hnsw_m: int = 32) -> None:
+    def __init__(self, directory: str | Path, embedder: Embedder, index_type: str = "flat", hnsw_m: int = 32,
+                 lock_timeout: float = LOCK_TIMEOUT_S) -> None:
         if index_type not in INDEX_TYPES:
             raise InvalidInputError(f"index type must be one of {INDEX_TYPES}, got {index_type!r}")
         self.directory = Path(directory)
@@ -132,11 +151,13 @@ class VectorIndex:
         self._requested_type = index_type
         self._hnsw_m = hnsw_m
         self._lock = threading.RLock()
+        self._write_lock = filelock.FileLock(self.directory / LOCK_NAME, timeout=lock_timeout)
+        self._seen: tuple[int, int, int] | None = None  # stat of the manifest last loaded or saved
         self._load()
 
     @property
     def manifest(self) -> Manifest:
-        """The manifest of the state on disk (generation 0 if never saved)."""
+        """The manifest of the generation this object holds (generation 0 if never saved)."""
         return self._manifest
 
     @property
@@ -146,12 +167,18 @@ class VectorIndex:
 
     def __len__(self) -> int:
         """Number of chunks in the index."""
-        return int(self._faiss.ntotal)
+        with self._lock:
+            self._refresh()
+            return int(self._faiss.ntotal)
 
     def has_document(self, document_id: str) -> bool:
         """Whether a document of this id is in the index."""
         with self._lock:
-            return self._db.execute("SELECT 1 FROM documents WHERE document_id = ?", (document_id,)).fetchone() is not None
+            self._refresh()
+            return self._has(document_id)
+
+    def _has(self, document_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM documents WHERE document_id = ?", (document_id,)).fetchone() is not None
 
     def list_documents(self, after: str | None = None, limit: int | None = None) -> list[DocumentInfo]:
         """Documents ordered by id: all of them, or (a page) the first `limit` whose id sorts
@@ -159,6 +186,7 @@ class VectorIndex:
         if limit is not None and limit < 0:
             raise InvalidInputError(f"limit must be >= 0, got {limit}")
         with self._lock:
+            self._refresh()
             rows = self._db.execute(
                 f"SELECT {_DOCUMENT_COLUMNS} FROM documents d LEFT JOIN chunks c USING (document_id)"
                 " WHERE ? IS NULL OR d.document_id > ? GROUP BY d.document_id ORDER BY d.document_id LIMIT ?",
@@ -169,6 +197,7 @@ class VectorIndex:
     def document(self, document_id: str) -> DocumentInfo:
         """The document of this id; raises `DocumentNotFoundError` if it is not in the index."""
         with self._lock:
+            self._refresh()
             row = self._db.execute(
                 f"SELECT {_DOCUMENT_COLUMNS} FROM documents d LEFT JOIN chunks c USING (document_id)"
                 " WHERE d.document_id = ? GROUP BY d.document_id",
@@ -181,6 +210,7 @@ class VectorIndex:
     def chunks(self, document_id: str) -> list[Chunk]:
         """The chunks of a document in order; raises `DocumentNotFoundError` for an unknown id."""
         with self._lock:
+            self._refresh()
             self._require_documents([document_id])
             rows = self._db.execute(
                 f"SELECT {_CHUNK_COLUMNS} FROM chunks c JOIN documents d USING (document_id) WHERE c.document_id = ? ORDER BY c.chunk_index",
@@ -209,8 +239,8 @@ class VectorIndex:
     def _write(self, chunks: Sequence[Chunk], vectors: np.ndarray) -> int:
         """Replace the documents of `chunks` with them and their checked `vectors`; persist."""
         document_ids = sorted({chunk.document_id for chunk in chunks})
-        with self._lock, self._mutation():
-            replaced = [doc for doc in document_ids if self.has_document(doc)]
+        with self._lock, self._exclusive(), self._mutation():
+            replaced = [doc for doc in document_ids if self._has(doc)]
             self._remove_rows(self._row_ids(replaced))
             self._db.executemany("DELETE FROM documents WHERE document_id = ?", [(doc,) for doc in replaced])
             first = self._db.execute("SELECT COALESCE(MAX(row_id), -1) + 1 FROM chunks").fetchone()[0]
@@ -222,7 +252,7 @@ class VectorIndex:
     def delete_document(self, document_id: str) -> int:
         """Remove a document and its chunks; returns the number of chunks removed.
         Raises `DocumentNotFoundError` (a `KeyError`) if the id is not in the index."""
-        with self._lock:
+        with self._lock, self._exclusive():
             self._require_documents([document_id])
             with self._mutation():
                 row_ids = self._row_ids([document_id])
@@ -239,8 +269,9 @@ class VectorIndex:
             raise InvalidInputError(f"top_k must be at least 1, got {top_k}")
         vector = self._query_vector(query)
         with self._lock:
+            self._refresh()
             selector = None
-            candidates = len(self)
+            candidates = int(self._faiss.ntotal)
             if document_ids is not None:
                 self._require_documents(document_ids)
                 allowed = self._row_ids(document_ids)
@@ -292,7 +323,7 @@ class VectorIndex:
 
     def _require_documents(self, document_ids: Sequence[str]) -> None:
         for document_id in document_ids:
-            if not self.has_document(document_id):
+            if not self._has(document_id):
                 raise DocumentNotFoundError(document_id)
 
     def _row_ids(self, document_ids: Sequence[str]) -> np.ndarray:
@@ -332,6 +363,49 @@ class VectorIndex:
         self._faiss = rebuilt
 
     @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """(Thread lock held.) Hold the directory's write lock, with the newest generation loaded.
+        Raises `IndexLockedError` after `lock_timeout` s, and whatever loading a newer generation raises."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self._write_lock.acquire()
+        except filelock.Timeout:
+            raise IndexLockedError(str(self.directory), lock_holder(self.directory / LOCK_NAME), self._write_lock.timeout) from None
+        try:
+            self._refresh(strict=True)
+            yield
+        finally:
+            self._write_lock.release()
+
+    def _refresh(self, strict: bool = False) -> None:
+        """(Thread lock held.) Load the generation another process published since this object
+        last loaded or saved one. A read skips the check while the manifest's stat is unchanged
+        and, when the new generation cannot be loaded, logs that once and keeps serving the one
+        it holds; a write (`strict`, under the write lock) compares generations and raises."""
+        path = self.directory / MANIFEST_NAME
+        seen = _stat_key(path)
+        if seen == self._seen and not strict:
+            return
+        if seen is None:  # no manifest (never saved, or removed): nothing newer to load
+            self._seen = None
+            return
+        try:
+            on_disk = Manifest.read(path)
+            if (on_disk.generation, on_disk.index_file) == (self._manifest.generation, self._manifest.index_file):
+                self._seen = seen
+                return
+            held = self._manifest.generation
+            self._load()
+        except RetrievalError as exc:
+            if strict:
+                raise
+            self._seen = seen
+            log.warning("index %s: cannot load the generation another process published (%s); still serving generation %d",
+                        self.directory, exc, self._manifest.generation)
+            return
+        log.info("index %s: loaded generation %d published by another process (held %d)", self.directory, self._manifest.generation, held)
+
+    @contextlib.contextmanager
     def _mutation(self) -> Iterator[None]:
         """Run a change, then persist it; on any failure reload the last saved state."""
         try:
@@ -353,18 +427,27 @@ class VectorIndex:
     def _load(self) -> None:
         """(Re)load the saved state, or start empty when the directory has no manifest."""
         manifest_path = self.directory / MANIFEST_NAME
-        if manifest_path.exists():
+        for attempt in range(1, LOAD_ATTEMPTS + 1):
+            seen = _stat_key(manifest_path)
+            if seen is None:
+                dim = int(self.embedder.dim)
+                manifest = Manifest(self.embedder.name, dim, self._requested_type, 0, 0, 0, "", "")
+                index = self._new_faiss(self._requested_type, dim)
+                db = sqlite3.connect(":memory:", check_same_thread=False)
+                db.executescript(_SCHEMA)
+                break
             manifest = Manifest.read(manifest_path)
             _check_embedder(manifest, self.embedder)
-            index, db = _read_generation(self.directory, manifest)
-        else:
-            dim = int(self.embedder.dim)
-            manifest = Manifest(self.embedder.name, dim, self._requested_type, 0, 0, 0, "", "")
-            index = self._new_faiss(self._requested_type, dim)
-            db = sqlite3.connect(":memory:", check_same_thread=False)
-            db.executescript(_SCHEMA)
+            try:
+                index, db = _read_generation(self.directory, manifest)
+                break
+            except IndexCorruptError:
+                # Another process may have published a newer generation and removed this one's
+                # files after we read the manifest: then read the new manifest.
+                if attempt == LOAD_ATTEMPTS or _stat_key(manifest_path) == seen:
+                    raise
         previous = getattr(self, "_db", None)
-        self._manifest, self._faiss, self._db = manifest, index, db
+        self._manifest, self._faiss, self._db, self._seen = manifest, index, db, seen
         if previous is not None:
             previous.close()
 
@@ -376,7 +459,7 @@ class VectorIndex:
             embedder=self.embedder.name,
             dim=self._manifest.dim,
             index_type=self._manifest.index_type,
-            count=len(self),
+            count=int(self._faiss.ntotal),
             documents=self._db.execute("SELECT COUNT(*) FROM documents").fetchone()[0],
             generation=generation,
             index_file=f"index-{generation:06d}.faiss",
@@ -389,7 +472,7 @@ class VectorIndex:
         except BaseException:
             self._discard_unpublished(manifest)
             raise
-        self._manifest = manifest
+        self._manifest, self._seen = manifest, _stat_key(self.directory / MANIFEST_NAME)
         for path in self.directory.iterdir():
             if path.name not in (MANIFEST_NAME, manifest.index_file, manifest.metadata_file) and _is_index_file(path.name):
                 path.unlink(missing_ok=True)
@@ -422,6 +505,35 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def lock_holder(path: Path) -> str | None:
+    """Who holds the flock on `path`, as "pid N (command line)", read from /proc/locks: Linux,
+    and only a process in this PID namespace (a `docker compose exec` into the gateway's
+    container sees the gateway). None when that cannot be told."""
+    try:
+        inode = os.stat(path).st_ino
+        for line in Path("/proc/locks").read_text().splitlines():
+            # "1: FLOCK  ADVISORY  WRITE 4711 fd:00:1234 0 EOF" (pid, device:inode); a waiter has "->" in fields[1].
+            # Only the inode is compared: on overlay filesystems the device differs from what stat says.
+            fields = line.split()
+            if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+                pid = fields[4]
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                return f"pid {pid} ({command[:200]})" if command else f"pid {pid}"
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _stat_key(path: Path) -> tuple[int, int, int] | None:
+    """(inode, mtime, size) of `path`, None if it does not exist. A manifest is always replaced
+    by a new file, so a published generation changes the inode (and the mtime)."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_ino, info.st_mtime_ns, info.st_size
 
 
 def _is_index_file(name: str) -> bool:

@@ -93,6 +93,7 @@ def test_failing_disk_never_changes_an_answer(model, request_, tmp_path, monkeyp
     restarted, store2 = fresh_engine(model, tmp_path / "cache")
     logits, tokens = answer(restarted, request_)
     assert torch.equal(logits, reference[0]) and tokens == reference[1]
+    store2.flush()  # its failing writes run on the writer thread
     assert store.stats().dropped_writes == len(LENGTHS) - 1 and store2.stats().disk_errors > 0
 
 

@@ -100,7 +100,7 @@ def test_persist_and_reload(index):
     assert (info.chunk_count, info.token_count, info.source) == (2, 13, "src/cats")
     manifest = json.loads((index.directory / "manifest.json").read_text())
     assert manifest["embedder"] == "hashing-64" and manifest["dim"] == 64 and manifest["count"] == 4
-    assert sorted(p.name for p in index.directory.iterdir()) == sorted(["manifest.json", manifest["index_file"], manifest["metadata_file"]])
+    assert sorted(p.name for p in index.directory.iterdir()) == sorted(["manifest.json", manifest["index_file"], manifest["metadata_file"], "write.lock"])
 
 
 @pytest.mark.parametrize("failing_file", ["index-", "meta-", "manifest.json"])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
 
 import torch
 
@@ -35,7 +34,8 @@ def build_store(host_bytes: int, device: torch.device | str = "cpu", device_byte
     - Otherwise a TieredSegmentStore: a "device" tier of `device_bytes` when `device` is
       not the CPU and `device_bytes` > 0, a "host" tier of `host_bytes`, and, when
       `directory` is given, a "disk" tier of `disk_bytes` there (created mode 0700).
-    A directory that cannot be created or opened (read-only, full, not a directory) is
+    A damaged directory is moved aside and replaced by an empty one (`DiskTier`); one that
+    cannot be created or opened for any other reason (read-only, full, not a directory) is
     logged and skipped: the store serves from memory. Raises ValueError for bad settings.
     """
     device = torch.device(device)
@@ -48,7 +48,7 @@ def build_store(host_bytes: int, device: torch.device | str = "cpu", device_byte
     if directory is not None:
         try:
             disk = DiskTier(directory, size_limit=disk_bytes, write_queue=write_queue)
-        except (OSError, sqlite3.Error) as e:
+        except Exception as e:  # noqa: BLE001 - whatever the disk does, the gateway serves from memory
             log.warning("disk cache at %s unusable (%s: %s); serving from memory tiers only",
                         directory, type(e).__name__, e)
     return TieredSegmentStore(device, tiers, disk, storage_dtype=storage_dtype, disk_min_tokens=disk_min_tokens)

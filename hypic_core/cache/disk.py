@@ -8,7 +8,16 @@ read anything stored in another mode, so no pickle is ever loaded.
 Writes run on one background thread behind a bounded queue: `put_later` never blocks and
 drops the value when the queue is full. Every I/O failure (disk full, read-only directory,
 lock timeout) is counted and logged once per kind; a read failure is a miss, a write
-failure drops that value. Nothing raises into the caller except `CorruptEntry` from `get`.
+failure drops that value. Nothing raises into the caller except `CorruptEntry` from `get`,
+which also reports a row whose value file has gone (deleted by hand, lost in a crash), so that
+the row is removed and the value written again.
+
+A damaged index (`cache.db`) is found when the tier opens: SQLite's `integrity_check` fails, or
+diskcache itself fails to open it (with `sqlite3.DatabaseError`, but also `UnicodeDecodeError`
+or `AttributeError` from a mangled Settings table). The directory is then renamed to
+`<directory>.damaged-<time>-<pid>` (kept for inspection, one such copy at a time), logged,
+counted in `DiskStats.damaged`, and the tier starts empty. Failures of the environment (no
+permission, disk full, a lock held too long) are not damage: the constructor raises them.
 
 Several threads and several processes may share one directory: diskcache keeps its index
 in SQLite (transactions, WAL) and writes each value to a fresh file before the row that
@@ -18,12 +27,16 @@ mid-write leaves at worst an orphan file that no row names.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import queue
+import shutil
 import sqlite3
 import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import diskcache
@@ -33,11 +46,23 @@ from .serde import CorruptEntry
 log = logging.getLogger(__name__)
 
 _IO_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+CHECK_MAX_BYTES = 1 << 30  # a larger index is not integrity-checked at open (startup time)
 _STOP = object()
 
 
 class _RefusedValue(Exception):
     """Raised inside diskcache when a row holds a value in a mode other than raw bytes."""
+
+
+class _MissingValue(Exception):
+    """Raised inside diskcache when a row names a value file that is not there. (Under the LRU
+    policy diskcache reads a row and its file in one transaction, and removes a file only after
+    the transaction that deleted its row, so this is damage, not a race; diskcache's own
+    `IOError` handling would make it a silent miss that keeps the row.)"""
+
+
+class _Damaged(Exception):
+    """The index database failed SQLite's integrity check."""
 
 
 class BytesDisk(diskcache.Disk):
@@ -61,7 +86,10 @@ class BytesDisk(diskcache.Disk):
     def fetch(self, mode, filename, value, read):
         if mode not in (diskcache.core.MODE_RAW, diskcache.core.MODE_BINARY) or read:
             raise _RefusedValue(f"stored in mode {mode}")
-        out = super().fetch(mode, filename, value, read)
+        try:
+            out = super().fetch(mode, filename, value, read)
+        except FileNotFoundError:
+            raise _MissingValue(f"value file {filename} is missing") from None
         if type(out) is not bytes:
             raise _RefusedValue(f"raw value of type {type(out).__name__}")
         return out
@@ -73,37 +101,74 @@ class DiskStats:
     writes: int = 0
     dropped_writes: int = 0  # queue full, or write failed
     errors: int = 0  # I/O failures (each kind logged once)
+    damaged: int = 0  # 1 when the directory was found damaged at open, moved aside and started empty
 
 
 class DiskTier:
     """A least-recently-used diskcache directory of bytes values under `size_limit` bytes.
 
-    Raises OSError or sqlite3.Error from the constructor when the directory cannot be created
-    or opened (the caller degrades to memory tiers); no other method raises an I/O error.
-    Thread-safe; several processes may open the same directory.
+    A damaged directory is moved aside (`moved_aside` names where) and replaced by an empty
+    one. Raises from the constructor when the directory cannot be created or opened for other
+    reasons (OSError, sqlite3.Error; the caller degrades to memory tiers); no other method
+    raises an I/O error. Thread-safe; several processes may open the same directory.
     """
 
     def __init__(self, directory: str | os.PathLike, size_limit: int, write_queue: int = 64, timeout: float = 2.0):
         self.directory = os.fspath(directory)
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        os.chmod(self.directory, 0o700)  # makedirs honours the umask; an existing dir keeps its mode otherwise
-        # cull_limit=1: a write evicts one least-recently-used value when over the limit (diskcache's
-        # default evicts ten at once); `put` culls further in the rare case one was not enough.
-        self._cache = diskcache.Cache(self.directory, timeout=timeout, disk=BytesDisk, size_limit=size_limit,
-                                      eviction_policy="least-recently-used", cull_limit=1, statistics=False)
+        self.moved_aside: str | None = None
+        try:
+            self._cache = self._open(size_limit, timeout)
+        except Exception as e:  # noqa: BLE001 - whatever a damaged index makes diskcache raise
+            if not _is_damage(e) or not self._move_aside(e):
+                raise
+            self._cache = self._open(size_limit, timeout)
         self._queue: queue.Queue = queue.Queue(maxsize=write_queue)
-        self._stats = DiskStats()
+        self._stats = DiskStats(damaged=int(self.moved_aside is not None))
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         self._writer = threading.Thread(target=self._write_loop, name="hypic-disk-writer", daemon=True)
         self._writer.start()
+
+    def _open(self, size_limit: int, timeout: float) -> diskcache.Cache:
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        os.chmod(self.directory, 0o700)  # makedirs honours the umask; an existing dir keeps its mode otherwise
+        self._inode = os.stat(self.directory).st_ino
+        _check_index(os.path.join(self.directory, "cache.db"), timeout)
+        # cull_limit=1: a write evicts one least-recently-used value when over the limit (diskcache's
+        # default evicts ten at once); `put` culls further in the rare case one was not enough.
+        return diskcache.Cache(self.directory, timeout=timeout, disk=BytesDisk, size_limit=size_limit,
+                               eviction_policy="least-recently-used", cull_limit=1, statistics=False)
+
+    def _move_aside(self, error: BaseException) -> bool:
+        """Rename the damaged directory to `<directory>.damaged-<time>-<pid>`, removing an older
+        damaged copy; True if it is out of the way (another process may have moved it first)."""
+        base = os.path.normpath(self.directory)
+        aside = f"{base}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        try:
+            if os.stat(self.directory).st_ino != self._inode:
+                return True  # another process opening the same directory moved it first and made a new one
+            os.rename(self.directory, aside)
+        except FileNotFoundError:
+            return True  # moved by another process, not yet replaced
+        except OSError as e:
+            log.error("disk cache at %s is damaged (%s: %s) and cannot be moved aside (%s)",
+                      self.directory, type(error).__name__, error, e)
+            return False
+        self.moved_aside = aside
+        for older in glob.glob(f"{glob.escape(base)}.damaged-*"):
+            if older != aside:
+                shutil.rmtree(older, ignore_errors=True)
+        log.error("disk cache at %s is damaged (%s: %s); moved it to %s and started an empty one",
+                  self.directory, type(error).__name__, error, aside)
+        return True
 
     # --- reads ----------------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
         """The stored bytes, or None on a miss or an I/O failure.
 
         Raises CorruptEntry(reason="refused") when the row holds a non-bytes (e.g. pickled)
-        value; the caller should `delete` it.
+        value, CorruptEntry(reason="missing") when its value file is gone; the caller should
+        `delete` it.
         """
         try:
             # A plain SELECT first: a miss (every cold segment) then never takes SQLite's write
@@ -113,6 +178,8 @@ class DiskTier:
             return self._cache.get(key)
         except _RefusedValue as e:
             raise CorruptEntry("refused", f"{key}: {e}") from None
+        except _MissingValue as e:
+            raise CorruptEntry("missing", f"{key}: {e}") from None
         except _IO_ERRORS as e:
             self._failed("read", e)
             return None
@@ -183,6 +250,7 @@ class DiskTier:
             item = self._queue.get()
             try:
                 if item is _STOP:
+                    self._cache.close()  # this thread's connection (diskcache keeps one per thread)
                     return
                 key, make_value = item
                 if key not in self:
@@ -203,7 +271,7 @@ class DiskTier:
             volume = 0
         with self._lock:
             s = self._stats
-            return DiskStats(volume, s.writes, s.dropped_writes, s.errors)
+            return DiskStats(volume, s.writes, s.dropped_writes, s.errors, s.damaged)
 
     def _failed(self, op: str, error: BaseException) -> None:
         kind = f"{op}:{type(error).__name__}"
@@ -214,3 +282,41 @@ class DiskTier:
         if first:
             log.warning("disk cache %s failed in %s (%s: %s); serving from memory tiers, further %s errors not logged",
                         op, self.directory, type(error).__name__, error, kind)
+
+
+# SQLite errors that say the environment is in the way (permissions, space, another process's
+# lock), not that the files are damaged: moving the directory aside would not help.
+_ENVIRONMENT_SQLITE = ("locked", "busy", "disk is full", "readonly", "unable to open")
+
+
+def _is_damage(error: BaseException) -> bool:
+    """Whether a failure to open the tier says its files are damaged: anything diskcache or
+    SQLite raises on reading them, but not an OSError, a lock timeout or an environment error."""
+    if isinstance(error, (OSError, diskcache.Timeout)):
+        return False
+    if isinstance(error, sqlite3.OperationalError):
+        return not any(marker in str(error).lower() for marker in _ENVIRONMENT_SQLITE)
+    return True
+
+
+def _check_index(path: str, timeout: float) -> None:
+    """Raise `_Damaged` (or what SQLite raises on a file that is no database) if the SQLite file
+    at `path` fails `PRAGMA integrity_check`, one read of the file: milliseconds for a cache of
+    segment entries (values over 32 KB are files, the index holds a small row per value; 0.15 s
+    for 200 MB of small values stored in it, measured warm). `quick_check` is not enough: it
+    misses damaged index b-trees, which make every later read fail. A missing file or one over
+    CHECK_MAX_BYTES is not checked, nor one a lock keeps from being read: diskcache's open decides."""
+    if not os.path.exists(path) or os.path.getsize(path) > CHECK_MAX_BYTES:
+        return
+    try:
+        db = sqlite3.connect(f"{Path(os.path.abspath(path)).as_uri()}?mode=ro", uri=True, timeout=timeout)
+        try:
+            rows = db.execute("PRAGMA integrity_check").fetchall()
+        finally:
+            db.close()
+    except sqlite3.OperationalError as e:
+        if _is_damage(e):
+            raise
+        return
+    if rows != [("ok",)]:
+        raise _Damaged("; ".join(str(row[0]) for row in rows[:3]))

@@ -6,8 +6,9 @@ fall out of the last. Memory tiers are exclusive (an entry lives in one of them)
 tier is write-through: `insert` queues a serialized copy for the background writer.
 
 A damaged or foreign entry (bad checksum, truncated, other schema or model, token ids that
-differ from the lookup's) is a miss: counted in `stats().corrupt`, logged once, and removed,
-so the caller recomputes it and the next insert replaces it.
+differ from the lookup's, a value file gone from the disk tier) is a miss: counted in
+`stats().corrupt`, logged once, and removed, so the caller recomputes it and the next insert
+replaces it.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class TieredSegmentStore(SegmentStore):
                              dict(s.load_seconds))
         if disk_stats is not None:
             out.bytes["disk"] = disk_stats.bytes
-            out.dropped_writes, out.disk_errors = disk_stats.dropped_writes, disk_stats.errors
+            out.dropped_writes, out.disk_errors, out.disk_damaged = disk_stats.dropped_writes, disk_stats.errors, disk_stats.damaged
         return out
 
     def flush(self) -> None:
