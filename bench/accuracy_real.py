@@ -43,8 +43,8 @@ from retrieval.document import Chunk, chunk_id_for  # noqa: E402
 from retrieval.index import SearchHit  # noqa: E402
 
 
-def configs(seams: list[int], naive_seams: list[int]) -> list[tuple[str, str, int]]:
-    out = [("full", "full", 0), ("prefix", "prefix", 0)]
+def configs(seams: list[int], naive_seams: list[int], prefix: bool = True) -> list[tuple[str, str, int]]:
+    out = [("full", "full", 0)] + ([("prefix", "prefix", 0)] if prefix else [])
     out += [(f"pic-naive s={s}", "pic-naive", s) for s in naive_seams]
     out += [(f"hypic s={s}", "hypic", s) for s in seams]
     return out
@@ -91,7 +91,7 @@ def evaluate(args) -> dict:
     layout = settings.prompt_layout(engine.tokenizer, model.known.prompt if model.known else None)
     prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
     pairs = load_real_qa()[: args.n]
-    cfgs = configs(args.seams, args.seams if args.naive_seams is None else args.naive_seams)
+    cfgs = configs(args.seams, args.seams if args.naive_seams is None else args.naive_seams, not args.no_prefix)
     rows: dict[str, list[dict]] = {label: [] for label, _, _ in cfgs}
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
@@ -110,6 +110,8 @@ def evaluate(args) -> dict:
             rows[label].append({"id": pair.id, "chunks": n_chunks, "gold_at": gold, "answer": text,
                                 "acc": contains(text, pair.answers), "f1": f1, "agree": text == full[0],
                                 "kl": kl(full[1], pre.logits), "top1": int(pre.logits.argmax()) == int(full[1].argmax())})
+        if args.partial:  # what is done so far, for a run cut short
+            Path(args.partial).write_text(json.dumps({"done": i + 1, "rows": rows}))
         el = time.perf_counter() - t0
         print(f"[{i + 1}/{len(pairs)}] {el:.0f} s elapsed, ~{el / (i + 1) * (len(pairs) - i - 1):.0f} s left; "
               f"full: {rows['full'][-1]['answer'][:60]!r}", file=sys.stderr, flush=True)
@@ -148,6 +150,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-prefix", action="store_true", help="leave out `prefix` (equal to full by construction: "
+                        "tests/test_stitch.py checks it)")
+    parser.add_argument("--partial", default=None, help="rewrite the rows so far to this JSON file after each question")
     parser.add_argument("--tag", default=None, help="docs/accuracy.md section tag (default: real-<model>)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
@@ -155,6 +160,7 @@ def main() -> None:
     results = evaluate(args)
     name = Path(args.model).name
     naive = "" if args.naive_seams is None else f" --naive-seams {' '.join(map(str, args.naive_seams))}"
+    naive += " --no-prefix" if args.no_prefix else ""
     command = (f".venv/bin/python bench/accuracy_real.py --model {args.model} --n {args.n} --seams {' '.join(map(str, args.seams))}"
                f"{naive} --max-tokens {args.max_tokens}")
     body = table(results)
