@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from hypic_core.sequence import StepOutput
 from hypic_core.errors import InvalidRequestError
 
-from . import pipeline, sse
+from . import pipeline, schemas, sse
 from .errors import APIError, from_engine
 from .prompter import Prompt
 from .runtime import Runtime
@@ -108,7 +108,7 @@ class CompletionRequest(_Common):
     echo: bool = False
 
 
-@router.get("/models")
+@router.get("/models", response_model=schemas.ModelList, responses=schemas.errors(503))
 async def models(request: Request) -> dict:
     rt: Runtime = request.app.state.runtime
     rt.require_ready()
@@ -116,7 +116,8 @@ async def models(request: Request) -> dict:
                                         "owned_by": "hypic", "max_model_len": rt.engine.max_positions}]}
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", response_model=schemas.ChatCompletion, response_model_exclude_unset=True,
+             responses={200: {"content": schemas.sse(schemas.OPENAI_STREAM)}} | schemas.errors(400, 404, 413, 429, 503))
 async def chat_completions(body: ChatRequest, request: Request):
     started = time.perf_counter()
     rt = _accept(request, body)
@@ -134,7 +135,8 @@ async def chat_completions(body: ChatRequest, request: Request):
     return await reply.whole(stream, request)
 
 
-@router.post("/completions")
+@router.post("/completions", response_model=schemas.Completion, response_model_exclude_unset=True,
+             responses={200: {"content": schemas.sse(schemas.OPENAI_STREAM)}} | schemas.errors(400, 404, 413, 429, 503))
 async def completions(body: CompletionRequest, request: Request):
     started = time.perf_counter()
     rt = _accept(request, body)

@@ -5,19 +5,20 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from . import schemas
 from .metrics import CONTENT_TYPE
 from .runtime import Runtime
 
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get("/health", response_model=schemas.Health)
 async def health() -> dict:
     """200 while the process serves HTTP, loaded or not."""
     return {"status": "ok"}
 
 
-@router.get("/ready")
+@router.get("/ready", response_model=schemas.Ready, responses={503: {"model": schemas.NotReady, "description": "Loading, or loading failed.", "headers": schemas.RETRY_AFTER}})
 async def ready(request: Request) -> JSONResponse:
     """200 once the model and the index are loaded; 503 (with Retry-After) before, or if loading failed."""
     rt: Runtime = request.app.state.runtime
@@ -27,7 +28,7 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse(status, status_code=503, headers={"Retry-After": str(rt.settings.retry_after_s)})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses=schemas.METRICS)
 async def metrics(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
     return Response(rt.metrics.render(), media_type=CONTENT_TYPE)

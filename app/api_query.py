@@ -24,13 +24,15 @@ from pydantic_core import PydanticCustomError
 
 from hypic_core.errors import InvalidRequestError
 
-from . import pipeline, sse
+from . import pipeline, schemas, sse
 from .errors import APIError, from_engine
 from .runtime import Runtime
 from .worker import TokenStream
 
 log = logging.getLogger("hypic.query")
 router = APIRouter()
+ANSWER = dict(response_model=schemas.QueryResponse, response_model_exclude_unset=True,
+              responses={200: {"content": schemas.sse(schemas.QUERY_STREAM)}} | schemas.errors(400, 413, 429, 503))
 
 
 class QueryRequest(pipeline.SamplingExtras):
@@ -65,12 +67,12 @@ class QueryParams(QueryRequest):
     stream: bool = True
 
 
-@router.post("/query")
+@router.post("/query", **ANSWER)
 async def query(body: QueryRequest, request: Request):
     return await _answer(body, request)
 
 
-@router.get("/query")
+@router.get("/query", **ANSWER)
 async def query_get(params: Annotated[QueryParams, Query()], request: Request):
     return await _answer(params, request)
 

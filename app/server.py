@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from . import api_documents, api_openai, api_ops, api_query, errors
+from . import api_documents, api_openai, api_ops, api_query, errors, schemas
 from .middleware import ApiKey, BodyLimit, RequestContext
 from .runtime import EngineSource, IndexSource, Runtime
 from .settings import Settings
@@ -39,6 +39,7 @@ def create_app(settings: Settings | None = None, engine: EngineSource = None, in
 
     app = FastAPI(title="hypic-gateway", version="0.1.0", lifespan=lifespan)
     app.state.runtime = runtime
+    app.openapi = lambda: schemas.openapi(app)
     errors.install(app)
     for module in (api_query, api_openai, api_documents, api_ops):
         app.include_router(module.router)

@@ -1,0 +1,333 @@
+"""The gateway's OpenAPI document: response models, error responses and request bodies the
+handlers read by hand.
+
+The handlers build plain dicts; the models here describe them. Routes attach them with
+`response_model=` and `response_model_exclude_unset=True`, so a response carries exactly the
+keys its handler returned (an OpenAI response without `rag` has no `sources` key, not a null
+one), and every model allows extra keys, so a handler adding a field never loses it. A handler
+that returns a `Response` itself (SSE streams, /ready) is not touched; its shapes are described
+in `responses=`.
+
+Every error has one body, `ErrorResponse` (app/errors.py). `errors(400, 429)` gives the
+`responses=` entries for a route; the gateway answers validation errors with 400, so the 422
+FastAPI documents by default is removed from the document (`openapi`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
+
+
+class _Open(BaseModel):
+    """A response object: extra keys pass through, unknown ones are never dropped."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# --- errors ------------------------------------------------------------------------------
+class ErrorDetail(_Open):
+    message: str = Field(description="Starts with the offending field when there is one: 'top_k: must be <= 32'.")
+    type: str = Field(description="invalid_request_error, not_found_error, rate_limit_error, unavailable_error, "
+                                  "authentication_error or server_error.")
+    param: str | None = Field(description="The request field at fault (`messages[0].content`, `body[2].text`), if any.")
+    code: str | None = Field(description="A machine-readable code (`context_length_exceeded`, `queue_full`, ...), if any.")
+
+
+class ErrorResponse(_Open):
+    """The body of every error response (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+_ERRORS = {
+    400: "Invalid request: a field is missing, malformed or out of range; `error.param` names it.",
+    401: "Missing or wrong API key (only when the server has one).",
+    404: "Not found: an unknown document id or model.",
+    413: "The request body exceeds the server's limit.",
+    415: "Unsupported Content-Type.",
+    429: "The request queue is full; retry after Retry-After seconds.",
+    503: "The model and index are still loading (or failed to load); retry after Retry-After seconds.",
+}
+RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "required": True,
+                                "schema": {"type": "integer"}}}
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` entries for the error statuses a route can answer with."""
+    return {code: {"model": ErrorResponse, "description": _ERRORS[code]} | ({"headers": RETRY_AFTER} if code in (429, 503) else {})
+            for code in codes}
+
+
+# --- generation: shared ------------------------------------------------------------------
+class Source(_Open):
+    """A retrieved chunk the prompt held."""
+
+    chunk_id: str
+    document_id: str
+    title: str
+    score: float
+    text: str
+
+
+SSE_DESCRIPTION = "With `stream: true`: server-sent events (see the operation's description)."
+
+
+def sse(description: str = SSE_DESCRIPTION) -> dict[str, Any]:
+    """The `content` entry of a 200 response that may be a server-sent-event stream."""
+    return {"text/event-stream": {"schema": {"type": "string", "description": description}}}
+
+
+# --- /query ------------------------------------------------------------------------------
+class QueryUsage(_Open):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = Field(description="Prompt tokens whose state came from the cache.")
+    seam_tokens: int = Field(description="Tokens recomputed at segment seams.")
+
+
+class QueryTimings(_Open):
+    retrieval_ms: float
+    prefill_ms: float | None
+    ttft_ms: float | None
+    total_ms: float
+
+
+class QueryResponse(_Open):
+    answer: str
+    finish_reason: str | None = Field(description="stop, length or abort.")
+    sources: list[Source] = Field(description="The retrieved chunks in the prompt, best first.")
+    dropped_chunks: int = Field(description="Retrieved chunks left out because they did not fit the context.")
+    usage: QueryUsage
+    timings: QueryTimings
+
+
+QUERY_STREAM = ("Named events, in order: `sources` once (`{sources, dropped_chunks}`), `delta` per token batch "
+                "(`{text}`), `done` (`{finish_reason, usage, timings}`); or `error` (`{error}`) and the end of the stream.")
+
+
+# --- OpenAI ------------------------------------------------------------------------------
+class ModelCard(_Open):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None = Field(description="The model's context, in tokens.")
+
+
+class ModelList(_Open):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(_Open):
+    cached_tokens: int
+
+
+class CompletionUsage(_Open):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(_Open):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Open):
+    content: list[TokenLogprob] | None
+
+
+# Only with `rag` (absent otherwise: routes serialize with exclude_unset).
+RAG_SOURCES = "With `rag`: the retrieved chunks in the prompt, best first."
+RAG_DROPPED = "With `rag`: retrieved chunks that did not fit the context."
+
+
+class AssistantMessage(_Open):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Open):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletion(_Open):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+    sources: list[Source] | SkipJsonSchema[None] = Field(None, description=RAG_SOURCES)
+    dropped_chunks: int | SkipJsonSchema[None] = Field(None, description=RAG_DROPPED)
+
+
+class CompletionLogprobs(_Open):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Open):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None
+
+
+class Completion(_Open):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+    sources: list[Source] | SkipJsonSchema[None] = Field(None, description=RAG_SOURCES)
+    dropped_chunks: int | SkipJsonSchema[None] = Field(None, description=RAG_DROPPED)
+
+
+OPENAI_STREAM = ("OpenAI chunks as `data:` lines (`chat.completion.chunk` / `text_completion`), the first carrying "
+                 "`sources` and `dropped_chunks` with `rag`; a usage chunk with `stream_options.include_usage`; an "
+                 "`{error}` object if generation fails; then `data: [DONE]`.")
+
+
+# --- documents and search ----------------------------------------------------------------
+class DocumentIn(_Open):
+    """A document in a JSON or JSONL body; an `id` that exists is replaced."""
+
+    id: str = Field(min_length=1, pattern=r"\S")
+    text: str = Field(min_length=1, pattern=r"\S")
+    title: str = Field("", description="Default: the id (a Markdown or reStructuredText heading for uploaded files).")
+    source: str = Field("", description="Where the document came from; default `<request>`.")
+
+
+_DOCUMENT_IN = DocumentIn.model_json_schema()
+_TEXT_BODY = {"schema": {"type": "string", "minLength": 1,
+                         "description": "One document; `?id=` is required, `?title=` optional."}}
+_JSONL_BODY = {"schema": {"type": "string", "minLength": 1,
+                          "description": "One document object (`id`, `text`, `title`?, `source`?) per line."}}
+DOCUMENTS_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"anyOf": [_DOCUMENT_IN, {"type": "array", "items": _DOCUMENT_IN, "minItems": 1}]}},
+    "application/jsonl": _JSONL_BODY,
+    "application/x-ndjson": _JSONL_BODY,
+    "multipart/form-data": {"schema": {
+        "type": "object", "required": ["file"],
+        "properties": {
+            "file": {"type": "array", "items": {"type": "string", "format": "binary"},
+                     "description": "Files read by their names' suffixes: .txt .md .rst .html .htm .jsonl, each maybe .gz."},
+            "id": {"type": "string", "description": "The document id of the one text file sent (default: its file name)."},
+            "title": {"type": "string", "description": "The title of the one file sent."}}}},
+    "text/plain": _TEXT_BODY,
+    "text/markdown": _TEXT_BODY,
+}}}
+
+
+class DocumentsAdded(_Open):
+    documents: int
+    chunks: int
+    replaced: int = Field(description="How many of the documents replaced one with the same id.")
+    document_ids: list[str]
+    seconds: float
+
+
+class DocumentInfo(_Open):
+    document_id: str
+    title: str
+    source: str
+    chunks: int
+    tokens: int
+    ingested_at: float = Field(description="Unix time.")
+
+
+class DocumentList(_Open):
+    object: Literal["list"]
+    data: list[DocumentInfo]
+    first_id: str | None
+    last_id: str | None = Field(description="Pass as `after` for the next page.")
+    has_more: bool
+
+
+class ChunkContent(_Open):
+    chunk_id: str
+    chunk_index: int
+    text: str
+    tokens: int
+
+
+class DocumentDetail(DocumentInfo):
+    content: list[ChunkContent]
+
+
+class DocumentDeleted(_Open):
+    document_id: str
+    deleted: Literal[True]
+    chunks: int
+
+
+class SearchHit(_Open):
+    chunk_id: str
+    document_id: str
+    title: str
+    source: str
+    chunk_index: int
+    text: str
+    tokens: int
+    score: float
+
+
+class SearchResult(_Open):
+    object: Literal["list"]
+    query: str
+    retrieval_ms: float
+    data: list[SearchHit]
+
+
+# --- operations --------------------------------------------------------------------------
+class Health(_Open):
+    status: Literal["ok"]
+
+
+class Ready(_Open):
+    status: Literal["ready"]
+    model: str
+    chunks: int
+
+
+class NotReady(_Open):
+    status: Literal["loading", "failed"]
+    error: str | None = Field(None, description="Why loading failed.")
+
+
+METRICS = {200: {"description": "Prometheus text exposition.",
+                 "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
+# --- the document ------------------------------------------------------------------------
+def openapi(app: FastAPI) -> dict[str, Any]:
+    """`app`'s OpenAPI document (built once): FastAPI's, without the 422 responses it adds to
+    every route with parameters (the gateway answers validation errors with 400)."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for operations in doc.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            doc.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = doc
+    return app.openapi_schema
