@@ -117,7 +117,7 @@ async def models(request: Request) -> dict:
 
 
 @router.post("/chat/completions", response_model=schemas.ChatCompletion, response_model_exclude_unset=True,
-             responses={200: {"content": schemas.sse(schemas.OPENAI_STREAM)}} | schemas.errors(400, 404, 413, 429, 503))
+             responses={200: {"content": schemas.CHAT_STREAM}} | schemas.errors(400, 404, 413, 429, 503))
 async def chat_completions(body: ChatRequest, request: Request):
     started = time.perf_counter()
     rt = _accept(request, body)
@@ -136,7 +136,7 @@ async def chat_completions(body: ChatRequest, request: Request):
 
 
 @router.post("/completions", response_model=schemas.Completion, response_model_exclude_unset=True,
-             responses={200: {"content": schemas.sse(schemas.OPENAI_STREAM)}} | schemas.errors(400, 404, 413, 429, 503))
+             responses={200: {"content": schemas.COMPLETION_STREAM}} | schemas.errors(400, 404, 413, 429, 503))
 async def completions(body: CompletionRequest, request: Request):
     started = time.perf_counter()
     rt = _accept(request, body)

@@ -32,7 +32,7 @@ from .worker import TokenStream
 log = logging.getLogger("hypic.query")
 router = APIRouter()
 ANSWER = dict(response_model=schemas.QueryResponse, response_model_exclude_unset=True,
-              responses={200: {"content": schemas.sse(schemas.QUERY_STREAM)}} | schemas.errors(400, 413, 429, 503))
+              responses={200: {"content": schemas.QUERY_STREAM}} | schemas.errors(400, 413, 429, 503))
 
 
 class QueryRequest(pipeline.SamplingExtras):

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic.json_schema import SkipJsonSchema
+from pydantic.json_schema import SkipJsonSchema, models_json_schema
 
 
 class _Open(BaseModel):
@@ -74,12 +74,28 @@ class Source(_Open):
     text: str
 
 
-SSE_DESCRIPTION = "With `stream: true`: server-sent events (see the operation's description)."
+REF = "#/components/schemas/{model}"
 
 
-def sse(description: str = SSE_DESCRIPTION) -> dict[str, Any]:
-    """The `content` entry of a 200 response that may be a server-sent-event stream."""
-    return {"text/event-stream": {"schema": {"type": "string", "description": description}}}
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _json(*models: type[BaseModel]) -> dict[str, Any]:
+    """An SSE `data` field holding the JSON of one of `models`."""
+    refs = [_ref(m) for m in models]
+    return {"type": "string", "contentMediaType": "application/json", "contentSchema": refs[0] if len(refs) == 1 else {"anyOf": refs}}
+
+
+def sse(description: str, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `content` entry of a 200 that is a server-sent-event stream with `stream: true`.
+    Before OpenAPI 3.2 (FastAPI writes 3.1) a stream's `schema` describes each of its events:
+    `{event, data, id?, retry?}`, `event` being "message" when the server names none."""
+    return {"text/event-stream": {"schema": {"description": description, "anyOf": events}}}
+
+
+def _event(name: str, data: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": ["event", "data"], "properties": {"event": {"const": name}, "data": data}}
 
 
 # --- /query ------------------------------------------------------------------------------
@@ -106,8 +122,25 @@ class QueryResponse(_Open):
     timings: QueryTimings
 
 
-QUERY_STREAM = ("Named events, in order: `sources` once (`{sources, dropped_chunks}`), `delta` per token batch "
-                "(`{text}`), `done` (`{finish_reason, usage, timings}`); or `error` (`{error}`) and the end of the stream.")
+class QuerySourcesEvent(_Open):
+    sources: list[Source]
+    dropped_chunks: int
+
+
+class QueryDeltaEvent(_Open):
+    text: str
+
+
+class QueryDoneEvent(_Open):
+    finish_reason: str | None
+    usage: QueryUsage
+    timings: QueryTimings
+
+
+QUERY_STREAM = sse("Named events, in order: `sources` once, `delta` per token batch, `done`; or an `error` event "
+                   "and the end of the stream.",
+                   [_event("sources", _json(QuerySourcesEvent)), _event("delta", _json(QueryDeltaEvent)),
+                    _event("done", _json(QueryDoneEvent)), _event("error", _json(ErrorResponse))])
 
 
 # --- OpenAI ------------------------------------------------------------------------------
@@ -202,9 +235,52 @@ class Completion(_Open):
     dropped_chunks: int | SkipJsonSchema[None] = Field(None, description=RAG_DROPPED)
 
 
-OPENAI_STREAM = ("OpenAI chunks as `data:` lines (`chat.completion.chunk` / `text_completion`), the first carrying "
-                 "`sources` and `dropped_chunks` with `rag`; a usage chunk with `stream_options.include_usage`; an "
-                 "`{error}` object if generation fails; then `data: [DONE]`.")
+class ChatDelta(_Open):
+    role: Literal["assistant"] | SkipJsonSchema[None] = None
+    content: str | SkipJsonSchema[None] = None
+
+
+class ChatChunkChoice(_Open):
+    index: int
+    delta: ChatDelta = Field(description="`{role, content: \"\"}` first, then `{content}`, and `{}` with the finish_reason.")
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+_USAGE_CHUNK = "With `stream_options.include_usage`: null, and the usage in a last chunk with no choices."
+
+
+class ChatCompletionChunk(_Open):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: CompletionUsage | None = Field(None, description=_USAGE_CHUNK)
+    sources: list[Source] | SkipJsonSchema[None] = Field(None, description=RAG_SOURCES + " On the first chunk.")
+    dropped_chunks: int | SkipJsonSchema[None] = Field(None, description=RAG_DROPPED + " On the first chunk.")
+
+
+class CompletionChunk(_Open):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None = Field(None, description=_USAGE_CHUNK)
+    sources: list[Source] | SkipJsonSchema[None] = Field(None, description=RAG_SOURCES + " On the first chunk.")
+    dropped_chunks: int | SkipJsonSchema[None] = Field(None, description=RAG_DROPPED + " On the first chunk.")
+
+
+def _openai_stream(chunk: type[BaseModel]) -> dict[str, Any]:
+    return sse("OpenAI chunks as unnamed events, an `{error}` object if generation fails, then `data: [DONE]`.",
+               [_event("message", {"anyOf": [{"const": "[DONE]"}, _json(chunk, ErrorResponse)]})])
+
+
+CHAT_STREAM = _openai_stream(ChatCompletionChunk)
+COMPLETION_STREAM = _openai_stream(CompletionChunk)
+# Models only the SSE streams refer to; `openapi` adds them to the document's components.
+STREAM_MODELS = (QuerySourcesEvent, QueryDeltaEvent, QueryDoneEvent, ChatCompletionChunk, CompletionChunk, ErrorResponse)
 
 
 # --- documents and search ----------------------------------------------------------------
@@ -321,13 +397,18 @@ METRICS = {200: {"description": "Prometheus text exposition.",
 # --- the document ------------------------------------------------------------------------
 def openapi(app: FastAPI) -> dict[str, Any]:
     """`app`'s OpenAPI document (built once): FastAPI's, without the 422 responses it adds to
-    every route with parameters (the gateway answers validation errors with 400)."""
+    every route with parameters (the gateway answers validation errors with 400), with the
+    models of the SSE events."""
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         for operations in doc.get("paths", {}).values():
             for operation in operations.values():
                 operation.get("responses", {}).pop("422", None)
+        components = doc.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
-            doc.get("components", {}).get("schemas", {}).pop(name, None)
+            components.pop(name, None)
+        _, defs = models_json_schema([(m, "serialization") for m in STREAM_MODELS], ref_template=REF)
+        for name, schema in defs.get("$defs", {}).items():
+            components.setdefault(name, schema)
         app.openapi_schema = doc
     return app.openapi_schema
