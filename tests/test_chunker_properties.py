@@ -90,3 +90,13 @@ def test_chunks_respect_max_tokens_and_count_them(tokenizer, text, size):
     # One character is never cut, even when it alone has more tokens than the limit (byte-level).
     assert all(n <= most or len(c.text) == 1 for n, c in zip(counts, chunks)), list(zip(counts, [c.text for c in chunks]))
     assert chunker.chunk(Document("doc", text)) == chunks
+
+
+def test_long_cjk_sentences_are_cut_without_repeating_a_character(bundled_tokenizer):
+    """Japanese text has no '.', so a paragraph is one unit cut into token windows; a cut inside
+    a character's byte tokens used to put that character at the end of one chunk and the start
+    of the next (320 characters came back as 340)."""
+    text = "日本語のテキスト" * 40
+    chunks = Chunker(bundled_tokenizer, 32, 48, 16).chunk(Document("ja", text))
+    assert "".join(c.text for c in chunks) == text
+    assert all(c.token_count <= 48 for c in chunks)
