@@ -395,20 +395,30 @@ METRICS = {200: {"description": "Prometheus text exposition.",
 
 
 # --- the document ------------------------------------------------------------------------
-def openapi(app: FastAPI) -> dict[str, Any]:
+def openapi(app: FastAPI, secured: bool = False, open_paths: tuple[str, ...] = ()) -> dict[str, Any]:
     """`app`'s OpenAPI document (built once): FastAPI's, without the 422 responses it adds to
     every route with parameters (the gateway answers validation errors with 400), with the
-    models of the SSE events."""
+    models of the SSE events; `secured` (the server has an API key) adds the bearer scheme and
+    the 401 to every operation outside `open_paths`."""
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        for operations in doc.get("paths", {}).values():
+        unauthorized = errors(401)[401] | {"content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+        unauthorized.pop("model")
+        for path, operations in doc.get("paths", {}).items():
             for operation in operations.values():
                 operation.get("responses", {}).pop("422", None)
-        components = doc.setdefault("components", {}).setdefault("schemas", {})
+                if secured and path not in open_paths:
+                    operation["security"] = [{"bearer": []}]
+                    operation["responses"]["401"] = unauthorized
+        components = doc.setdefault("components", {})
+        schemas = components.setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
-            components.pop(name, None)
+            schemas.pop(name, None)
         _, defs = models_json_schema([(m, "serialization") for m in STREAM_MODELS], ref_template=REF)
         for name, schema in defs.get("$defs", {}).items():
-            components.setdefault(name, schema)
+            schemas.setdefault(name, schema)
+        if secured:
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
+                                                        "description": "Authorization: Bearer <the server's API key>"}}
         app.openapi_schema = doc
     return app.openapi_schema

@@ -245,3 +245,11 @@ def test_openapi_document_is_complete():
                     assert content.get("schema") not in (None, {}), (method, path, code, media)
     assert set(doc["paths"]["/documents"]["post"]["requestBody"]["content"]) >= {
         "application/json", "application/jsonl", "multipart/form-data", "text/plain", "text/markdown"}
+
+
+def test_with_an_api_key_the_document_names_the_bearer_scheme():
+    doc = create_app(Settings(_env_file=None, api_key="secret")).openapi()
+    assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    assert doc["paths"]["/query"]["post"]["security"] == [{"bearer": []}]
+    assert "401" in doc["paths"]["/query"]["post"]["responses"]
+    assert "security" not in doc["paths"]["/health"]["get"] and "401" not in doc["paths"]["/ready"]["get"]["responses"]
