@@ -218,6 +218,25 @@ def test_every_operation_answers_as_documented(case, server):
             FOUND.setdefault(key, case.as_curl_command())
 
 
+STREAMS = {
+    "query": ("/query", {"question": "Who is the mayor of Varo?", "max_tokens": 4, "stream": True}),
+    "chat-rag-usage": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Varo?"}], "max_tokens": 4,
+                                                "stream": True, "stream_options": {"include_usage": True}, "rag": {"top_k": 2},
+                                                "logprobs": True, "top_logprobs": 2}),
+    "completion-logprobs": ("/v1/completions", {"model": MODEL, "prompt": "Varo is", "max_tokens": 4, "stream": True, "logprobs": 2,
+                                                "segments": ["Varo is a city."]}),
+}
+
+
+@pytest.mark.parametrize("name", STREAMS)
+def test_streams_answer_as_documented(server, name):
+    """Each SSE event of a real stream matches the documented event schemas (whatever the fuzzer draws)."""
+    path, body = STREAMS[name]
+    case = schema[path]["POST"].Case(body=body, media_type="application/json")
+    response = case.call_and_validate(base_url=server.url, checks=checks_for(set()), timeout=60)
+    assert response.headers["content-type"][0].startswith("text/event-stream")
+
+
 def test_collected_failures():
     """With HYPIC_FUZZ_COLLECT=1 every operation runs all its examples, and this lists the
     distinct failures; without, an operation's first failure (shrunk) fails its own test."""
