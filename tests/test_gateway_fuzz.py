@@ -3,9 +3,10 @@ operation generated requests, valid and invalid, to a live server (tiny engine, 
 embedder), checking each response: no 5xx, a documented status, content type and headers, a
 body (JSON, or each SSE event) that matches the documented schema, and a 4xx for invalid input.
 
-Seeded and derandomized, so a run repeats exactly. The suite runs a few examples per
-operation; the environment changes that, and `bench/fuzz.py` sets it for long runs:
-    HYPIC_FUZZ_EXAMPLES=8  HYPIC_FUZZ_SEED=...  HYPIC_FUZZ_PHASES=examples,fuzzing (also: coverage)
+Seeded and derandomized, so a run repeats exactly. The suite runs 30 examples per operation
+and the boundary values of every field (~20 s); the environment changes that, and
+`bench/fuzz.py` sets it for long runs:
+    HYPIC_FUZZ_EXAMPLES=30  HYPIC_FUZZ_SEED=...  HYPIC_FUZZ_PHASES=examples,coverage,fuzzing
     HYPIC_FUZZ_COLLECT=1   run every example and list all distinct failures at the end
     HYPIC_FUZZ_STRICT=1    nothing is known (below)
 
@@ -42,9 +43,9 @@ from app.server import create_app  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.testing import LiveServer, single_torch_thread, tiny_gateway  # noqa: E402
 
-EXAMPLES = int(os.environ.get("HYPIC_FUZZ_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("HYPIC_FUZZ_EXAMPLES", "30"))
 SEED = int(os.environ.get("HYPIC_FUZZ_SEED", "20240611"))
-PHASES = os.environ.get("HYPIC_FUZZ_PHASES", "examples,fuzzing").split(",")
+PHASES = os.environ.get("HYPIC_FUZZ_PHASES", "examples,coverage,fuzzing").split(",")
 COLLECT = os.environ.get("HYPIC_FUZZ_COLLECT") == "1"
 STRICT = os.environ.get("HYPIC_FUZZ_STRICT") == "1"
 
