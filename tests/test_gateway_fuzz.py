@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -41,7 +42,8 @@ from app.api_openai import ChatRequest, CompletionRequest  # noqa: E402
 from app.api_query import QueryRequest  # noqa: E402
 from app.server import create_app  # noqa: E402
 from app.settings import Settings  # noqa: E402
-from app.testing import LiveServer, single_torch_thread, tiny_gateway  # noqa: E402
+from app.testing import LiveServer, single_torch_thread, tiny_engine, tiny_gateway  # noqa: E402
+from retrieval import HashingEmbedder, VectorIndex  # noqa: E402
 
 EXAMPLES = int(os.environ.get("HYPIC_FUZZ_EXAMPLES", "30"))
 SEED = int(os.environ.get("HYPIC_FUZZ_SEED", "20240611"))
@@ -303,6 +305,30 @@ def test_collected_failures():
         pytest.skip("HYPIC_FUZZ_COLLECT is off")
     report = [f"{op} | {title} | {message}\n    {curl[:3000]}" for (op, title, message), curl in sorted(FOUND.items())]
     assert not FOUND, f"{len(FOUND)} distinct failures:\n" + "\n".join(report)
+
+
+def test_answers_the_fuzzer_cannot_reach_are_as_documented(tiny_tokenizer, tmp_path):
+    """503 while loading (Retry-After), 413 over the body limit, 415 for an unknown content type."""
+    gate = threading.Event()
+    engine = tiny_engine(tiny_tokenizer)
+    settings = Settings(_env_file=None, torch_threads=None, index_dir=tmp_path / "index", max_body_bytes=2000)
+    app = create_app(settings, engine=lambda: (gate.wait(30), engine)[1],
+                     index=lambda: VectorIndex(settings.index_dir, HashingEmbedder(64)))
+    checks = checks_for(set())
+    with LiveServer(app) as live:
+        for path, method, body in (("/ready", "GET", None), ("/v1/models", "GET", None), ("/search", "POST", {"query": "x"}),
+                                   ("/query", "POST", {"question": "x"})):
+            case = schema[path][method].Case(**({"body": body, "media_type": "application/json"} if body else {}))
+            response = case.call_and_validate(base_url=live.url, checks=checks_for({"not_a_server_error"}))  # a 503 is owed
+            assert response.status_code == 503
+        gate.set()
+        live.wait_ready()
+        too_big = schema["/query"]["POST"].Case(body={"question": "x" * 3000}, media_type="application/json")
+        assert too_big.call_and_validate(base_url=live.url, checks=checks).status_code == 413
+        upload = schema["/documents"]["POST"].Case(body="<doc/>", media_type="text/plain", query={"id": "x"})
+        response = httpx.post(f"{live.url}/documents?id=x", content="<doc/>", headers={"content-type": "application/xml"})
+        upload.validate_response(response, checks=checks)
+        assert response.status_code == 415
 
 
 # --- the document ------------------------------------------------------------------------
