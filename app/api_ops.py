@@ -18,7 +18,7 @@ async def health() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/ready", response_model=schemas.Ready, responses={503: {"model": schemas.NotReady, "description": "Loading, or loading failed.", "headers": schemas.RETRY_AFTER}})
+@router.get("/ready", response_model=schemas.Ready, responses=schemas.NOT_READY)
 async def ready(request: Request) -> JSONResponse:
     """200 once the model and the index are loaded; 503 (with Retry-After) before, or if loading failed."""
     rt: Runtime = request.app.state.runtime

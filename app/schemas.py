@@ -391,6 +391,7 @@ class NotReady(_Open):
     error: str | None = Field(None, description="Why loading failed.")
 
 
+NOT_READY = {503: {"model": NotReady, "description": "Loading, or loading failed.", "headers": RETRY_AFTER}}
 METRICS = {200: {"description": "Prometheus text exposition.",
                  "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
