@@ -44,7 +44,7 @@ from retrieval.index import DocumentInfo
 from retrieval.ingest import document_from_text, ingest_documents
 from retrieval.strict_json import lone_surrogate
 
-from . import pipeline
+from . import pipeline, schemas
 from .errors import APIError
 from .routing import StrictJSONRoute
 from .runtime import Runtime
@@ -75,7 +75,8 @@ class SearchRequest(BaseModel):
         return value
 
 
-@router.post("/documents", status_code=201)
+@router.post("/documents", status_code=201, response_model=schemas.DocumentsAdded,
+             responses=schemas.errors(400, 413, 415, 503), openapi_extra=schemas.DOCUMENTS_BODY)
 async def add_documents(request: Request, id: str | None = Query(None, description="Document id of a text body."),
                         title: str = Query("", description="Title of a text body.")) -> dict:
     rt = _runtime(request)
@@ -97,7 +98,7 @@ async def add_documents(request: Request, id: str | None = Query(None, descripti
             "document_ids": [d.document_id for d in documents], "seconds": round(summary.seconds, 3)}
 
 
-@router.get("/documents")
+@router.get("/documents", response_model=schemas.DocumentList, responses=schemas.errors(400, 503))
 async def list_documents(request: Request,
                          limit: int = Query(100, ge=1, le=1000, description="Documents per page."),
                          after: str | None = Query(None, description="Return documents whose id sorts after this one (the previous page's last_id).")) -> dict:
@@ -110,7 +111,7 @@ async def list_documents(request: Request,
             "last_id": page[-1].document_id if page else None, "has_more": len(docs) > limit}
 
 
-@router.get("/documents/{document_id:path}")
+@router.get("/documents/{document_id:path}", response_model=schemas.DocumentDetail, responses=schemas.errors(404, 503))
 async def get_document(document_id: str, request: Request) -> dict:
     rt = _runtime(request)
     document_id = pipeline.document_id(document_id, "document_id")
@@ -122,7 +123,7 @@ async def get_document(document_id: str, request: Request) -> dict:
                                        for c in chunks]}
 
 
-@router.delete("/documents/{document_id:path}")
+@router.delete("/documents/{document_id:path}", response_model=schemas.DocumentDeleted, responses=schemas.errors(404, 503))
 async def delete_document(document_id: str, request: Request) -> dict:
     rt = _runtime(request)
     document_id = pipeline.document_id(document_id, "document_id")
@@ -135,7 +136,7 @@ async def delete_document(document_id: str, request: Request) -> dict:
     return {"document_id": document_id, "deleted": True, "chunks": chunks}
 
 
-@router.post("/search")
+@router.post("/search", response_model=schemas.SearchResult, responses=schemas.errors(400, 413, 503))
 async def search(body: SearchRequest, request: Request) -> dict:
     """The `top_k` chunks closest to the query, best first; nothing is generated."""
     rt = _runtime(request)

@@ -35,7 +35,7 @@ from hypic_core.config import MAX_SEED
 from hypic_core.sequence import StepOutput
 from hypic_core.errors import InvalidRequestError
 
-from . import pipeline, sse
+from . import pipeline, schemas, sse
 from .errors import APIError, from_engine, shown
 from .prompter import Prompt
 from .routing import StrictJSONRoute
@@ -114,7 +114,7 @@ class CompletionRequest(_Common):
     echo: bool = False
 
 
-@router.get("/models")
+@router.get("/models", response_model=schemas.ModelList, responses=schemas.errors(503))
 async def models(request: Request) -> dict:
     rt: Runtime = request.app.state.runtime
     rt.require_ready()
@@ -122,7 +122,8 @@ async def models(request: Request) -> dict:
                                         "owned_by": "hypic", "max_model_len": rt.engine.max_positions}]}
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", response_model=schemas.ChatCompletion, response_model_exclude_unset=True,
+             responses={200: {"content": schemas.CHAT_STREAM}} | schemas.errors(400, 404, 413, 429, 503))
 async def chat_completions(body: ChatRequest, request: Request):
     started = time.perf_counter()
     rt = _accept(request, body)
@@ -140,7 +141,8 @@ async def chat_completions(body: ChatRequest, request: Request):
     return await reply.whole(stream, request)
 
 
-@router.post("/completions")
+@router.post("/completions", response_model=schemas.Completion, response_model_exclude_unset=True,
+             responses={200: {"content": schemas.COMPLETION_STREAM}} | schemas.errors(400, 404, 413, 429, 503))
 async def completions(body: CompletionRequest, request: Request):
     started = time.perf_counter()
     rt = _accept(request, body)

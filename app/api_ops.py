@@ -5,13 +5,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from . import schemas
 from .metrics import CONTENT_TYPE
 from .runtime import Runtime
 
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get("/health", response_model=schemas.Health)
 async def health(request: Request) -> dict:
     """200 while the process serves HTTP, loaded or not; `guard`: the accuracy guard's state
     (app/guard.py), null until the model is loaded."""
@@ -19,7 +20,7 @@ async def health(request: Request) -> dict:
     return {"status": "ok", "guard": guard.health() if guard is not None else None}
 
 
-@router.get("/ready")
+@router.get("/ready", response_model=schemas.Ready, responses=schemas.NOT_READY)
 async def ready(request: Request) -> JSONResponse:
     """200 once the model and the index are loaded; 503 (with Retry-After) before, or if loading failed."""
     rt: Runtime = request.app.state.runtime
@@ -29,7 +30,7 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse(status, status_code=503, headers={"Retry-After": str(rt.settings.retry_after_s)})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses=schemas.METRICS)
 async def metrics(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
     return Response(rt.metrics.render(), media_type=CONTENT_TYPE)

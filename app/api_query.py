@@ -28,7 +28,7 @@ from pydantic_core import PydanticCustomError
 from hypic_core.config import MAX_SEED
 from hypic_core.errors import InvalidRequestError
 
-from . import pipeline, sse
+from . import pipeline, schemas, sse
 from .errors import APIError, from_engine
 from .routing import StrictJSONRoute
 from .runtime import Runtime
@@ -36,6 +36,8 @@ from .worker import TokenStream
 
 log = logging.getLogger("hypic.query")
 router = APIRouter(route_class=StrictJSONRoute)
+ANSWER = dict(response_model=schemas.QueryResponse, response_model_exclude_unset=True,
+              responses={200: {"content": schemas.QUERY_STREAM}} | schemas.errors(400, 413, 429, 503))
 
 
 class QueryRequest(pipeline.SamplingExtras):
@@ -71,12 +73,12 @@ class QueryParams(QueryRequest):
     stream: bool = True
 
 
-@router.post("/query")
+@router.post("/query", **ANSWER)
 async def query(body: QueryRequest, request: Request):
     return await _answer(body, request)
 
 
-@router.get("/query")
+@router.get("/query", **ANSWER)
 async def query_get(params: Annotated[QueryParams, Query()], request: Request):
     return await _answer(params, request)
 

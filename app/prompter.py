@@ -74,6 +74,10 @@ def check_template(template: str, allowed: set[str], required: str) -> str:
         raise ValueError(f"unknown field {{{sorted(unknown)[0]}}}; allowed: {', '.join('{' + a + '}' for a in sorted(allowed))}")
     if required not in fields:
         raise ValueError(f"must contain {{{required}}}")
+    try:  # a conversion or format spec that fails for "" fails for every string (`{text:d}`, `{text!x}`)
+        fill(template, **dict.fromkeys(fields, ""))
+    except ValueError as exc:
+        raise ValueError(f"not a valid template: {exc}") from None
     return template
 
 

@@ -21,8 +21,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from . import api_documents, api_openai, api_ops, api_query, errors
-from .middleware import ApiKey, BodyLimit, HeaderLimit, HostCheck, OriginCheck, RequestContext
+from . import api_documents, api_openai, api_ops, api_query, errors, schemas
+from .middleware import OPEN_PATHS, ApiKey, BodyLimit, HeaderLimit, HostCheck, OriginCheck, RequestContext
 from .runtime import EngineSource, IndexSource, Runtime
 from .settings import Settings
 
@@ -40,6 +40,7 @@ def create_app(settings: Settings | None = None, engine: EngineSource = None, in
 
     app = FastAPI(title="hypic-gateway", version="0.1.0", lifespan=lifespan)
     app.state.runtime = runtime
+    app.openapi = lambda: schemas.openapi(app, secured=settings.api_key is not None, open_paths=OPEN_PATHS)
     errors.install(app)
     for module in (api_query, api_openai, api_documents, api_ops):
         app.include_router(module.router)

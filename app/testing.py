@@ -4,14 +4,18 @@
     with LiveServer(create_app(settings, engine=engine, index=index)) as server:
         server.wait_ready()
         httpx.get(f"{server.url}/health")
+
+    with LiveServer(tiny_gateway(tmp_dir, tokenizer, corpus)) as server: ...   # all of it in one call
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Iterator
 
 import httpx
@@ -52,6 +56,23 @@ def tiny_engine(tokenizer, seed: int = 0, stop_at_eos: bool = True):
     if not stop_at_eos:
         engine.eos_ids = frozenset()
     return engine
+
+
+def tiny_gateway(root: Path, tokenizer, corpus: list[dict], **settings):
+    """A gateway app over `tiny_engine(tokenizer)` and a `HashingEmbedder(64)` index in `root`,
+    with `corpus` (`{"id", "text", "title"?}` records) ingested when it starts; `settings`
+    override `Settings` fields (no .env file or torch thread setting is read)."""
+    from retrieval import HashingEmbedder, VectorIndex
+
+    from .server import create_app
+    from .settings import Settings
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
+    config = Settings(**{"_env_file": None, "torch_threads": None, "index_dir": root / "index",
+                         "corpus_path": root / "corpus.jsonl", **settings})
+    return create_app(config, engine=tiny_engine(tokenizer), index=VectorIndex(config.index_dir, HashingEmbedder(64)))
 
 
 class LiveServer:

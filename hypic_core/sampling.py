@@ -64,7 +64,8 @@ class Sampler:
             ids = _ids(history, vocab)
             if ids.numel():
                 seen = logits[ids]
-                logits = logits.index_put((ids,), torch.where(seen > 0, seen / penalty, seen * penalty))
+                big = torch.finfo(logits.dtype).max  # a tiny penalty must not turn a logit into inf
+                logits = logits.index_put((ids,), torch.where(seen > 0, seen / penalty, seen * penalty).clamp(-big, big))
         if len(banned):
             ids = _ids(banned, vocab)
             if ids.numel():
@@ -77,7 +78,11 @@ class Sampler:
         p = self.params
         if p.greedy:
             return int(logits.argmax())
-        logits = logits / p.temperature
+        scaled = logits / p.temperature
+        if bool(torch.isposinf(scaled).any() or torch.isnan(scaled).any()):
+            # A temperature so small the division overflows: its limit, every weight on the best token(s).
+            scaled = torch.where(logits == logits.max(), 0.0, float("-inf"))
+        logits = scaled
         if p.top_k and p.top_k < logits.numel():
             kth = logits.topk(p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -85,6 +90,7 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # smallest set whose mass reaches top_p
+            keep[0] = True  # the most likely token always (a top_p below float precision keeps nothing else)
             mask = torch.zeros_like(probs, dtype=torch.bool)
             mask[order[keep]] = True
             probs = torch.where(mask, probs, torch.zeros_like(probs))

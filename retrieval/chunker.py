@@ -96,14 +96,32 @@ class Chunker:
         return units
 
     def _windows(self, text: str, unit: _Unit, size: int) -> list[_Unit]:
-        """Cut `unit` into consecutive windows of at most `size` tokens."""
-        spans = [(unit.start + s, unit.start + e) for s, e in self._token_spans(text[unit.start : unit.end])]
+        """Cut `unit` into consecutive windows of at most `size` tokens, at character boundaries.
+
+        A byte-level tokenizer splits a multi-byte character over tokens that all carry its
+        offsets, so a window never ends inside one (it ends earlier, or later when one character
+        alone has more than `size` tokens). Only whitespace lies between two windows: a character
+        no token covers (WordPiece drops control characters) opens the next window.
+        """
+        spans = [(unit.start + s, unit.start + e) for s, e in self._token_spans(text[unit.start : unit.end])
+                 if text[unit.start + s : unit.start + e].strip()]  # a space token alone is no window
+        if not spans:
+            return [unit]
+
+        def ends_cleanly(i: int) -> bool:
+            return i == len(spans) - 1 or spans[i + 1][0] >= spans[i][1]
+
         windows = []
-        for first in range(0, len(spans), size):
+        first, start = 0, unit.start
+        while first < len(spans):
             last = min(first + size, len(spans)) - 1
-            start = unit.start if first == 0 else spans[first][0]
+            back = last
+            while back > first and not ends_cleanly(back):
+                back -= 1
+            last = back if ends_cleanly(back) else next(i for i in range(last, len(spans)) if ends_cleanly(i))
             end = unit.end if last == len(spans) - 1 else spans[last][1]
             windows.append(_Unit(start, end, last - first + 1, unit.ends_paragraph and end == unit.end))
+            first, start = last + 1, _strip(text, end, unit.end)[0]
         return windows
 
     def _fits(self, size: int, unit: _Unit) -> bool:

@@ -15,6 +15,14 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)  # tiny test models gain nothing from threads; a busy core makes 2 threads spin
 
+# Property tests (hypothesis) draw the same examples on every run, so the suite is reproducible;
+# HYPOTHESIS_PROFILE=explore draws new ones (and keeps failures in .hypothesis/ to replay).
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("repeatable", derandomize=True, database=None, deadline=None)
+settings.register_profile("explore", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):

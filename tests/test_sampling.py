@@ -369,3 +369,15 @@ def test_query_accepts_the_extras(gateway):
     r = gateway[1].get("/query", params={"question": "Who founded Brill?", "max_tokens": 2, "repetition_penalty": 1.2,
                                          "stream": False})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 1e-40}, {"temperature": 1e-46}, {"top_p": 1e-46},
+                                   {"top_p": 5e-324}, {"repetition_penalty": 1e-50}, {"repetition_penalty": 5e-324}])
+def test_tiny_sampling_values_still_pick_a_token(extra):
+    """Valid but tiny values once overflowed to NaN probabilities; their limit is picked instead."""
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(**({"temperature": 1.0, "seed": 3} | extra))
+    choice = Sampler(params)(logits, history=list(range(0, 64, 2)))
+    assert 0 <= choice.token_id < 64
+    if "temperature" in extra:  # the limit of a vanishing temperature is greedy
+        assert choice.token_id == int(logits.argmax())
