@@ -197,7 +197,7 @@ class Prompter:
         lists of parts; the documents go before the last message's content."""
         layout = self.layout
         if layout.format == "raw":
-            system = [str(m["content"][0][0]) for m in messages if m["role"] in ("system", "developer")]
+            system = ["".join(text for text, _ in m["content"]) for m in messages if m["role"] in ("system", "developer")]
             head = self.encoder.encode([(system[-1], False)] if system else [(layout.system_prompt, True)])
             tail = self.encoder.encode([*messages[-1]["content"], (layout.answer_prefix, True)])
             return [head] if head else [], [tail]
