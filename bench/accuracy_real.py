@@ -159,7 +159,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     results = evaluate(args)
     name = Path(args.model).name
-    naive = "" if args.naive_seams is None else f" --naive-seams {' '.join(map(str, args.naive_seams))}"
+    naive = "" if args.naive_seams is None else " ".join([" --naive-seams", *map(str, args.naive_seams)])
     naive += " --no-prefix" if args.no_prefix else ""
     command = (f".venv/bin/python bench/accuracy_real.py --model {args.model} --n {args.n} --seams {' '.join(map(str, args.seams))}"
                f"{naive} --max-tokens {args.max_tokens}")
