@@ -152,8 +152,12 @@ def test_process_killed_mid_write_leaves_a_consistent_cache(tmp_path):
         elif got is not None:
             assert tensors_equal(got, e)
     assert store.stats().corrupt == 0
-    with diskcache.Cache(d) as raw:  # rows all name complete files; at most one orphan file of the killed write
-        assert len([w for w in raw.check() if "unknown file" not in str(w.message)]) == 0
+    # Rows all name complete files. A killed write may leave an orphan file or the empty directory
+    # it made for one (diskcache's UnknownFileWarning / EmptyDirWarning): leftovers, never damage.
+    leftovers = (diskcache.core.UnknownFileWarning, diskcache.core.EmptyDirWarning)
+    with diskcache.Cache(d) as raw:
+        problems = [str(w.message) for w in raw.check() if not issubclass(w.category, leftovers)]
+        assert problems == []
     e = make_entry(n=50, seed=999)  # the restarted cache takes new writes
     store.insert(key_of(e), e)
     store.flush()
