@@ -135,6 +135,10 @@ class Runtime:
                 import torch
 
                 torch.set_num_threads(self.settings.torch_threads)
+            if self.settings.device == "cpu":
+                # transformers warns that each fused GPU kernel is missing: on a CPU the torch
+                # fallbacks are what runs anyway (hypic_core/adapters/kernels.py), so say nothing.
+                logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
             known = KNOWN_MODELS.get(self.settings.model)
             if self._engine_source is None:
                 model = resolve_model(self.settings.model, self.settings.models_dir, progress=log.info)
