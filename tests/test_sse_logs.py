@@ -77,14 +77,14 @@ def test_engine_retrieval_library_and_warning_records_are_json_lines(restore_log
     try:
         logging.getLogger("hypic_core.cache.disk").warning("disk cache failed")
         logging.getLogger("retrieval.index").info("saved")
-        hf_logging.get_logger("transformers.integrations.hub_kernels").warning("falling back")
+        hf_logging.get_logger("transformers.modeling_utils").warning("falling back")
         logging.getLogger("some.library").info("chatter")  # below warning: dropped
         warnings.warn("deprecated thing", DeprecationWarning)
     finally:
         logs.request_id.reset(token)
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert [(r["logger"], r["msg"]) for r in lines[:3]] == [("hypic_core.cache.disk", "disk cache failed"), ("retrieval.index", "saved"),
-                                                           ("transformers.integrations.hub_kernels", "falling back")]
+                                                           ("transformers.modeling_utils", "falling back")]
     assert all(r["request_id"] == "req-1" for r in lines)
     assert lines[3]["logger"] == "py.warnings" and "deprecated thing" in lines[3]["msg"] and len(lines) == 4
     assert not hf_logging.is_progress_bar_enabled()
