@@ -347,16 +347,15 @@ def server_summary(d: Sample, k: int, mode: str) -> dict[str, Any]:
     seg_hit = total(d, "hypic_segment_lookups_total", result="hit")
     seg_miss = total(d, "hypic_segment_lookups_total", result="miss")
     lookups = seg_hit + seg_miss
-    prefills = lookups / (k + 1)  # every request looks up its system prompt and k chunks
-    # Chunks only, counting the system prompt as a hit in every request (true after any warm-up).
-    chunk_hit = min(1.0, max(0.0, (seg_hit - prefills) / (lookups - prefills))) if lookups > prefills else None
     tiers = {t: total(d, "hypic_cache_hits_total", tier=t) for t in label_values(d, "hypic_cache_hits_total", "tier")}
     store_lookups = sum(tiers.values()) + total(d, "hypic_cache_misses_total")
+    # The segment store holds chunks only: the system prompt is an exact prefix (prefix snapshots).
+    chunk_hit = sum(tiers.values()) / store_lookups if store_lookups else None
     queue_names = sorted({n[:-4] for (n, _) in d if re.fullmatch(r"hypic_\w*queue\w*_seconds_sum", n)})
     prefill = hist_mean(d, "hypic_prefill_seconds", mode=mode)
     ttft = hist_mean(d, "hypic_time_to_first_token_seconds", route=ROUTE)
-    tokens = {kind: total(d, "hypic_prompt_tokens_total", kind=kind) for kind in ("reused", "recomputed", "seam")}
-    prompt = tokens["reused"] + tokens["recomputed"]
+    tokens = {kind: total(d, "hypic_prompt_tokens_total", kind=kind) for kind in ("exact", "composed", "seam", "fresh")}
+    prompt = sum(tokens.values())  # the kinds partition the prompt
     return {
         "segment_lookups": lookups,
         "segment_hit_rate": seg_hit / lookups if lookups else None,
@@ -364,7 +363,7 @@ def server_summary(d: Sample, k: int, mode: str) -> dict[str, Any]:
         "store_lookups": store_lookups,
         "store_hit_rate_by_tier": {t: v / store_lookups for t, v in tiers.items()} if store_lookups else {},
         "prompt_tokens": tokens,
-        "reused_fraction": tokens["reused"] / prompt if prompt else None,
+        "reused_fraction": (tokens["exact"] + tokens["composed"]) / prompt if prompt else None,
         "prefill_ms": _ms(prefill),
         "server_ttft_ms": _ms(ttft),
         "queue_metric": queue_names[0] if queue_names else None,
