@@ -229,26 +229,22 @@ class Prompter:
 
     def _fit(self, head: list[Tokens], kept: list[Tokens], hits: Sequence[SearchHit], tail: list[Tokens],
              reserve: int, field: str) -> Prompt:
-        docs = [(h, self.document(h.chunk.text, h.chunk.title)) for h in hits]
-        return self._fit_ids(head, kept, docs, tail, reserve, field)
-
-    def _fit_ids(self, head: list[Tokens], kept: list[Tokens], docs: list[tuple[SearchHit, Tokens]],
-                 tail: list[Tokens], reserve: int, field: str) -> Prompt:
-        """Drop the lowest-ranked documents until the prompt plus `reserve` answer tokens fit the
-        context. A prompt that does not fit even without documents is a 400."""
+        """`head`, `kept`, the retrieved documents that fit and `tail`: documents are added best
+        first until the next one would leave less than `reserve` tokens of context for the answer
+        (the rest are dropped, and never tokenized). A prompt that does not fit even without
+        documents is a 400."""
         fixed = sum(map(len, head + kept + tail))
         if fixed >= self.context:
             raise APIError.invalid(field, f"the prompt is {fixed} tokens without any retrieved chunk; the model's context is "
                                           f"{self.context} tokens: shorten the {field}" + (" or the segments" if kept else ""))
-        ranked = sorted(docs, key=lambda d: d[0].score, reverse=True)
         room = self.context - reserve - fixed
-        used, total = [], 0
-        for hit, ids in ranked:
-            if total + len(ids) > room:
+        used: list[tuple[SearchHit, Tokens]] = []
+        for hit in sorted(hits, key=lambda h: h.score, reverse=True):
+            ids = self.document(hit.chunk.text, hit.chunk.title)
+            if len(ids) > room:
                 break
             used.append((hit, ids))
-            total += len(ids)
+            room -= len(ids)
         ordered = sorted(used, key=lambda d: d[0].score)  # worst first: the best sits next to the question
         segments = [s for s in head + kept + [ids for _, ids in ordered] + tail if s]
-        exact = sum(1 for s in head if s)
-        return Prompt(segments, [h for h, _ in used], len(docs) - len(used), min(exact, len(segments) - 1))
+        return Prompt(segments, [h for h, _ in used], len(hits) - len(used), min(len(head), len(segments) - 1))
