@@ -74,14 +74,8 @@ def corpus_to_seed(settings: Settings) -> Path | None:
 def build_chunker(settings: Settings, engine: Engine) -> Chunker:
     """A chunker in the engine's tokenizer, `settings.chunk_tokens` per chunk (default: min(384,
     a quarter of the model's context)), chunks of at most 4/3 of that."""
-    target = settings.chunk_tokens or default_chunk_tokens(_context_window(engine))
+    target = settings.chunk_tokens or default_chunk_tokens(engine.max_positions)
     return Chunker(engine.tokenizer, target, target * 4 // 3)
-
-
-def _context_window(engine: Engine) -> int | None:
-    config = getattr(getattr(engine, "model", None), "config", None)
-    positions = getattr(config, "max_position_embeddings", None)
-    return positions if isinstance(positions, int) else None
 
 
 class Runtime:

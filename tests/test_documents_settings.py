@@ -72,7 +72,8 @@ def test_gateway_seeds_the_demo_corpus_only_into_the_default_index(tiny_tokenize
 
 
 def _engine_with_context(tokenizer, positions: int) -> SimpleNamespace:
-    return SimpleNamespace(tokenizer=tokenizer, model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=positions)))
+    """What `build_chunker` reads of an engine: its tokenizer and `max_positions`."""
+    return SimpleNamespace(tokenizer=tokenizer, max_positions=positions)
 
 
 def test_chunk_size_follows_the_model(tiny_tokenizer):
@@ -80,7 +81,7 @@ def test_chunk_size_follows_the_model(tiny_tokenizer):
     assert (big.target_tokens, big.max_tokens) == (384, 512)
     small = build_chunker(settings(), _engine_with_context(tiny_tokenizer, 256))
     assert (small.target_tokens, small.max_tokens) == (64, 85)
-    unknown = build_chunker(settings(), SimpleNamespace(tokenizer=tiny_tokenizer))
+    unknown = build_chunker(settings(), _engine_with_context(tiny_tokenizer, 1 << 20))  # an engine's value when the config has none
     assert unknown.target_tokens == 384
     chosen = build_chunker(settings(chunk_tokens=30), _engine_with_context(tiny_tokenizer, 256))
     assert (chosen.target_tokens, chosen.max_tokens) == (30, 40)
