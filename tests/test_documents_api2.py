@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 import gzip
-import json
 
 import httpx
 import pytest
 
-from app.server import create_app
-from app.settings import Settings
-from app.testing import LiveServer, single_torch_thread, tiny_engine
-from retrieval import HashingEmbedder, VectorIndex
+from app.testing import LiveServer, single_torch_thread, tiny_gateway
 
 PAGE = b"<html><head><title>Tide tables</title><script>var x = 'hidden';</script></head><body><p>The Moon pulls the sea.</p></body></html>"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_tokenizer, tmp_path_factory):
-    root = tmp_path_factory.mktemp("documents-api")
-    settings = Settings(_env_file=None, torch_threads=None, index_dir=root / "index", corpus_path=None, max_top_k=8, max_body_bytes=1 << 16)
-    index = VectorIndex(settings.index_dir, HashingEmbedder(64))
-    with single_torch_thread(), LiveServer(create_app(settings, engine=tiny_engine(tiny_tokenizer), index=index)) as live:
+    app = tiny_gateway(tmp_path_factory.mktemp("documents-api"), tiny_tokenizer, [], corpus_path=None, max_top_k=8,
+                       max_body_bytes=1 << 16)
+    with single_torch_thread(), LiveServer(app) as live:
         live.wait_ready()
         yield live
 

@@ -15,11 +15,8 @@ import time
 import httpx
 import pytest
 
-from app.server import create_app
-from app.settings import Settings
 from app.sse import KEEPALIVE, parse
-from app.testing import LiveServer, single_torch_thread, tiny_engine
-from retrieval import HashingEmbedder, VectorIndex
+from app.testing import LiveServer, single_torch_thread, tiny_gateway
 
 CORPUS = [{"id": "city-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."},
           {"id": "firm-brill", "title": "Brill", "text": "Brill is a company founded by Tam Oke in 1999."}]
@@ -29,13 +26,8 @@ DEEP = "[" * 100_000 + "]" * 100_000
 
 @pytest.fixture(scope="module")
 def server(tiny_tokenizer, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gateway-input")
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("\n".join(json.dumps(d) for d in CORPUS) + "\n")
-    settings = Settings(_env_file=None, torch_threads=None, index_dir=root / "index", corpus_path=corpus, max_new_tokens=64,
-                        sse_keepalive_s=0.001)
-    index = VectorIndex(settings.index_dir, HashingEmbedder(64))
-    with single_torch_thread(), LiveServer(create_app(settings, engine=tiny_engine(tiny_tokenizer), index=index)) as live:
+    app = tiny_gateway(tmp_path_factory.mktemp("gateway-input"), tiny_tokenizer, CORPUS, max_new_tokens=64, sse_keepalive_s=0.001)
+    with single_torch_thread(), LiveServer(app) as live:
         live.wait_ready()
         yield live
 

@@ -11,11 +11,8 @@ import json
 import httpx
 import pytest
 
-from app.server import create_app
-from app.settings import Settings
 from app.sse import parse
-from app.testing import LiveServer, single_torch_thread, tiny_engine
-from retrieval import HashingEmbedder, VectorIndex
+from app.testing import LiveServer, single_torch_thread, tiny_gateway
 
 CORPUS = [
     {"id": "city-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."},
@@ -27,12 +24,8 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def server(tiny_tokenizer, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gateway-query")
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("\n".join(json.dumps(d) for d in CORPUS) + "\n")
-    settings = Settings(_env_file=None, torch_threads=None, index_dir=root / "index", corpus_path=corpus, max_top_k=8, max_new_tokens=256)
-    index = VectorIndex(settings.index_dir, HashingEmbedder(64))
-    with single_torch_thread(), LiveServer(create_app(settings, engine=tiny_engine(tiny_tokenizer), index=index)) as live:
+    app = tiny_gateway(tmp_path_factory.mktemp("gateway-query"), tiny_tokenizer, CORPUS, max_top_k=8, max_new_tokens=256)
+    with single_torch_thread(), LiveServer(app) as live:
         live.wait_ready()
         yield live
 
