@@ -85,6 +85,7 @@ class RedisServer:
 
         import redis
 
+        os.makedirs(self.directory, exist_ok=True)
         self.process = subprocess.Popen(
             [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.directory, "--loglevel", "warning"],

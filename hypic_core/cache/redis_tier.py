@@ -98,10 +98,10 @@ if ttl > 0 then redis.call('EXPIRE', KEYS[4], ttl) end
 return v
 """
 
-# KEYS: lru, sizes, bytes. ARGV: entry prefix, member.
+# KEYS: lru, sizes, bytes. ARGV: entry prefix, member. Returns the total bytes held.
 _DELETE = _FORGET + """
 forget(ARGV[2])
-return 1
+return tonumber(redis.call('GET', KEYS[3]) or '0')
 """
 
 
@@ -233,9 +233,12 @@ class RedisTier:
         if not self.available:
             return
         try:
-            self._delete(keys=self._keys, args=[self._entry_prefix, key])
+            held = self._delete(keys=self._keys, args=[self._entry_prefix, key])
         except self._errors as e:
             self._failed("delete", e)
+            return
+        with self._lock:
+            self._stats.bytes = int(held)
 
     def flush(self) -> None:
         """Block until every queued write has been attempted."""
