@@ -101,7 +101,19 @@ def test_expired_and_lost_values_leave_the_account(server, tiers):
     assert tier.get("new") is None and raw.get("hypic:bytes") == b"0" and raw.zcard("hypic:lru") == 0
 
 
-def test_bad_settings_are_refused(server):
+def test_settings_read_the_environment_and_refuse_bad_values(server, monkeypatch):
+    monkeypatch.setenv("HYPIC_REDIS_URL", server.url)
+    monkeypatch.setenv("HYPIC_REDIS_MAX_BYTES", "1000")
+    monkeypatch.setenv("HYPIC_REDIS_PREFIX", "replicas:")
+    settings = Settings(_env_file=None)
+    assert settings.redis_url.get_secret_value() == server.url and "redis://" not in repr(settings)
+    store = build_store_from_settings(settings)
+    try:
+        assert store.shared.max_bytes == 1000 and store.shared.prefix == "replicas:" and store.stats().redis_connected == 1
+    finally:
+        store.close()
+    monkeypatch.delenv("HYPIC_REDIS_URL")
+    assert Settings(_env_file=None, cache_dir=None).redis_url is None
     for url in ("http://127.0.0.1:1", f"{server.url}?decode_responses=True"):
         with pytest.raises(ValueError):
             RedisTier(url, 1 << 20)
@@ -284,6 +296,24 @@ def gateway(root, tokenizer, redis_url: str):
     store = build_store_from_settings(settings)
     engine = Engine(tiny_model("qwen3_5", vocab_size=len(tokenizer)), tokenizer, EngineConfig(seam=4), store=store, model_id="tiny")
     return create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64))), store
+
+
+def test_a_gateway_starts_and_answers_with_redis_down(tiny_tokenizer, tmp_path, caplog):
+    nothing = RedisServer(tmp_path / "never")  # a free port: connections are refused
+    with caplog.at_level(logging.WARNING, logger="hypic_core"):
+        app, store = gateway(tmp_path / "g", tiny_tokenizer, nothing.url)
+    try:
+        with single_torch_thread(), LiveServer(app) as g:
+            g.wait_ready()
+            for _ in range(2):
+                r = httpx.post(f"{g.url}/query", json={"question": "Who founded Brill?", "top_k": 2, "max_tokens": 4}, timeout=60)
+                assert r.status_code == 200, r.text
+            metrics = httpx.get(f"{g.url}/metrics").text
+    finally:
+        store.close()
+    assert len([r for r in caplog.records if "redis" in r.getMessage()]) == 1
+    assert 'hypic_cache_redis_connected{model_name="tiny"} 0.0' in metrics
+    assert store.stats().hits["host"] > 0 and store.stats().tier_misses["redis"] == 0
 
 
 def test_two_gateways_share_entries_through_redis(server, tiny_tokenizer, tmp_path):
