@@ -194,6 +194,26 @@ def test_down_at_start_is_skipped_logged_once_and_reconnected(tmp_path, tiers, c
         later.stop()
 
 
+def test_a_server_that_answers_with_errors_is_not_taken_for_down(server, tiers, caplog):
+    e = make_entry(n=40)
+    store = store_of(tiers(server.url), host_bytes=0)  # every lookup reaches Redis
+    raw = server.client()
+    raw.set("hypic:lru", b"not a sorted set")  # every script now fails with WRONGTYPE
+    with caplog.at_level(logging.WARNING, logger="hypic_core"):
+        for _ in range(2):
+            assert store.lookup(key_of(e), e.token_ids) is None
+            store.insert(key_of(e), e)
+            store.flush()
+    s = store.stats()
+    assert s.redis_connected == 1 and s.redis_errors == 4 and s.redis_dropped_writes == 2
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 2 and "read refused" in logged[0] and "write refused" in logged[1]  # once per kind
+    raw.delete("hypic:lru")
+    store.insert(key_of(e), e)  # no reconnection wait: the tier never went down
+    store.flush()
+    assert store_of(tiers(server.url)).lookup(key_of(e), e.token_ids) is not None
+
+
 # --- an engine on the tier -----------------------------------------------------------------
 LENGTHS = (12, 30, 21, 25, 5)  # system prompt, three chunks, question
 CONFIG = EngineConfig(seam=4)

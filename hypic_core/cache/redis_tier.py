@@ -164,6 +164,8 @@ class RedisTier:
         if self._client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("the redis URL must not set decode_responses: the tier stores bytes")
         self._errors = (redis.RedisError, OSError)
+        self._unreachable = (redis.ConnectionError, redis.TimeoutError, OSError)  # others: the server answered
+        self._logged: set[str] = set()
         self._put, self._get, self._delete = (self._client.register_script(s) for s in (_PUT, _GET, _DELETE))
         self._lock = threading.Lock()
         self._stats = RedisStats()
@@ -311,7 +313,19 @@ class RedisTier:
 
     # --- accounting -----------------------------------------------------------------------
     def _failed(self, op: str, error: BaseException) -> None:
-        """Count a failed call and mark the tier down; the first failure of an outage is logged."""
+        """Count a failed call. A server that cannot be reached marks the tier down (the first
+        failure of an outage is logged); one that answered with an error (out of memory, a
+        read-only replica, a key of another type) leaves it up, logged once per kind."""
+        if not isinstance(error, self._unreachable):
+            kind = f"{op}:{type(error).__name__}"
+            with self._lock:
+                self._stats.errors += 1
+                first = kind not in self._logged
+                self._logged.add(kind)
+            if first:
+                log.warning("redis cache tier at %s: %s refused (%s: %s); further %s errors not logged", self.url, op,
+                            type(error).__name__, error, kind)
+            return
         with self._lock:
             self._stats.errors += 1
             first = self._down_until is None
