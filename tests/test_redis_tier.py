@@ -194,6 +194,23 @@ def test_down_at_start_is_skipped_logged_once_and_reconnected(tmp_path, tiers, c
         later.stop()
 
 
+def test_a_server_that_never_answers_costs_one_timeout(tiers):
+    import socket
+
+    with socket.socket() as silent:  # accepts connections (the backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        e = make_entry(n=40)
+        t0 = time.perf_counter()
+        store = store_of(tiers(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", timeout_s=0.2))
+        assert 0.2 <= time.perf_counter() - t0 < 5  # the first ping timed out: down
+        t0 = time.perf_counter()
+        for _ in range(5):
+            assert store.lookup(key_of(e), e.token_ids) is None
+        assert time.perf_counter() - t0 < 0.2  # skipped while down, never another timeout on the caller
+        assert store.stats().redis_connected == 0 and store.stats().tier_misses["redis"] == 0
+
+
 def test_a_server_that_answers_with_errors_is_not_taken_for_down(server, tiers, caplog):
     e = make_entry(n=40)
     store = store_of(tiers(server.url), host_bytes=0)  # every lookup reaches Redis
