@@ -105,6 +105,7 @@ def test_settings_read_the_environment_and_refuse_bad_values(server, monkeypatch
     monkeypatch.setenv("HYPIC_REDIS_URL", server.url)
     monkeypatch.setenv("HYPIC_REDIS_MAX_BYTES", "1000")
     monkeypatch.setenv("HYPIC_REDIS_PREFIX", "replicas:")
+    monkeypatch.setenv("HYPIC_CACHE_DIR", "none")  # no disk tier in the working directory
     settings = Settings(_env_file=None)
     assert settings.redis_url.get_secret_value() == server.url and "redis://" not in repr(settings)
     store = build_store_from_settings(settings)
@@ -123,6 +124,15 @@ def test_settings_read_the_environment_and_refuse_bad_values(server, monkeypatch
         Settings(_env_file=None, redis_url="localhost:6379")
     with pytest.raises(ValidationError, match="redis_ttl_s"):
         Settings(_env_file=None, redis_url=server.url, redis_ttl_s=-1)
+
+
+def test_passwords_are_never_logged():
+    from hypic_core.cache.redis_tier import redacted
+
+    assert redacted("redis://h:6379/0") == "redis://h:6379/0"
+    assert redacted("redis://user:p@ss:w@h:6379/0") == "redis://user:***@h:6379/0"
+    assert redacted("rediss://:pw@h") == "rediss://:***@h"
+    assert redacted("unix:///run/r.sock?db=0&password=pw&x=1") == "unix:///run/r.sock?db=0&password=***&x=1"
 
 
 # --- through a TieredSegmentStore -----------------------------------------------------------

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
-from urllib.parse import urlsplit, urlunsplit
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,9 @@ class RedisStats:
 
 
 def redacted(url: str) -> str:
-    """`url` with its password replaced by `***`, for logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[-1]}"))
+    """`url` with its password (in the authority or a `password=` query field) replaced by `***`, for logs."""
+    url = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/@:?#]*):[^/?#]*@", r"\1:***@", url)
+    return re.sub(r"([?&])password=[^&#]*", r"\1password=***", url)
 
 
 class RedisTier:
@@ -340,7 +336,7 @@ class RedisTier:
             except queue.Full:
                 pass  # it has writes to attempt first, and will see the tier is down
             log.warning("redis cache tier at %s unreachable (%s failed: %s: %s); skipping it, reconnecting in the "
-                        "background (first retry in %.1fs, backoff up to %.0fs)", self.url, op, type(error).__name__, error,
+                        "background (first retry in %gs, backoff up to %gs)", self.url, op, type(error).__name__, error,
                         wait, self._retry_max)
 
     def _count_dropped(self) -> None:
