@@ -136,7 +136,7 @@ def test_shipped_hybrid_assembles_once_and_loads_with_plain_transformers(hybrid_
 
 
 def test_hybrid_engine_has_linear_layers(hybrid):
-    assert hybrid.adapter.family == "bamba"
+    assert hybrid.adapter.family == "mamba2" and hybrid.runner.model.config.model_type == "bamba"
     assert len(hybrid.adapter.linear_layers) == 23 and len(hybrid.adapter.attention_layers) == 7
 
 
@@ -167,3 +167,31 @@ def test_hybrid_generates_the_same_answer_in_full_and_hypic_with_a_wide_seam(hyb
     answers = [hybrid.tokenizer.decode(hybrid.generated_tokens(GenerationRequest(segs, mode=m, seam=wide,
                sampling=SamplingParams(max_tokens=12)))) for m in ("full", "hypic")]
     assert answers[0] == answers[1] and answers[0].strip(), answers
+
+
+def test_gateway_serves_the_hybrid_and_reuses_its_chunks(hybrid_dir, tmp_path):
+    """`hypic serve --model smollm2-hybrid-135m`'s path: documents over HTTP, /query twice; the
+    second asks with the same chunks and composes their cached (T, E) instead of recomputing."""
+    import httpx
+
+    from app.server import create_app
+    from app.settings import Settings
+    from app.testing import LiveServer, single_torch_thread
+    from retrieval import HashingEmbedder, VectorIndex
+    from test_gateway_models import DOCUMENTS
+
+    settings = Settings(_env_file=None, model="smollm2-hybrid-135m", torch_threads=None, index_dir=tmp_path / "index",
+                        corpus_path=None, max_new_tokens=32)
+    with single_torch_thread(), LiveServer(create_app(settings, index=VectorIndex(settings.index_dir, HashingEmbedder(256)))) as live:
+        live.wait_ready(timeout=120)
+        body = "\n".join(json.dumps(d) for d in DOCUMENTS)
+        assert httpx.post(f"{live.url}/documents", content=body, headers={"content-type": "application/jsonl"},
+                          timeout=60).status_code == 201
+        ask = {"question": "In which year was the Eiffel Tower completed?", "top_k": 2, "max_tokens": 16}
+        first = httpx.post(f"{live.url}/query", json=ask, timeout=120).json()
+        second = httpx.post(f"{live.url}/query", json=ask, timeout=120).json()
+        models = httpx.get(f"{live.url}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["smollm2-hybrid-135m"]
+    assert first["answer"].strip() and first["sources"][0]["document_id"] == "eiffel"
+    assert second["answer"] == first["answer"]
+    assert first["usage"]["composed_tokens"] == 0 and second["usage"]["composed_tokens"] > 0, (first["usage"], second["usage"])

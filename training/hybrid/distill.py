@@ -17,6 +17,7 @@ text for teacher and hybrid.
     python -m training.hybrid.distill stage2 --out var/hybrid --minutes 60
     python -m training.hybrid.distill export --out var/hybrid
     python -m training.hybrid.distill evaluate --model smollm2-hybrid-135m
+    python -m training.hybrid.distill memory --model smollm2-hybrid-135m
 
 Progress goes to stderr; every step's numbers to `<out>/log.jsonl`.
 """
@@ -281,6 +282,37 @@ def evaluate(args) -> None:
     print(json.dumps(rows))
 
 
+def memory(args) -> dict:
+    """How long each Mamba2 head's state persists on real text: for every data/real_qa passage the
+    engine's cached transition T of the passage (the fraction of the incoming state that survives
+    it, per head), and the half-life in tokens that T implies, ln 0.5 / (ln T / length). Medians
+    over passages, per layer and head."""
+    from hypic_core.config import EngineConfig
+    from hypic_core.engine import Engine
+    from hypic_core.registry import resolve
+
+    engine = Engine.from_pretrained(resolve(args.model).path, EngineConfig(seam=0))
+    texts = [json.loads(line)["text"] for line in (ROOT / "data" / "real_qa" / "passages.jsonl").read_text().splitlines()]
+    segments = tuple(tuple(engine.tokenizer.encode("Document: " + t + "\n\n", add_special_tokens=False)) for t in texts)
+    entries = engine.segment_entries(segments, 0).entries
+    lengths = torch.tensor([len(s) for s in segments], dtype=torch.float64)
+    rows = {}
+    for pos, layer in enumerate(engine.adapter.linear_layers):
+        T = torch.stack([e.operators[pos].transition.double().reshape(-1) for e in entries])  # [docs, heads]
+        half = math.log(0.5) / (torch.log(T.clamp_min(1e-300)) / lengths[:, None])
+        rows[layer] = {"T_median": T.median(0).values.tolist(), "half_life_median": half.median(0).values.tolist()}
+    lines = [f"median passage length {int(lengths.median())} tokens; per linear layer, per head: median T over "
+             f"{len(segments)} passages (state surviving one passage) and median half-life in tokens"]
+    for layer, r in rows.items():
+        lines.append(f"layer {layer:2d}: T " + " ".join(f"{x:7.2g}" for x in r["T_median"])
+                     + " | half-life " + " ".join(f"{x:6.0f}" for x in r["half_life_median"]))
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "passages": len(segments),
+                                               "median_length": float(lengths.median()), "layers": rows}, indent=1))
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -301,9 +333,12 @@ def main(argv=None) -> None:
     sub.choices["export"].add_argument("--stage1", action="store_true", help="export stage 1's mixers")
     e = sub.add_parser("evaluate")
     e.add_argument("--model", default="smollm2-hybrid-135m")
+    m = sub.add_parser("memory", help="how long each mixer head's state persists on real text")
+    m.add_argument("--model", default="smollm2-hybrid-135m")
+    m.add_argument("--json", default=None, help="also write the numbers here")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    {"stage1": stage1, "stage2": stage2, "export": export, "evaluate": evaluate}[args.cmd](args)
+    {"stage1": stage1, "stage2": stage2, "export": export, "evaluate": evaluate, "memory": memory}[args.cmd](args)
 
 
 if __name__ == "__main__":
