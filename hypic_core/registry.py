@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import filelock
+
 from .errors import HypicError
 
 log = logging.getLogger("hypic.models")
@@ -92,14 +94,15 @@ def _build_smollm2_hybrid(mixers: Path, target: Path, progress: Callable[[str], 
     identity = {"named": "smollm2-hybrid-135m", "recipe": RECIPE_VERSION, "mixers": _file_digest(mixers),
                 "teacher": json.loads((teacher.path / MODEL_STAMP).read_text()).get("digest")}
     stamp = target / MODEL_STAMP
-    if stamp.is_file():
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(target) + ".lock"):  # two processes starting at once assemble it once
         try:
             if json.loads(stamp.read_text()) == identity:
                 return target
-        except ValueError:
+        except (OSError, ValueError):
             pass
-    (progress or log.info)(f"assembling smollm2-hybrid-135m in {target} from SmolLM2 and {mixers.name} (once; seconds)")
-    return assemble(teacher.path, mixers, target, stamp=identity)
+        (progress or log.info)(f"assembling smollm2-hybrid-135m in {target} from SmolLM2 and {mixers.name} (once; seconds)")
+        return assemble(teacher.path, mixers, target, stamp=identity)
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
@@ -120,7 +123,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
     ),
     KnownModel(
         "smollm2-hybrid-135m", "bamba hybrid (Mamba2 + attention)", "153M",
-        "SmolLM2-135M-Instruct distilled into 23 Mamba2 + 7 attention layers (models/smollm2-hybrid-135m)",
+        "SmolLM2-135M-Instruct distilled into a hybrid here",
         _smollm2_hybrid,
         install="hypic models install smollm2-hybrid-135m",
         prompt={"system_prompt": "Answer the question using the documents. Answer briefly.",
