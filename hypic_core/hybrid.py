@@ -1,0 +1,229 @@
+"""Convert a llama checkpoint (SmolLM2-135M-Instruct) into a Bamba hybrid, and assemble it from trained mixers.
+
+The hybrid keeps one attention layer in four (`ATTN_EVERY`) with the teacher's weights unchanged;
+every other layer's attention becomes a Mamba2 mixer. The mixer is initialised from the attention
+it replaces (linear attention is attention without the softmax, so the projections carry over):
+
+    x (values)      <- V = W_v h, repeated to the 9 query heads (GQA expansion)
+    B (keys)        <- K = W_k h, repeated to the 9 heads          (n_groups = heads = 9)
+    C (queries)     <- Q = W_q h
+    z (output gate) <- W_v h as well (a GLU-style gate; trained)
+    out_proj        <- W_o
+    dt, A           <- new: per-head decays spread from ~5 to ~500 tokens of memory
+    conv1d          <- identity (last tap 1), so the short convolution starts as a no-op
+
+The mixer's per-head gated RMSNorm (group size = head dim) stands in for the softmax's
+normaliser. Training (training/hybrid/distill.py) learns low-rank corrections (LoRA) to the
+projections and the small mixer parameters in full; the shipped file `mixers.safetensors` holds
+only those, and `assemble()` rebuilds the full checkpoint from the teacher's weights in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ATTN_EVERY = 4  # layers 3, 7, 11, ... keep attention (1 in 4, as Qwen3.5 / Granite-4-H do)
+LORA_RANK_IN = 64
+LORA_RANK_OUT = 32
+DT_RANGE = (0.002, 0.2)  # softplus(dt_bias) per head: memory 1/dt of about 5 to 500 tokens
+RECIPE_VERSION = 1
+
+
+def attn_layers(n_layers: int) -> list[int]:
+    return [i for i in range(n_layers) if i % ATTN_EVERY == ATTN_EVERY - 1]
+
+
+def bamba_config(teacher_cfg: dict):
+    """The BambaConfig of the hybrid for a llama config dict (teacher's config.json)."""
+    from transformers import BambaConfig
+
+    heads, kv, hidden = teacher_cfg["num_attention_heads"], teacher_cfg["num_key_value_heads"], teacher_cfg["hidden_size"]
+    head_dim = teacher_cfg.get("head_dim") or hidden // heads
+    if head_dim * heads != hidden:
+        raise ValueError("the conversion needs heads * head_dim == hidden_size (mamba_expand = 1)")
+    rope = dict(teacher_cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": teacher_cfg.get("rope_theta", 10000.0)})
+    rope["partial_rotary_factor"] = 1.0  # Bamba defaults to 0.5; llama rotates the whole head
+    n = teacher_cfg["num_hidden_layers"]
+    return BambaConfig(
+        vocab_size=teacher_cfg["vocab_size"], hidden_size=hidden, intermediate_size=teacher_cfg["intermediate_size"],
+        num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv, hidden_act=teacher_cfg["hidden_act"],
+        rms_norm_eps=teacher_cfg["rms_norm_eps"], tie_word_embeddings=teacher_cfg.get("tie_word_embeddings", False),
+        max_position_embeddings=teacher_cfg["max_position_embeddings"], attn_layer_indices=attn_layers(n),
+        mamba_n_heads=heads, mamba_d_head=head_dim, mamba_n_groups=heads, mamba_d_state=head_dim, mamba_d_conv=4,
+        mamba_expand=1, mamba_chunk_size=64, mamba_conv_bias=True, mamba_proj_bias=False,
+        rope_parameters=rope, attention_bias=teacher_cfg.get("attention_bias", False), mlp_bias=teacher_cfg.get("mlp_bias", False),
+        pad_token_id=teacher_cfg.get("pad_token_id"), bos_token_id=teacher_cfg.get("bos_token_id"),
+        eos_token_id=teacher_cfg.get("eos_token_id"),
+    )
+
+
+class LoRALinear(nn.Module):
+    """`base + up @ down` with a frozen base; `weight` is the merged matrix (what Bamba's fused
+    path reads). `up` starts at zero, so a fresh LoRALinear computes exactly the base."""
+
+    def __init__(self, base: torch.Tensor, rank: int):
+        super().__init__()
+        self.register_buffer("base", base.detach().clone(), persistent=False)
+        out_f, in_f = base.shape
+        self.down = nn.Parameter(torch.randn(rank, in_f, dtype=base.dtype) / math.sqrt(in_f))
+        self.up = nn.Parameter(torch.zeros(out_f, rank, dtype=base.dtype))
+        self.bias = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base + self.up @ self.down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.base.T + (x @ self.down.T) @ self.up.T
+
+
+def _repeat_heads(w: torch.Tensor, kv: int, heads: int) -> torch.Tensor:
+    """(kv*hd, hidden) -> (heads*hd, hidden): each query head gets its KV group's rows."""
+    hd = w.shape[0] // kv
+    return w.view(kv, hd, -1).repeat_interleave(heads // kv, dim=0).reshape(heads * hd, -1)
+
+
+def base_in_proj(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv: int) -> torch.Tensor:
+    """The mixer's in_proj rows [z | x | B | C | dt] from the attention's projections."""
+    v_full = _repeat_heads(v, kv, heads)
+    k_full = _repeat_heads(k, kv, heads)
+    dt = torch.zeros(heads, q.shape[1], dtype=q.dtype)
+    return torch.cat([v_full, v_full, k_full, q, dt], 0)
+
+
+def init_small(heads: int, conv_dim: int, kernel: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Deterministic initial values of the mixer's small parameters."""
+    dt = torch.exp(torch.linspace(math.log(DT_RANGE[0]), math.log(DT_RANGE[1]), heads, dtype=torch.float64))
+    conv = torch.zeros(conv_dim, 1, kernel, dtype=dtype)
+    conv[:, 0, -1] = 1.0
+    return {
+        "dt_bias": (dt + torch.log(-torch.expm1(-dt))).to(dtype),  # softplus^-1(dt)
+        "A_log": torch.zeros(heads, dtype=dtype),  # A = -1
+        "D": torch.zeros(heads, dtype=dtype),
+        "conv1d.weight": conv,
+        "conv1d.bias": torch.zeros(conv_dim, dtype=dtype),
+        "norm.weight": torch.ones(heads * (conv_dim // (3 * heads)), dtype=dtype),
+    }
+
+
+def teacher_layer_weights(teacher_sd: dict[str, torch.Tensor], i: int) -> tuple[torch.Tensor, ...]:
+    p = f"model.layers.{i}.self_attn."
+    return tuple(teacher_sd[p + n + ".weight"].float() for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def make_mixer(config, layer_idx: int, teacher_sd: dict[str, torch.Tensor]):
+    """A trainable BambaMixer for layer `layer_idx` initialised from the teacher's attention:
+    in_proj and out_proj are LoRALinear over the mapped weights."""
+    from transformers.models.bamba.modeling_bamba import BambaMixer
+
+    mixer = BambaMixer(config, layer_idx)
+    q, k, v, o = teacher_layer_weights(teacher_sd, layer_idx)
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    mixer.in_proj = LoRALinear(base_in_proj(q, k, v, heads, kv), LORA_RANK_IN)
+    mixer.out_proj = LoRALinear(o, LORA_RANK_OUT)
+    small = init_small(heads, mixer.conv_dim, mixer.conv_kernel_size)
+    with torch.no_grad():
+        for name, value in small.items():
+            mixer.get_parameter(name).copy_(value)
+    return mixer
+
+
+def mixer_state(mixer) -> dict[str, torch.Tensor]:
+    """What is trained (and shipped) of one mixer."""
+    return {
+        "in_proj.down": mixer.in_proj.down, "in_proj.up": mixer.in_proj.up,
+        "out_proj.down": mixer.out_proj.down, "out_proj.up": mixer.out_proj.up,
+        **{n: mixer.get_parameter(n) for n in ("dt_bias", "A_log", "D", "conv1d.weight", "conv1d.bias", "norm.weight")},
+    }
+
+
+def load_mixer_state(mixer, state: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, tensor in mixer_state(mixer).items():
+            tensor.copy_(state[name].to(tensor.dtype))
+
+
+def merged_mixer_weights(config, layer_idx: int, teacher_sd: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain BambaMixer weights (names under `mamba.`) for one layer."""
+    q, k, v, o = teacher_layer_weights(teacher_sd, layer_idx)
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    f = lambda t: t.float()  # noqa: E731
+    out = {
+        "in_proj.weight": base_in_proj(q, k, v, heads, kv) + f(state["in_proj.up"]) @ f(state["in_proj.down"]),
+        "out_proj.weight": o + f(state["out_proj.up"]) @ f(state["out_proj.down"]),
+    }
+    for n in ("dt_bias", "A_log", "D", "conv1d.weight", "conv1d.bias", "norm.weight"):
+        out[n] = f(state[n])
+    return out
+
+
+def hybrid_state_dict(config, teacher_sd: dict[str, torch.Tensor], mixers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full Bamba state dict: the teacher's embeddings, norms, MLPs and kept attention layers,
+    with merged mixers at the converted layers. `mixers` is keyed `layers.{i}.{name}`."""
+    attn = set(config.attn_layer_indices)
+    sd: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": teacher_sd["model.embed_tokens.weight"],
+        "model.final_layernorm.weight": teacher_sd["model.norm.weight"],
+    }
+    if not config.tie_word_embeddings:
+        sd["lm_head.weight"] = teacher_sd["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        t, b = f"model.layers.{i}.", f"model.layers.{i}."
+        sd[b + "input_layernorm.weight"] = teacher_sd[t + "input_layernorm.weight"]
+        sd[b + "pre_ff_layernorm.weight"] = teacher_sd[t + "post_attention_layernorm.weight"]
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            sd[b + f"feed_forward.{n}.weight"] = teacher_sd[t + f"mlp.{n}.weight"]
+        if i in attn:
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                sd[b + f"self_attn.{n}.weight"] = teacher_sd[t + f"self_attn.{n}.weight"]
+        else:  # a layer without trained mixers is left out (the caller installs its mixer)
+            state = {n[len(f"layers.{i}."):]: v for n, v in mixers.items() if n.startswith(f"layers.{i}.")}
+            if not state:
+                continue
+            for n, v in merged_mixer_weights(config, i, teacher_sd, state).items():
+                sd[b + f"mamba.{n}"] = v
+    return {k: v.float().contiguous() for k, v in sd.items()}
+
+
+def load_teacher_state(teacher_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(teacher_dir).glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json")
+
+
+def assemble(teacher_dir: Path, mixers_file: Path, target: Path, stamp: dict | None = None) -> Path:
+    """Write the hybrid checkpoint (config, fp32 safetensors, tokenizer) into `target` from the
+    teacher's directory and the trained mixers; atomic (a temporary directory, then a rename)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    teacher_dir, target = Path(teacher_dir), Path(target)
+    teacher_cfg = json.loads((teacher_dir / "config.json").read_text())
+    config = bamba_config(teacher_cfg)
+    sd = hybrid_state_dict(config, load_teacher_state(teacher_dir), load_file(mixers_file))
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config.save_pretrained(tmp)
+    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for name in TOKENIZER_FILES:
+        if (teacher_dir / name).is_file():
+            shutil.copy2(teacher_dir / name, tmp / name)
+    if stamp is not None:
+        (tmp / "hypic-model.json").write_text(json.dumps(stamp, indent=1) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
