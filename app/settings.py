@@ -72,6 +72,13 @@ class Settings(BaseSettings):
     cache_storage_dtype: str = Field("auto", description="Disk-tier entries: auto (as computed: K/V in the model's dtype, "
                                      "T and E fp32) or bf16 (narrowed); fp32, a former name of auto, is still read.")
     prefix_cache_bytes: int = Field(512 << 20, ge=0)
+    prefill_workers: int = Field(0, ge=0, description="Model replicas computing cold chunks' cache entries in parallel "
+                                 "(each loads the model); 0: the engine computes them itself.")
+    prefill_backend: Literal["processes", "ray"] = Field("processes", description="Where prefill workers run: local "
+                                                         "processes, or Ray actors (the `ray` extra).")
+    prefill_worker_threads: int | None = Field(None, ge=1, description="torch threads per prefill worker; default: "
+                                               "the machine's cores divided by prefill_workers (at least 1).")
+    ray_address: str | None = Field(None, description="Ray cluster the ray backend joins; unset: a local Ray instance.")
 
     # online accuracy guard of the served model (app/guard.py; docs/architecture.md)
     guard_enabled: bool = Field(True, description="Shadow-check approximate reuse against full prefill and widen the seam "

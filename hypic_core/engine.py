@@ -146,13 +146,13 @@ class Engine:
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, store: SegmentStore | None = None,
                         dtype: str | torch.dtype = torch.float32, device: str = "cpu", model_id: str | None = None,
                         prefill_workers: int = 0, prefill_backend: str = "processes",
-                        prefill_threads: int | None = None) -> "Engine":
+                        prefill_threads: int | None = None, ray_address: str | None = None) -> "Engine":
         """Load a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer) onto
         `device` in `dtype` ("auto": see `loader.pick_dtype`). Offline only.
 
         `prefill_workers` > 0 computes cold entries on that many replicas of the checkpoint
-        (`prefill_backend`: "processes" or "ray"; `prefill_threads` torch threads each, default
-        the cores split between them); see hypic_core/workers."""
+        (`prefill_backend`: "processes" or "ray", joining `ray_address` or a local Ray; `prefill_threads`
+        torch threads each, default the cores split between them); see hypic_core/workers."""
         from .loader import load_local
 
         model, tokenizer = load_local(path, dtype=dtype, device=device)
@@ -160,7 +160,8 @@ class Engine:
         if prefill_workers:
             from .workers import PrefillPool, ReplicaSpec
 
-            pool = PrefillPool(ReplicaSpec(str(path), model.dtype, device, prefill_threads), prefill_workers, prefill_backend)
+            pool = PrefillPool(ReplicaSpec(str(path), model.dtype, device, prefill_threads), prefill_workers, prefill_backend,
+                               ray_address=ray_address)
         return cls(model, tokenizer, config, store, model_id=model_id or Path(path).name, prefill_pool=pool)
 
     def close(self) -> None:
