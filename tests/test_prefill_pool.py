@@ -132,10 +132,14 @@ def test_worker_killed_mid_request(plain, pool):
 
 
 def test_no_worker_left_computes_locally(plain):
+    """A replica whose weights are not the engine's is never used; with the other one killed and no
+    restarts left, the engine computes every segment itself."""
     segs = segments([260, 30, 140], seed=9)
-    with PrefillPool(ReplicaSpec(MODEL_DIR, threads=1), workers=1, max_restarts=0) as pool:
+    with PrefillPool(ReplicaSpec(MODEL_DIR, threads=1), workers=2, max_restarts=0) as pool:
         pooled_engine(plain, pool)
-        assert pool.wait_ready(180) == 1
+        assert pool.wait_ready(180) == 2
+        pool._handle([Event("ready", 1, None, "a digest of other weights")])  # as if worker 1 had loaded another model
+        assert pool.workers() == [0] and pool.alive == 1
         tickets = pool.submit([(s, SEAM) for s in segs])  # the longest is on the worker now
         os.kill(pool.pids(busy_only=True)[0], signal.SIGKILL)
         got = pool.collect(tickets)

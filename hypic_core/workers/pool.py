@@ -202,12 +202,19 @@ class PrefillPool:
         task = self._tasks.get(tid)
         if task is None:
             return
-        with torch.inference_mode():
-            entry = self._runner.compute_entries([task.segment], task.seam, max(1, len(task.segment)))[0]
+        try:
+            with torch.inference_mode():
+                entry = self._runner.compute_entries([task.segment], task.seam, max(1, len(task.segment)))[0]
+        except BaseException:
+            self._tasks.pop(tid, None)  # its requester fails with this error; nobody waits for it
+            raise
         self._done[tid] = entry
         self.stats["local"] += 1
 
     def _handle(self, events: list[Event]) -> None:
+        """Apply `events`; then compute here what a worker failed to deliver (which may raise: the
+        segment's own error, as without a pool)."""
+        redo: list[int] = []
         for e in events:
             w = self._workers[e.worker]
             if e.kind == "ready":
@@ -227,7 +234,7 @@ class PrefillPool:
                 except CorruptEntry as exc:
                     log.warning("prefill worker %d sent a bad entry (%s); computing it locally", e.worker, exc.reason)
                     self.stats["corrupt"] += 1
-                    self._compute_here(e.task)
+                    redo.append(e.task)
                     continue
                 device = getattr(self._runner, "device", None)
                 self._done[e.task] = entry if device is None or str(device) == "cpu" else entry.to(device)
@@ -237,7 +244,7 @@ class PrefillPool:
                 w.state, w.task = "idle", None
                 log.warning("prefill worker %d failed on a segment (%s); computing it locally", e.worker, e.payload)
                 self.stats["errors"] += 1
-                self._compute_here(e.task)
+                redo.append(e.task)
             elif e.kind == "dead":
                 was = w.state
                 w.state, w.task = "dead", None
@@ -251,3 +258,5 @@ class PrefillPool:
                     self.stats["restarts"] += 1
                     w.state = "starting"
                     self._backend.start(e.worker)
+        for tid in redo:
+            self._compute_here(tid)
