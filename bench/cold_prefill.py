@@ -149,7 +149,7 @@ def main() -> None:
         "## Cold prefill on parallel workers",
         "",
         f"Command: `{' '.join(['.venv/bin/python', 'bench/cold_prefill.py', *sys.argv[1:]])}`  ",
-        f"Model: {args.model.name}, random-init qwen3_5, {params / 1e6:.1f}M parameters, fp32, CPU, {cores} cores.  ",
+        f"Model: {args.model.name} ({model.config.model_type}), {params / 1e6:.1f}M parameters, fp32, CPU, {cores} cores.  ",
         f"Workload: {len(args.chunk_lens)} new chunks ({min(args.chunk_lens)}-{max(args.chunk_lens)} tokens, "
         f"{sum(args.chunk_lens)} in all) + {args.question_len}-token question, mode hypic, seam {args.seam}, empty "
         f"segment store; engine step budget {args.step_tokens} tokens; median of {args.reps}.",

@@ -132,14 +132,11 @@ def test_worker_killed_mid_request(plain, pool):
 
 
 def test_no_worker_left_computes_locally(plain):
-    """A replica whose weights are not the engine's is never used; with the other one killed and no
-    restarts left, the engine computes every segment itself."""
+    """With its only worker killed and no restarts left, the engine computes every segment itself."""
     segs = segments([260, 30, 140], seed=9)
-    with PrefillPool(ReplicaSpec(MODEL_DIR, threads=1), workers=2, max_restarts=0) as pool:
+    with PrefillPool(ReplicaSpec(MODEL_DIR, threads=1), workers=1, max_restarts=0) as pool:
         pooled_engine(plain, pool)
-        assert pool.wait_ready(180) == 2
-        pool._handle([Event("ready", 1, None, "a digest of other weights")])  # as if worker 1 had loaded another model
-        assert pool.workers() == [0] and pool.alive == 1
+        assert pool.wait_ready(180) == 1
         tickets = pool.submit([(s, SEAM) for s in segs])  # the longest is on the worker now
         os.kill(pool.pids(busy_only=True)[0], signal.SIGKILL)
         got = pool.collect(tickets)
@@ -163,6 +160,19 @@ def test_bad_bytes_from_a_worker_are_a_local_recompute(plain, pool):
     time.sleep(0.5)
     pool.poll()  # the worker's real answer arrives for a ticket already taken: dropped
     assert pool.take(ticket) is None
+
+
+def test_a_replica_with_other_weights_is_never_used(plain, pool):
+    """(Runs last on the shared pool: it leaves it one worker.)"""
+    pooled_engine(plain, pool)
+    pool.wait_ready(180)
+    assert len(pool.workers()) == 2
+    pool._handle([Event("ready", 1, None, "a digest of other weights")])  # as if worker 1 had loaded another model
+    assert pool.workers() == [0] and pool.alive == 1
+    seg = segments([150], seed=12)[0]
+    before = pool.stats["remote"]
+    assert tensor_bytes(pool.compute_entries([seg], SEAM)[0]) == tensor_bytes(local_entry(plain, seg))
+    assert pool.stats["remote"] == before + 1  # computed by worker 0
 
 
 def test_bad_configuration_is_refused(tmp_path):
