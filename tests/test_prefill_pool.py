@@ -203,3 +203,20 @@ def test_ray_actors_compute_the_same_bytes_and_survive_a_kill(plain):
             assert tensor_bytes(entry) == tensor_bytes(local_entry(plain, seg))
     finally:
         ray.shutdown()
+
+
+def test_settings_name_the_pool(monkeypatch):
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    assert (Settings().prefill_workers, Settings().prefill_backend) == (0, "processes")  # off by default
+    monkeypatch.setenv("HYPIC_PREFILL_WORKERS", "2")
+    monkeypatch.setenv("HYPIC_PREFILL_BACKEND", "ray")
+    settings = Settings()
+    assert (settings.prefill_workers, settings.prefill_backend, settings.prefill_worker_threads) == (2, "ray", None)
+    for name, bad in (("HYPIC_PREFILL_WORKERS", "-1"), ("HYPIC_PREFILL_BACKEND", "threads"), ("HYPIC_PREFILL_WORKER_THREADS", "0")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValidationError, match=name.removeprefix("HYPIC_").lower()):
+            Settings()
+        monkeypatch.delenv(name)
