@@ -10,6 +10,8 @@ schedule -> run -> postprocess:
    up every context segment's canonical entry, compute the misses (of every request in the
    step together, a segment shared by several requests once), then stitch the seam heads and
    the question. Every part is cut to the budget, so a long cold prompt spreads over steps.
+   With a prefill pool (hypic_core/workers) the misses are computed whole on its workers
+   instead, while the steps go on; a sequence stitches once all of its entries are back.
 3. All running sequences advance in ONE batched decode forward (`DecodeBatch`).
 4. Postprocess samples, detokenizes, applies EOS / stop strings / length limits, and emits one
    `StepOutput` per sequence that produced a token or ended.
