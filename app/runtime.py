@@ -55,7 +55,7 @@ def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engin
     return Engine.from_pretrained(model.path, config, build_store(settings), dtype=settings.dtype, device=settings.device,
                                   model_id=settings.served_model_name, prefill_workers=settings.prefill_workers,
                                   prefill_backend=settings.prefill_backend, prefill_threads=settings.prefill_worker_threads,
-                                  ray_address=settings.ray_address)
+                                  ray_address=settings.ray_address, prefill_split_tokens=settings.prefill_split_tokens)
 
 
 def load_index(settings: Settings) -> VectorIndex:

@@ -78,6 +78,9 @@ class Settings(BaseSettings):
                                                          "processes, or Ray actors (the `ray` extra).")
     prefill_worker_threads: int | None = Field(None, ge=1, description="torch threads per prefill worker; default: "
                                                "the machine's cores divided by prefill_workers (at least 1).")
+    prefill_split_tokens: int = Field(0, ge=0, description="With prefill workers: a cold chunk longer than this is split "
+                                      "into pieces computed on different workers and joined (an approximation: attention "
+                                      "inside a piece does not see the pieces before it); 0: off. At least 64 when set.")
     ray_address: str | None = Field(None, description="Ray cluster the ray backend joins; unset: a local Ray instance.")
 
     # online accuracy guard of the served model (app/guard.py; docs/architecture.md)
@@ -156,6 +159,13 @@ class Settings(BaseSettings):
             return Mode.parse(value).value
         except InvalidRequestError as exc:
             raise ValueError(exc.message) from None
+
+    @field_validator("prefill_split_tokens")
+    @classmethod
+    def _split_pieces(cls, value: int) -> int:
+        if 0 < value < 64:
+            raise ValueError(f"must be 0 (off) or >= 64, got {value}")
+        return value
 
     @model_validator(mode="after")
     def _guard_window(self) -> "Settings":

@@ -15,10 +15,16 @@ and whether the generated tokens equal the in-process ones. With --byte-check (d
 entries the workers computed are also compared tensor by tensor with the engine's own
 `compute_entries` of each chunk (they must be the same bytes).
 
+--split-accuracy P [P ...] measures instead what splitting long cold segments into pieces of at
+most P tokens (HYPIC_PREFILL_SPLIT_TOKENS) costs in accuracy, on the bundled model and held-out
+questions whose 10 documents form one chunk: first-token KL and top-1 agreement against the
+unsplit entry, and exact match of the greedy answers.
+
 Run:  .venv/bin/python bench/cold_prefill.py                         (1 and 2 workers; writes docs/benchmarks.md)
       .venv/bin/python bench/cold_prefill.py --workers 1 2 4 8       (a bigger machine)
       .venv/bin/python bench/cold_prefill.py --model models/hypic-tiny --chunk-lens 64 96 128 160 192 224 256 288 \\
           --reps 1 --out /tmp/cold.md                                (a quick check that it runs)
+      .venv/bin/python bench/cold_prefill.py --split-accuracy 64 128 --model models/hypic-tiny
 """
 
 from __future__ import annotations
@@ -70,6 +76,71 @@ def tensor_bytes(entry) -> dict:
             for n, t in entry.to_tensors().items()}
 
 
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p = torch.log_softmax(p_logits, -1)
+    return float(torch.sum(p.exp() * (p - torch.log_softmax(q_logits, -1))))
+
+
+def split_accuracy(args) -> None:
+    """First-token KL / top-1 / exact match of split entries against unsplit ones (see the docstring)."""
+    from hypic_core.keys import SegmentKey
+    from hypic_core.workers.split import join_pieces, split_points
+    from training import world
+
+    engine = Engine.from_pretrained(args.model, EngineConfig(seam=args.seam))
+    tok, runner = engine.tokenizer, engine.runner
+    examples = world.heldout_examples(args.examples, k_values=(10,), kinds=("single", "two_hop"))
+    rows: dict[str, list[tuple[float, float, float]]] = {"unsplit": [], **{f"split {p}": [] for p in args.split_accuracy}}
+    lengths = []
+
+    def answer(e: Engine, segs) -> tuple[str, torch.Tensor]:
+        req = GenerationRequest(segs, seam=args.seam, exact_prefix=1, sampling=SamplingParams(max_tokens=8))
+        pre = e.prefill(req)
+        return "".join(o.text for o in e.generate(req, prefilled=pre)).strip(), pre.logits
+
+    for i, ex in enumerate(examples):
+        texts, gold = world.prompt_segments(ex)
+        ids = [tuple(tok.encode(t, add_special_tokens=False)) for t in texts]
+        chunk = tuple(t for seg in ids[1:-1] for t in seg)  # the 10 documents as one chunk
+        segs = (ids[0], chunk, ids[-1])
+        lengths.append(len(chunk))
+        base = Engine(engine.model, tok, engine.config, MemorySegmentStore(1 << 30), engine.model_id)
+        ref_text, ref_logits = answer(base, segs)
+        rows["unsplit"].append((0.0, 1.0, float(ref_text == gold)))
+        for piece in args.split_accuracy:
+            with torch.inference_mode():
+                parts = [chunk[a:b] for a, b in split_points(len(chunk), piece)]
+                entries = [runner.compute_entries([p], args.seam if j == 0 else 0, len(p))[0] for j, p in enumerate(parts)]
+                joined = join_pieces(entries, runner.adapter)
+            e = Engine(engine.model, tok, engine.config, MemorySegmentStore(1 << 30), engine.model_id)
+            e.store.insert(SegmentKey.of(e.fingerprint, args.seam, chunk), joined)
+            text, logits = answer(e, segs)
+            rows[f"split {piece}"].append((kl(ref_logits, logits), float(logits.argmax() == ref_logits.argmax()),
+                                           float(text == gold)))
+        print(f"example {i + 1}/{len(examples)}: chunk {len(chunk)} tokens, gold {gold!r}, unsplit {ref_text!r}", flush=True)
+    n = len(examples)
+    lines = [
+        "<!-- cold-prefill-split:begin -->",
+        "### Splitting long cold segments",
+        "",
+        f"Command: `{' '.join(['.venv/bin/python', 'bench/cold_prefill.py', *sys.argv[1:]])}`  ",
+        f"Model: {args.model.name}; {n} held-out questions (single-hop and two-hop), their 10 documents as one chunk "
+        f"({min(lengths)}-{max(lengths)} tokens, mean {statistics.mean(lengths):.0f}) after the system prompt (exact), "
+        f"seam {args.seam}, greedy. Each split entry joins pieces of at most P tokens computed alone "
+        "(`HYPIC_PREFILL_SPLIT_TOKENS=P`).",
+        "",
+        "| entry | first-token KL vs unsplit (mean) | top-1 agreement | exact match |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, vals in rows.items():
+        lines.append(f"| {name} | {statistics.mean(v[0] for v in vals):.4f} | {100 * statistics.mean(v[1] for v in vals):.0f}% "
+                     f"| {100 * statistics.mean(v[2] for v in vals):.0f}% |")
+    lines.append("<!-- cold-prefill-split:end -->")
+    section = "\n".join(lines)
+    print(section)
+    write_section(args.out, section, "cold-prefill-split")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=Path("/tmp/bench-model"),
@@ -86,8 +157,13 @@ def main() -> None:
                     help="the engine's per-step token budget (HYPIC_MAX_STEP_TOKENS)")
     ap.add_argument("--no-byte-check", dest="byte_check", action="store_false")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--split-accuracy", type=int, nargs="+", metavar="P",
+                    help="measure the accuracy cost of splitting segments into pieces of at most P tokens instead")
+    ap.add_argument("--examples", type=int, default=10, help="--split-accuracy: questions per kind")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.split_accuracy:
+        return split_accuracy(args)
 
     if not (args.model / "config.json").is_file():
         print(f"building the benchmark model in {args.model}", flush=True)

@@ -24,6 +24,7 @@ serialised by the step lock.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 import time
 from collections import deque
@@ -142,19 +143,23 @@ class Engine:
         # processes. None: computed here, in this thread, as part of each step's token budget.
         self.pool = prefill_pool
         if prefill_pool is not None:
+            if prefill_pool.split_tokens:  # its entries approximate the canonical ones: never under their keys
+                self.fingerprint = hashlib.sha256(f"{self.fingerprint}/split{prefill_pool.split_tokens}".encode()).hexdigest()
             prefill_pool.bind(self.fingerprint, self.runner)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, store: SegmentStore | None = None,
                         dtype: str | torch.dtype = torch.float32, device: str = "cpu", model_id: str | None = None,
                         prefill_workers: int = 0, prefill_backend: str = "processes",
-                        prefill_threads: int | None = None, ray_address: str | None = None) -> "Engine":
+                        prefill_threads: int | None = None, ray_address: str | None = None,
+                        prefill_split_tokens: int = 0) -> "Engine":
         """Load a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer) onto
         `device` in `dtype` ("auto": see `loader.pick_dtype`). Offline only.
 
         `prefill_workers` > 0 computes cold entries on that many replicas of the checkpoint
         (`prefill_backend`: "processes" or "ray", joining `ray_address` or a local Ray; `prefill_threads`
-        torch threads each, default the cores split between them); see hypic_core/workers."""
+        torch threads each, default the cores split between them; `prefill_split_tokens` > 0: longer
+        segments are split into pieces, an approximation); see hypic_core/workers."""
         from .loader import load_local
 
         model, tokenizer = load_local(path, dtype=dtype, device=device)
@@ -163,7 +168,7 @@ class Engine:
             from .workers import PrefillPool, ReplicaSpec
 
             pool = PrefillPool(ReplicaSpec(str(path), model.dtype, device, prefill_threads), prefill_workers, prefill_backend,
-                               ray_address=ray_address)
+                               ray_address=ray_address, split_tokens=prefill_split_tokens)
         return cls(model, tokenizer, config, store, model_id=model_id or Path(path).name, prefill_pool=pool)
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from hypic_core.engine import Engine
 from hypic_core.store import MemorySegmentStore
 from hypic_core.workers import PrefillPool, ReplicaSpec
 from hypic_core.workers.backends import Event
+from hypic_core.workers.split import join_pieces, split_points
 
 MODEL_DIR = str(Path(__file__).resolve().parents[1] / "models" / "hypic-tiny")
 SEAM = 8
@@ -160,6 +161,50 @@ def test_bad_bytes_from_a_worker_are_a_local_recompute(plain, pool):
     time.sleep(0.5)
     pool.poll()  # the worker's real answer arrives for a ticket already taken: dropped
     assert pool.take(ticket) is None
+
+
+def test_split_points_cover_the_segment():
+    for length, piece in ((300, 128), (128, 128), (129, 128), (4096, 512), (70, 64), (1000, 333)):
+        pts = split_points(length, piece)
+        assert pts[0][0] == 0 and pts[-1][1] == length and all(a[1] == b[0] for a, b in zip(pts, pts[1:]))
+        sizes = [b - a for a, b in pts]
+        assert max(sizes) <= piece and max(sizes) - min(sizes) <= 1 and len(pts) == -(-length // piece)
+    with pytest.raises(ValueError, match="64"):
+        split_points(100, 32)
+
+
+def test_joined_pieces_equal_stitching_the_pieces(plain):
+    """A joined entry is exactly the pieces stitched as consecutive segments (seam 0 after the first)."""
+    seg, question = segments([300], seed=13)[0], segments([12], seed=14)[0]
+    runner = plain.runner
+    pieces = [seg[a:b] for a, b in split_points(len(seg), 128)]
+    with torch.inference_mode():
+        entries = [runner.compute_entries([p], SEAM if i == 0 else 0, 512)[0] for i, p in enumerate(pieces)]
+        joined = join_pieces(entries, runner.adapter)
+        one = runner.stitch(runner.new_cache(), [seg], [joined], question)
+        several = runner.stitch_sequential(runner.new_cache(), pieces, entries, question)
+        unsplit = runner.stitch(runner.new_cache(), [seg], [local_entry(plain, seg)], question)
+    assert joined.token_ids == seg and joined.seam == SEAM and joined.keys[0].shape[-2] == len(seg) - SEAM
+    torch.testing.assert_close(one, several, rtol=1e-4, atol=1e-4)
+    assert (one - unsplit).abs().max() > 1e-3  # an approximation: attention in a piece misses the earlier pieces
+
+
+def test_a_split_pool_joins_the_workers_pieces(plain, pool):
+    seg, question = segments([300], seed=15)[0], segments([10], seed=16)[0]
+    pool.split_tokens = 128
+    try:
+        engine = pooled_engine(plain, pool)
+        assert engine.fingerprint != plain.fingerprint  # split entries never under the canonical keys
+        before = pool.stats["remote"]
+        (entry,) = engine.segment_entries((seg,), SEAM).entries
+        assert pool.stats["remote"] - before == 3  # three pieces, on the workers
+        with torch.inference_mode():
+            pieces = [plain.runner.compute_entries([seg[a:b]], SEAM if i == 0 else 0, 512)[0]
+                      for i, (a, b) in enumerate(split_points(len(seg), 128))]
+        assert tensor_bytes(entry) == tensor_bytes(join_pieces(pieces, plain.runner.adapter))
+        assert len(engine.generated_tokens(request([seg], question, max_tokens=3))) == 3
+    finally:
+        pool.split_tokens = 0
 
 
 def test_a_replica_with_other_weights_is_never_used(plain, pool):

@@ -33,6 +33,7 @@ from ..entry import SegmentEntry
 from ..keys import SegmentKey
 from .backends import BACKENDS, Backend, Event, make_backend
 from .replica import ReplicaSpec, Task, weights_digest
+from .split import MIN_PIECE, join_pieces, split_points
 
 log = logging.getLogger("hypic.prefill_pool")
 
@@ -49,18 +50,24 @@ class _Worker:
 class PrefillPool:
     """`workers` replicas of `spec`'s checkpoint on `backend` ("processes" or "ray").
 
+    `split_tokens` > 0 (off by default) cuts a segment longer than that into pieces computed on
+    different workers and joined (`split.join_pieces`): faster, but an approximation of the
+    segment's entry, so an engine with such a pool names its entries apart (`Engine`).
+
     Workers start loading at construction; `wait_ready` blocks until they have (until then, work
     that must be waited for is computed locally, one segment at a time). Call `bind` once with
     the engine's fingerprint and runner before submitting (`Engine` does).
     """
 
     def __init__(self, spec: ReplicaSpec, workers: int, backend: str = "processes", max_restarts: int | None = None,
-                 ray_address: str | None = None):
+                 ray_address: str | None = None, split_tokens: int = 0):
         if workers < 1:
             raise ValueError(f"a prefill pool needs >= 1 worker, got {workers}")
         if backend not in BACKENDS:
             raise ValueError(f"prefill backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        self.spec, self.backend_name, self.size = spec, backend, workers
+        if split_tokens and split_tokens < MIN_PIECE:
+            raise ValueError(f"split_tokens must be 0 (off) or >= {MIN_PIECE}, got {split_tokens}")
+        self.spec, self.backend_name, self.size, self.split_tokens = spec, backend, workers, split_tokens
         self.threads = spec.threads_for(workers)
         self.max_restarts = 2 * workers if max_restarts is None else max_restarts
         self.stats: Counter[str] = Counter()  # remote, local, requeued, deaths, restarts, corrupt, errors
@@ -71,6 +78,7 @@ class PrefillPool:
         self._tasks: dict[int, Task] = {}  # submitted, not yet finished, not cancelled
         self._queue: list[int] = []  # task ids waiting for a worker, longest first
         self._done: dict[int, SegmentEntry] = {}
+        self._pieces: dict[int, list[int]] = {}  # a split segment's ticket -> its pieces' task ids
         self._backend: Backend = make_backend(backend, spec, self.threads, ray_address)
         self._workers = {w: _Worker() for w in range(workers)}
         for w in self._workers:
@@ -113,13 +121,23 @@ class PrefillPool:
             raise RuntimeError("PrefillPool.bind must be called before submit")
         tickets = []
         for segment, seam in work:
+            segment = tuple(segment)
             tid = next(self._ids)
-            self._tasks[tid] = Task(tid, tuple(segment), seam, SegmentKey.of(self._fingerprint, seam, tuple(segment)))
+            if self.split_tokens and len(segment) > max(self.split_tokens, seam + MIN_PIECE):
+                parts = [segment[a:b] for a, b in split_points(len(segment), self.split_tokens)]
+                self._pieces[tid] = [self._task(part, seam if i == 0 else 0) for i, part in enumerate(parts)]
+            else:
+                self._task(segment, seam, tid)
             tickets.append(tid)
-        self._queue.extend(tickets)
         self._queue.sort(key=lambda t: -len(self._tasks[t].segment))
         self.poll()
         return tickets
+
+    def _task(self, segment: tuple[int, ...], seam: int, tid: int | None = None) -> int:
+        tid = next(self._ids) if tid is None else tid
+        self._tasks[tid] = Task(tid, segment, seam, SegmentKey.of(self._fingerprint, seam, segment))
+        self._queue.append(tid)
+        return tid
 
     def poll(self) -> None:
         """Collect finished work and start queued work on idle workers, without waiting."""
@@ -128,8 +146,8 @@ class PrefillPool:
 
     def wait_any(self, tickets: Sequence[int]) -> None:
         """Block until at least one of `tickets` is done (or none is pending)."""
-        pending = [t for t in tickets if t in self._tasks]
-        while pending and not any(t in self._done for t in pending):
+        pending = [t for t in tickets if t in self._tasks or t in self._pieces]
+        while pending and not any(self._ready(t) for t in pending):
             self._dispatch()
             if self._queue and not any(w.state in ("idle", "busy") for w in self._workers.values()):
                 # No worker can take it now (all loading, or gone): the engine's thread computes the
@@ -138,10 +156,22 @@ class PrefillPool:
                 self._handle(self._backend.events(0))
                 continue
             self._handle(self._backend.events(1.0))
-            pending = [t for t in pending if t in self._tasks or t in self._done]
+            pending = [t for t in pending if t in self._tasks or t in self._done or t in self._pieces]
+
+    def _ready(self, ticket: int) -> bool:
+        parts = self._pieces.get(ticket)
+        return ticket in self._done if parts is None else all(p in self._done for p in parts)
 
     def take(self, ticket: int) -> SegmentEntry | None:
         """The entry of `ticket` once done (it is then forgotten), else None."""
+        parts = self._pieces.get(ticket)
+        if parts is not None:
+            if not self._ready(ticket):
+                return None
+            del self._pieces[ticket]
+            for p in parts:
+                self._tasks.pop(p, None)
+            return join_pieces([self._done.pop(p) for p in parts], self._runner.adapter)
         entry = self._done.pop(ticket, None)
         if entry is not None:
             self._tasks.pop(ticket, None)
@@ -149,6 +179,8 @@ class PrefillPool:
 
     def cancel(self, ticket: int) -> None:
         """Forget `ticket`: not started, it never will be; started, its result is dropped."""
+        for part in self._pieces.pop(ticket, ()):
+            self.cancel(part)
         self._tasks.pop(ticket, None)
         self._done.pop(ticket, None)
         if ticket in self._queue:
