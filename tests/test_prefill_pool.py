@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
+from hypic_core.config import GenerationRequest, SamplingParams
 from hypic_core.engine import Engine
 from hypic_core.store import MemorySegmentStore
 from hypic_core.workers import PrefillPool, ReplicaSpec

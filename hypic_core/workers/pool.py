@@ -44,7 +44,6 @@ __all__ = ["BACKENDS", "PrefillPool", "ReplicaSpec"]
 class _Worker:
     state: str = "starting"  # "starting" | "idle" | "busy" | "dead"
     task: int | None = None
-    tokens: int = 0  # tokens computed so far (a load figure for stats)
 
 
 class PrefillPool:
@@ -123,8 +122,9 @@ class PrefillPool:
         for segment, seam in work:
             segment = tuple(segment)
             tid = next(self._ids)
-            if self.split_tokens and len(segment) > max(self.split_tokens, seam + MIN_PIECE):
-                parts = [segment[a:b] for a, b in split_points(len(segment), self.split_tokens)]
+            points = split_points(len(segment), self.split_tokens) if self.split_tokens else [(0, len(segment))]
+            if len(points) > 1 and points[0][1] > seam:  # the first piece holds the seam head and a body
+                parts = [segment[a:b] for a, b in points]
                 self._pieces[tid] = [self._task(part, seam if i == 0 else 0) for i, part in enumerate(parts)]
             else:
                 self._task(segment, seam, tid)
@@ -270,7 +270,6 @@ class PrefillPool:
                     continue
                 device = getattr(self._runner, "device", None)
                 self._done[e.task] = entry if device is None or str(device) == "cpu" else entry.to(device)
-                w.tokens += len(task.segment)
                 self.stats["remote"] += 1
             elif e.kind == "error":
                 w.state, w.task = "idle", None

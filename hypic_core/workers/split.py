@@ -6,7 +6,7 @@ segment's seam head, the others have none. Joining them into one entry for the w
 - attention: the pieces' body K/V concatenated, each piece's keys rotated from its local
   positions to its offset in the segment;
 - linear layers: the body operators composed, (T1, E1) then (T2, E2) = (T2 T1, T2 E1 + E2);
-- conv tail: the last piece's (pieces are longer than any conv kernel).
+- conv tail: the last piece's (a piece is longer than any conv kernel).
 
 This is exact for each linear layer *given its inputs*, but the inputs differ: attention inside
 a piece does not see the pieces before it, and each piece's conv and linear layers start from
@@ -23,7 +23,8 @@ import torch
 
 from ..entry import SegmentEntry
 
-MIN_PIECE = 64  # longer than any conv kernel, and short pieces lose the most context
+MIN_PIECE = 64  # smallest piece size allowed: pieces (>= MIN_PIECE / 2 tokens) outlast any conv kernel,
+#                 and short pieces lose the most context
 
 
 def split_points(length: int, piece_tokens: int) -> list[tuple[int, int]]:
