@@ -57,7 +57,9 @@ def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engin
                           memory_budget_bytes=settings.cache_memory_bytes, prefix_budget_bytes=settings.prefix_cache_bytes,
                           model_id=settings.served_model_name)
     return Engine.from_pretrained(model.path, config, build_store(settings), dtype=settings.dtype, device=settings.device,
-                                  model_id=settings.served_model_name)
+                                  model_id=settings.served_model_name, prefill_workers=settings.prefill_workers,
+                                  prefill_backend=settings.prefill_backend, prefill_threads=settings.prefill_worker_threads,
+                                  ray_address=settings.ray_address, prefill_split_tokens=settings.prefill_split_tokens)
 
 
 def load_index(settings: Settings) -> VectorIndex:
@@ -120,10 +122,12 @@ class Runtime:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
 
     def close(self) -> None:
-        """Stop the worker; the store of an engine loaded here finishes its disk writes (if it has a disk tier)."""
+        """Stop the worker; an engine loaded here stops its prefill workers and its store finishes its disk writes."""
         self.worker.close()
-        if self._owns_engine and self.engine is not None and hasattr(self.engine.store, "close"):
-            self.engine.store.close()
+        if self._owns_engine and self.engine is not None:
+            self.engine.close()  # its prefill workers, if any
+            if hasattr(self.engine.store, "close"):
+                self.engine.store.close()
 
     def _load(self) -> None:
         started = time.perf_counter()

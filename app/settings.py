@@ -72,6 +72,16 @@ class Settings(BaseSettings):
     cache_storage_dtype: str = Field("auto", description="Disk-tier entries: auto (as computed: K/V in the model's dtype, "
                                      "T and E fp32) or bf16 (narrowed); fp32, a former name of auto, is still read.")
     prefix_cache_bytes: int = Field(512 << 20, ge=0)
+    prefill_workers: int = Field(0, ge=0, description="Model replicas computing cold chunks' cache entries in parallel "
+                                 "(each loads the model); 0: the engine computes them itself.")
+    prefill_backend: Literal["processes", "ray"] = Field("processes", description="Where prefill workers run: local "
+                                                         "processes, or Ray actors (the `ray` extra).")
+    prefill_worker_threads: int | None = Field(None, ge=1, description="torch threads per prefill worker; default: "
+                                               "the machine's cores divided by prefill_workers (at least 1).")
+    prefill_split_tokens: int = Field(0, ge=0, description="With prefill workers: a cold chunk longer than this is split "
+                                      "into pieces computed on different workers and joined (an approximation: attention "
+                                      "inside a piece does not see the pieces before it); 0: off. At least 64 when set.")
+    ray_address: str | None = Field(None, description="Ray cluster the ray backend joins; unset: a local Ray instance.")
 
     # shared segment-cache tier (hypic_core/cache/redis_tier.py; docs/deploy-redis.md)
     redis_url: SecretStr | None = Field(None, description="Redis server that gateway replicas share segment entries through "
@@ -160,6 +170,13 @@ class Settings(BaseSettings):
             return Mode.parse(value).value
         except InvalidRequestError as exc:
             raise ValueError(exc.message) from None
+
+    @field_validator("prefill_split_tokens")
+    @classmethod
+    def _split_pieces(cls, value: int) -> int:
+        if 0 < value < 64:
+            raise ValueError(f"must be 0 (off) or >= 64, got {value}")
+        return value
 
     @model_validator(mode="after")
     def _guard_window(self) -> "Settings":

@@ -10,6 +10,8 @@ schedule -> run -> postprocess:
    up every context segment's canonical entry, compute the misses (of every request in the
    step together, a segment shared by several requests once), then stitch the seam heads and
    the question. Every part is cut to the budget, so a long cold prompt spreads over steps.
+   With a prefill pool (hypic_core/workers) the misses are computed whole on its workers
+   instead, while the steps go on; a sequence stitches once all of its entries are back.
 3. All running sequences advance in ONE batched decode forward (`DecodeBatch`).
 4. Postprocess samples, detokenizes, applies EOS / stop strings / length limits, and emits one
    `StepOutput` per sequence that produced a token or ended.
@@ -22,6 +24,7 @@ serialised by the step lock.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 import time
 from collections import deque
@@ -72,6 +75,7 @@ class ColdWork:
     holders: int = 0  # plans waiting for it
     part: PartialEntry | None = None  # set when computed piece by piece
     entry: SegmentEntry | None = None
+    ticket: int | None = None  # set while a prefill pool computes it
 
     @property
     def left(self) -> int:
@@ -117,7 +121,7 @@ class PrefillPlan:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None,
-                 store: SegmentStore | None = None, model_id: str = "model"):
+                 store: SegmentStore | None = None, model_id: str = "model", prefill_pool=None):
         self.config = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -135,16 +139,43 @@ class Engine:
         self.kv_bytes_per_token, self.state_bytes = self._footprint()
         self._cold: dict[str, ColdWork] = {}
         self._lock = threading.RLock()  # one step (one set of model calls) at a time
+        # Parallel cold prefill (hypic_core/workers): cold entries computed by replicas on other
+        # processes. None: computed here, in this thread, as part of each step's token budget.
+        self.pool = prefill_pool
+        if prefill_pool is not None:
+            if prefill_pool.split_tokens:  # its entries approximate the canonical ones: never under their keys
+                self.fingerprint = hashlib.sha256(f"{self.fingerprint}/split{prefill_pool.split_tokens}".encode()).hexdigest()
+            prefill_pool.bind(self.fingerprint, self.runner)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, store: SegmentStore | None = None,
-                        dtype: str | torch.dtype = torch.float32, device: str = "cpu", model_id: str | None = None) -> "Engine":
+                        dtype: str | torch.dtype = torch.float32, device: str = "cpu", model_id: str | None = None,
+                        prefill_workers: int = 0, prefill_backend: str = "processes",
+                        prefill_threads: int | None = None, ray_address: str | None = None,
+                        prefill_split_tokens: int = 0) -> "Engine":
         """Load a local Hugging Face checkpoint directory (config.json, safetensors, tokenizer) onto
-        `device` in `dtype` ("auto": see `loader.pick_dtype`). Offline only."""
+        `device` in `dtype` ("auto": see `loader.pick_dtype`). Offline only.
+
+        `prefill_workers` > 0 computes cold entries on that many replicas of the checkpoint
+        (`prefill_backend`: "processes" or "ray", joining `ray_address` or a local Ray; `prefill_threads`
+        torch threads each, default the cores split between them; `prefill_split_tokens` > 0: longer
+        segments are split into pieces, an approximation); see hypic_core/workers."""
         from .loader import load_local
 
         model, tokenizer = load_local(path, dtype=dtype, device=device)
-        return cls(model, tokenizer, config, store, model_id=model_id or Path(path).name)
+        pool = None
+        if prefill_workers:
+            from .workers import PrefillPool, ReplicaSpec
+
+            pool = PrefillPool(ReplicaSpec(str(path), model.dtype, device, prefill_threads), prefill_workers, prefill_backend,
+                               ray_address=ray_address, split_tokens=prefill_split_tokens)
+        return cls(model, tokenizer, config, store, model_id=model_id or Path(path).name, prefill_pool=pool)
+
+    def close(self) -> None:
+        """Stop the prefill pool's workers, if any (the engine computes cold entries itself afterwards)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     @property
     def max_positions(self) -> int:
@@ -218,7 +249,7 @@ class Engine:
             sched = self.scheduler.schedule(prepare=self._prepare)
             outputs = [self._finish(seq, "abort") for seq in sched.aborted]
             if sched.prefills:
-                outputs += self._run_prefills(sched.prefills)
+                outputs += self._run_prefills(sched.prefills, wait=not sched.decodes)
             if sched.decodes:
                 outputs += self._run_decode(sched.decodes)
             self.runner.batch.sync([s for s in self.runner.batch.keys if not s.finished], {})
@@ -269,7 +300,7 @@ class Engine:
         todo = list(dict.fromkeys(s for s, e in zip(segments, found) if e is None))
         if todo:
             with self._lock, torch.inference_mode():
-                computed = dict(zip(todo, self.runner.compute_entries(todo, seam, self.config.max_cold_batch_tokens)))
+                computed = dict(zip(todo, (self.pool or self.runner).compute_entries(todo, seam, self.config.max_cold_batch_tokens)))
             for i, (k, s) in enumerate(zip(keys, segments)):
                 if found[i] is None:
                     found[i] = computed[s]
@@ -348,8 +379,9 @@ class Engine:
         except Exception as exc:
             seq.error, seq.prefill_left = exc, 0
 
-    def _run_prefills(self, grants: list[tuple[Sequence, int]]) -> list[StepOutput]:
-        """Spend each granted budget on its sequence's prefill; cold entries of all of them are computed together."""
+    def _run_prefills(self, grants: list[tuple[Sequence, int]], wait: bool = True) -> list[StepOutput]:
+        """Spend each granted budget on its sequence's prefill; cold entries of all of them are computed together
+        (`wait`: with a prefill pool, block until some arrive when nothing else could advance)."""
         outputs = []
         budgets: dict[Sequence, int] = {}
         for seq, grant in grants:
@@ -358,7 +390,7 @@ class Engine:
             else:
                 budgets[seq] = grant
         try:
-            self._run_cold(budgets)
+            self._run_cold(budgets, wait)
         except Exception as exc:
             return outputs + [self._finish(seq, "error", exc) for seq in budgets]
         for seq, budget in budgets.items():
@@ -372,9 +404,12 @@ class Engine:
                 outputs.append(self._finish(seq, "error", exc))
         return outputs
 
-    def _run_cold(self, budgets: dict[Sequence, int]) -> None:
+    def _run_cold(self, budgets: dict[Sequence, int], wait: bool = True) -> None:
         """Compute missing entries within the budgets (mutated): whole segments batched together
-        (per seam width), and one piece of each segment longer than what is left of its budget."""
+        (per seam width), and one piece of each segment longer than what is left of its budget.
+        With a prefill pool, `_run_cold_pool` instead."""
+        if self.pool is not None:
+            return self._run_cold_pool(budgets, wait)
         whole: dict[int, list[ColdWork]] = {}
         chosen: set[int] = set()
         spent = 0  # prefill tokens given out in this step so far
@@ -411,7 +446,40 @@ class Engine:
             for seq in holders:
                 seq.stats.computed_tokens += sum(len(cw.segment) for cw, _ in seq.plan.cold if cw in works)
                 _add_ms(seq.stats, "cold", t)
-        for seq in budgets:  # hand finished entries to their plans and the store
+        self._hand_over(budgets)
+
+    def _run_cold_pool(self, budgets: dict[Sequence, int], wait: bool) -> None:
+        """Cold entries on the prefill pool: every new cold segment of the step's sequences goes to
+        the pool at once (it orders them longest first), whole and outside the token budgets (the
+        work runs on other processes). Finished ones are handed over; when `wait` and no sequence
+        could advance without one, block until one arrives."""
+        pool = self.pool
+        new: dict[int, ColdWork] = {}
+        for seq in budgets:
+            for cw, _ in seq.plan.cold:
+                if cw.entry is None and cw.ticket is None:
+                    new[id(cw)] = cw
+        for cw, ticket in zip(new.values(), pool.submit([(cw.segment, cw.seam) for cw in new.values()])):
+            cw.ticket = ticket
+        pending = [cw for seq in budgets for cw, _ in seq.plan.cold if cw.entry is None]
+        t = time.perf_counter()
+        if wait and pending and all(any(cw.entry is None for cw, _ in seq.plan.cold) for seq in budgets):
+            pool.wait_any([cw.ticket for cw in pending])
+        else:
+            pool.poll()
+        for cw in pending:
+            entry = pool.take(cw.ticket)
+            if entry is not None:
+                cw.entry, cw.ticket = entry, None
+        for seq in budgets:
+            if seq.plan.cold:
+                _add_ms(seq.stats, "cold", t)
+                seq.stats.computed_tokens += sum(len(cw.segment) for cw, _ in seq.plan.cold if cw.entry is not None)
+        self._hand_over(budgets)
+
+    def _hand_over(self, budgets: dict[Sequence, int]) -> None:
+        """Hand finished entries to their plans and the store."""
+        for seq in budgets:
             still = []
             for cw, slots in seq.plan.cold:
                 if cw.entry is None:
@@ -553,6 +621,8 @@ class Engine:
                 cw.holders -= 1
                 if cw.holders <= 0 and self._cold.get(cw.key.to_str()) is cw:
                     del self._cold[cw.key.to_str()]
+                    if cw.ticket is not None and self.pool is not None:
+                        self.pool.cancel(cw.ticket)
         seq.plan = seq.cache = seq.logits = None
         self.scheduler.finish(seq)
 
