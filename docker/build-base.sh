@@ -40,6 +40,7 @@ MIRROR="${DEBIAN_MIRROR:-$(mirror_from_apt)}"
 
 ROOTFS="$(mktemp -d /tmp/hypic-base-rootfs.XXXXXX)"
 trap 'rm -rf "$ROOTFS"' EXIT
+chmod 755 "$ROOTFS"   # it becomes the image's /, which every user must be able to enter (mktemp makes it 0700)
 
 echo "build-base: debootstrap $SUITE from $MIRROR into $ROOTFS" >&2
 debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$ROOTFS" "$MIRROR" >&2
@@ -58,4 +59,4 @@ tar -C "$ROOTFS" --numeric-owner -c . | docker import \
     -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     -c 'CMD ["python3"]' \
     -m "debootstrap --variant=minbase $SUITE + $PACKAGES" - "$TAG" >/dev/null
-echo "build-base: $TAG: $(docker run --rm "$TAG" python3 --version)" >&2
+echo "build-base: $TAG: $(docker run --rm --user 65534 "$TAG" python3 --version) (run as an unprivileged user)" >&2
