@@ -5,7 +5,7 @@
 #      way your own documents are), then the gateway serves the bundled model mounted as your own model is;
 #   3. waits for the gateway's healthcheck, asks POST /query and checks that an answer and sources come back;
 #   4. waits for the segment cache's disk tier, restarts the gateway container and asks again: the answer
-#      must come from the cache volume (hypic_cache_hits{tier="disk"} > 0, composed_tokens > 0), unchanged;
+#      must come from the cache volume (hypic_cache_hits_total{tier="disk"} > 0, composed_tokens > 0), unchanged;
 #   5. `down -v` (also on failure, after printing the logs).
 #
 #   docker/smoke.sh 2>&1 | tee docs/deploy-smoke.txt
@@ -124,6 +124,19 @@ wait_healthy() {
     log "gateway healthy; $URL/ready answers from the host"
 }
 wait_healthy
+PROC_UID="$(compose exec -T gateway id -u)"
+DATA_UID="$(compose exec -T gateway stat -c %u /var/lib/hypic/index /var/lib/hypic/cache | sort -u | paste -sd ' ')"
+log "gateway runs as uid $PROC_UID; the volume's index and cache belong to uid $DATA_UID"
+[ "$PROC_UID $DATA_UID" = "10001 10001" ] || fail "expected uid 10001 for the process and the volume's files"
+REDIS_URL="$(compose exec -T gateway printenv HYPIC_REDIS_URL)"
+compose exec -T gateway python -c '
+import socket, sys, urllib.parse
+url = urllib.parse.urlparse(sys.argv[1])
+with socket.create_connection((url.hostname, url.port or 6379), timeout=5) as s:
+    s.sendall(b"PING\r\n")
+    reply = s.recv(256)
+    assert reply.startswith(b"+PONG"), reply' "$REDIS_URL" || fail "the gateway cannot reach Redis at $REDIS_URL"
+log "the gateway reaches Redis at $REDIS_URL (HYPIC_REDIS_URL)"
 
 query() {  # prints: answer <TAB> sources <TAB> composed_tokens <TAB> cached_tokens <TAB> prompt_tokens
     curl -fsS "$URL/query" -H 'content-type: application/json' \
@@ -143,7 +156,7 @@ import sys
 name, labels = sys.argv[1], sys.argv[2]
 total = 0.0
 for line in sys.stdin:
-    if line.startswith(name + ("{" if labels else " ")) and labels in line and not line.startswith(name + "_"):
+    if line.startswith(name + ("{" if labels else " ")) and labels in line:
         total += float(line.rsplit(" ", 1)[1])
 print(int(total) if total.is_integer() else total)' "$1" "$2"
 }
@@ -165,15 +178,14 @@ done
 log "disk tier: $(metric hypic_cache_bytes 'tier="disk"') bytes; restarting the gateway container"
 compose restart gateway
 wait_healthy
-HITS0="$(metric hypic_cache_hits 'tier="disk"')"
+HITS0="$(metric hypic_cache_hits_total 'tier="disk"')"
 [ "$HITS0" = 0 ] || fail "disk hits before any query after the restart: $HITS0"
 IFS=$'\t' read -r ANSWER2 SOURCES2 COMPOSED2 CACHED2 PROMPT2 < <(query)
-HITS="$(metric hypic_cache_hits 'tier="disk"')"
+HITS="$(metric hypic_cache_hits_total 'tier="disk"')"
 log "warm:  answer '$ANSWER2'; $SOURCES2 sources; prompt $PROMPT2 tokens, composed $COMPOSED2, exact $CACHED2; disk hits $HITS"
 [ "$HITS" -gt 0 ] || fail "no disk-tier hit after the restart: the cache volume did not survive"
 [ "$COMPOSED2" -gt 0 ] || fail "composed_tokens is 0 after the restart"
 [ "$ANSWER2" = "$ANSWER1" ] || fail "the answer changed after the restart: '$ANSWER1' -> '$ANSWER2'"
 
-redis_id="$(compose ps -q redis)"
-log "redis: $(docker inspect --format '{{.State.Health.Status}}' "$redis_id"), $(docker exec "$redis_id" redis-cli -p "$( [ "${HYPIC_SMOKE_NETWORK:-bridge}" = host ] && echo $((PORT + 1)) || echo 6379)" dbsize) keys"
+log "redis: $(docker inspect --format '{{.State.Health.Status}}' "$(compose ps -q redis)")"
 log "PASS"
