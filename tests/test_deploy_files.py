@@ -144,6 +144,7 @@ def test_gpu_overlay():
     assert gateway["environment"]["HYPIC_DEVICE"] == "cuda"
     args = gateway["build"]["args"]
     assert "cpu" not in args["TORCH_INDEX_URL"] and args["EXTRAS"] == "gpu" and "gcc" in args["APT_PACKAGES"]
+    assert args["TORCH_FROM_WHEELS"] == "no"  # docker/wheels/ holds CPU wheels
     assert gateway["build"]["dockerfile"] == "docker/Dockerfile"  # the overlay changes arguments only
     assert model["services"]["ingest"]["image"] == gateway["image"] != load("compose.yaml")["services"]["gateway"]["image"]
 
