@@ -39,7 +39,12 @@ mirror_from_apt() {
 MIRROR="${DEBIAN_MIRROR:-$(mirror_from_apt)}"
 
 ROOTFS="$(mktemp -d /tmp/hypic-base-rootfs.XXXXXX)"
-trap 'rm -rf "$ROOTFS"' EXIT
+cleanup() {
+    # debootstrap interrupted may leave /proc or /sys mounted in the tree: unmount, and never delete across mounts.
+    awk -v root="$ROOTFS/" 'index($2, root) == 1 {print $2}' /proc/mounts | sort -r | xargs -r -n1 umount -l || true
+    rm -rf --one-file-system "$ROOTFS"
+}
+trap cleanup EXIT
 chmod 755 "$ROOTFS"   # it becomes the image's /, which every user must be able to enter (mktemp makes it 0700)
 
 echo "build-base: debootstrap $SUITE from $MIRROR into $ROOTFS" >&2
