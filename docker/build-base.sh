@@ -8,7 +8,7 @@
 #   docker/build-base.sh [TAG]        # skips the build when TAG exists; HYPIC_BASE_REBUILD=1 rebuilds
 #
 # DEBIAN_MIRROR: the mirror (default: the first Debian one in this machine's apt sources, else
-# deb.debian.org). CA certificates added to this machine (/usr/local/share/ca-certificates/*.crt,
+# debootstrap's own default). CA certificates added to this machine (/usr/local/share/ca-certificates/*.crt,
 # e.g. a company proxy's) are added to the image too, so that pip in the image trusts the same
 # servers; HYPIC_BASE_EXTRA_CA=0 leaves them out.
 set -euo pipefail
@@ -34,7 +34,7 @@ mirror_from_apt() {
                | awk '$1 == "deb" {for (i = 2; i <= NF; i++) if ($i ~ /^(https?|file):/) {print $i; break}}' \
                | grep -E '/debian/?$' | head -n1 || true)"
     fi
-    echo "${uri:-http://deb.debian.org/debian}"
+    echo "$uri"
 }
 MIRROR="${DEBIAN_MIRROR:-$(mirror_from_apt)}"
 
@@ -47,8 +47,8 @@ cleanup() {
 trap cleanup EXIT
 chmod 755 "$ROOTFS"   # it becomes the image's /, which every user must be able to enter (mktemp makes it 0700)
 
-echo "build-base: debootstrap $SUITE from $MIRROR into $ROOTFS" >&2
-debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$ROOTFS" "$MIRROR" >&2
+echo "build-base: debootstrap $SUITE from ${MIRROR:-the default mirror} into $ROOTFS" >&2
+debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$ROOTFS" ${MIRROR:+"$MIRROR"} >&2
 
 if [ "${HYPIC_BASE_EXTRA_CA:-1}" = 1 ] && compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
     echo "build-base: adding this machine's extra CA certificates" >&2
