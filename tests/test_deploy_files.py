@@ -1,0 +1,210 @@
+"""The Docker deployment files, checked without Docker: the Compose files parse and keep their
+invariants (ports on 127.0.0.1 by default, the gateway waits for a successful ingest, one volume for
+index and cache, the healthcheck on /ready, settings the gateway knows), the Dockerfile installs
+dependencies before the code, and .dockerignore lets in everything the Dockerfile copies.
+docker/smoke.sh runs the real thing on a Docker daemon (docs/deploy.md)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+# Settings another component adds; a gateway without it ignores the variable.
+PENDING_SETTINGS = {"HYPIC_REDIS_URL"}
+_VAR = re.compile(r"\$\{(\w+)(?::?([-+?])((?:[^{}]|\{[^{}]*\})*))?\}")
+
+
+def interpolate(value, env: dict[str, str]):
+    """Compose's variable substitution for the forms these files use: ${X}, ${X:-default}, ${X:+alt},
+    ${X:?error}, and $$ for a literal $."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        present = bool(env.get(name))
+        if op == "-":
+            return env[name] if present else interpolate(arg, env)
+        if op == "+":
+            return interpolate(arg, env) if present else ""
+        if op == "?" and not present:
+            raise ValueError(f"{name}: {arg}")
+        return env.get(name, "")
+
+    parts = value.split("$$")
+    return "$".join(_VAR.sub(one, part) for part in parts)
+
+
+def merge(base, over):
+    """Compose's overlay merge for mappings (later files win; lists of ports/volumes are replaced here,
+    which is all these files need)."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        return {k: merge(base[k], over[k]) if k in base and k in over else base.get(k, over.get(k))
+                for k in base.keys() | over.keys()}
+    return over
+
+
+def load(*names: str, env: dict[str, str] | None = None) -> dict:
+    model: dict = {}
+    for name in names:
+        model = merge(model, yaml.safe_load((DOCKER / name).read_text()))
+    return interpolate(model, env or {})
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load("compose.yaml")
+
+
+def test_services_and_start_order(compose):
+    services = compose["services"]
+    assert set(services) == {"ingest", "gateway", "redis"}
+    assert services["gateway"]["depends_on"]["ingest"] == {"condition": "service_completed_successfully"}
+    assert services["ingest"]["restart"] == "no"  # a one-shot: a restart policy would rerun it forever
+    assert services["gateway"]["restart"] == "unless-stopped"
+    # ingest runs the gateway's image with the gateway's settings, so both chunk and embed alike.
+    assert services["ingest"]["image"] == services["gateway"]["image"] == "hypic-gateway:0.1.0"
+    gateway_env = services["gateway"]["environment"]
+    assert {k: v for k, v in services["ingest"]["environment"].items() if k in gateway_env} == gateway_env
+
+
+def test_ports_are_loopback_unless_asked(compose):
+    assert compose["services"]["gateway"]["ports"] == ["127.0.0.1:8000:8000"]
+    opened = load("compose.yaml", env={"HYPIC_BIND": "0.0.0.0", "HYPIC_PORT": "9000", "HYPIC_API_KEY": "k"})
+    assert opened["services"]["gateway"]["ports"] == ["0.0.0.0:9000:8000"]
+    for name in ("ingest", "redis"):
+        assert "ports" not in compose["services"][name]
+
+
+@pytest.mark.parametrize("bind, key, code", [("127.0.0.1", "", 0), ("0.0.0.0", "", 78), ("0.0.0.0", "k", 0),
+                                             ("192.168.1.5", "", 78), ("[::1]", "", 0)])
+def test_ingest_refuses_an_open_port_without_a_key(compose, bind, key, code, tmp_path):
+    """The ingest service's script, run by sh as in the container: an address beyond loopback needs
+    HYPIC_API_KEY (the gateway waits for ingest, so it does not start either). /documents does not
+    exist here, so a script that passes the check ingests nothing and exits 0."""
+    command = compose["services"]["ingest"]["command"]
+    assert command[:2] == ["sh", "-c"]
+    env = {"PATH": os.environ["PATH"], "GATEWAY_PUBLISHED_ON": bind, "HYPIC_API_KEY": key}
+    run = subprocess.run(["sh", "-c", command[2]], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert run.returncode == code, run.stderr
+    assert ("HYPIC_API_KEY" in run.stderr) == (code == 78)
+
+
+def test_one_volume_for_index_and_cache_and_read_only_user_files(compose):
+    for name in ("ingest", "gateway"):
+        volumes = compose["services"][name]["volumes"]
+        assert "hypic-data:/var/lib/hypic" in volumes
+        assert "./documents:/documents:ro" in volumes and "./models:/models:ro" in volumes
+    assert "hypic-data" in compose["volumes"]
+    for placeholder in ("documents", "models"):  # bind sources that exist, so Docker does not create them as root
+        assert (DOCKER / placeholder).is_dir()
+
+
+def test_healthchecks(compose):
+    gateway = compose["services"]["gateway"]["healthcheck"]
+    assert gateway["test"][0] == "CMD" and "/ready" in gateway["test"][-1]
+    assert "HYPIC_PORT" in gateway["test"][-1]  # follows a port moved inside the container
+    assert compose["services"]["gateway"]["depends_on"]["redis"] == {"condition": "service_healthy"}
+    assert "ping" in compose["services"]["redis"]["healthcheck"]["test"]
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert gateway["test"][-1] in dockerfile  # the image's own HEALTHCHECK is the same probe
+
+
+def test_environment_names_settings_the_gateway_has(compose):
+    known = {f"HYPIC_{name.upper()}" for name in Settings.model_fields}
+    for overlay in ((), ("compose.gpu.yaml",), ("compose.smoke.yaml",)):
+        model = load("compose.yaml", *overlay)
+        for name in ("ingest", "gateway"):
+            env = set(model["services"][name].get("environment", {}))
+            unknown = {k for k in env if k.startswith("HYPIC_")} - known - PENDING_SETTINGS
+            assert not unknown, f"{overlay} {name}: not settings of the gateway: {sorted(unknown)}"
+    assert compose["services"]["gateway"]["environment"]["HYPIC_REDIS_URL"] == "redis://redis:6379/0"
+    Settings(**{k.removeprefix("HYPIC_").lower(): v for k, v in compose["services"]["gateway"]["environment"].items()
+                if v and k not in PENDING_SETTINGS})  # the defaults are valid values
+
+
+def test_gpu_overlay():
+    model = load("compose.yaml", "compose.gpu.yaml")
+    gateway = model["services"]["gateway"]
+    devices = gateway["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "1", "capabilities": ["gpu"]}]
+    assert gateway["environment"]["HYPIC_DEVICE"] == "cuda"
+    args = gateway["build"]["args"]
+    assert "cpu" not in args["TORCH_INDEX_URL"] and args["EXTRAS"] == "gpu" and "gcc" in args["APT_PACKAGES"]
+    assert args["TORCH_FROM_WHEELS"] == "no"  # docker/wheels/ holds CPU wheels
+    assert gateway["build"]["dockerfile"] == "docker/Dockerfile"  # the overlay changes arguments only
+    assert model["services"]["ingest"]["image"] == gateway["image"] != load("compose.yaml")["services"]["gateway"]["image"]
+
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", (DOCKER / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
+
+
+def test_dockerfile_base_user_and_layer_order():
+    instructions = _dockerfile_instructions()
+    assert instructions[0] == ("ARG", "BASE_IMAGE=python:3.11-slim")
+    assert [arg for op, arg in instructions if op == "FROM"] == ["${BASE_IMAGE} AS deps", "${BASE_IMAGE}"]
+    flat = [f"{op} {arg}" for op, arg in instructions]
+    deps = next(i for i, s in enumerate(flat) if "pip install -r /tmp/requirements.txt" in s)
+    code = next(i for i, s in enumerate(flat) if s.startswith("COPY app"))
+    assert deps < code and not any(s.startswith(("COPY app", "COPY hypic_core", "COPY retrieval")) for s in flat[:deps])
+    assert ("USER", "hypic") in instructions and flat[-1].startswith("CMD")
+    assert any(op == "VOLUME" and arg == "/var/lib/hypic" for op, arg in instructions)
+
+
+def _pattern(pattern: str) -> re.Pattern:
+    """A .dockerignore pattern as a regex: `*` and `?` stop at `/`, `**` crosses directories."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        else:
+            out, i = out + {"*": "[^/]*", "?": "[^/]"}.get(pattern[i], re.escape(pattern[i])), i + 1
+    return re.compile(out)
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Docker's .dockerignore rule: the last pattern matching the path or one of its parents wins."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    ignored = False
+    for pattern in patterns:
+        regex = _pattern(pattern.lstrip("!").rstrip("/"))
+        if any(regex.fullmatch(c) for c in candidates):
+            ignored = not pattern.startswith("!")
+    return ignored
+
+
+def test_dockerignore_lets_in_what_the_dockerfile_copies():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    copied = []
+    for op, arg in _dockerfile_instructions():
+        if op == "COPY" and not arg.startswith("--from"):
+            copied += arg.split()[:-1]
+    assert "models" in copied and "app" in copied
+    for source in copied:
+        files = [p for p in (ROOT / source).rglob("*") if p.is_file()] if (ROOT / source).is_dir() else [ROOT / source]
+        files = [f for f in files if "__pycache__" not in f.parts and ".egg-info" not in str(f)]
+        assert files, source
+        for f in files:
+            assert not _ignored(f.relative_to(ROOT).as_posix(), patterns), f"{f} is copied but .dockerignore leaves it out"
+    for outside in ("tests/test_deploy_files.py", "training/world.py", ".git/HEAD", "app/__pycache__/x.pyc", "bench/serve.py"):
+        assert _ignored(outside, patterns), outside
