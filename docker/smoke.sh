@@ -175,7 +175,14 @@ until [ "$(metric hypic_cache_bytes 'tier="disk"')" != 0 ]; do
     [ "$SECONDS" -lt "$deadline" ] || fail "the disk tier stayed empty"
     sleep 1
 done
-log "disk tier: $(metric hypic_cache_bytes 'tier="disk"') bytes; restarting the gateway container"
+log "disk tier: $(metric hypic_cache_bytes 'tier="disk"') bytes"
+[ "$(metric hypic_cache_redis_connected model_name)" = 1 ] || fail "the gateway is not connected to Redis at HYPIC_REDIS_URL"
+deadline=$((SECONDS + 60))
+until [ "$(metric hypic_cache_bytes 'tier="redis"')" != 0 ]; do  # written through, off the step loop
+    [ "$SECONDS" -lt "$deadline" ] || fail "the Redis tier stayed empty"
+    sleep 1
+done
+log "redis tier: $(metric hypic_cache_bytes 'tier="redis"') bytes shared; restarting the gateway container"
 compose restart gateway
 wait_healthy
 HITS0="$(metric hypic_cache_hits_total 'tier="disk"')"
