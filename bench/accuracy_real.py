@@ -86,7 +86,7 @@ def wilson(successes: float, n: int) -> tuple[float, float]:
     z, p = 1.96, successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return 100 * (centre - half), 100 * (centre + half)
+    return max(0.0, 100 * (centre - half)), min(100.0, 100 * (centre + half))
 
 
 def mean_ci(values: list[float]) -> tuple[float, float]:
@@ -163,7 +163,28 @@ def table(results: dict) -> list[str]:
         lines.append(f"| {label} | {100 * acc / n:.1f} ({lo:.1f}-{hi:.1f}) | {100 * statistics.fmean(r['f1'] for r in rows):.1f} "
                      f"| {100 * agree / n:.1f} ({alo:.1f}-{ahi:.1f}) | {k:.4f} (+-{khalf:.4f}) | {c:.4f} (+-{chalf:.4f}) "
                      f"| {100 * statistics.fmean(r['top1'] for r in rows):.1f} |")
+    lines += paired_lines(results)
     return lines
+
+
+def paired_lines(results: dict) -> list[str]:
+    """hypic minus pic-naive per question at every seam both ran (the same prompts, so the paired
+    difference is far tighter than the two rows' intervals): what composing the linear states adds."""
+    labels = {(mode, seam): label for label, mode, seam in results["configs"]}
+    seams = sorted(s for (m, s) in labels if m == "hypic" and ("pic-naive", s) in labels)
+    if not seams:
+        return []
+    out = ["", "| paired, per question | first-token KL: hypic - pic-naive (+-95%) | hypic lower on | "
+           "answer KL: hypic - pic-naive (+-95%) | hypic lower on |", "|---|---|---|---|---|"]
+    for s in seams:
+        a, b = results["rows"][labels[("hypic", s)]], results["rows"][labels[("pic-naive", s)]]
+        cells = []
+        for key in ("kl", "cont_kl"):
+            diff = [x[key] - y[key] for x, y in zip(a, b)]
+            m, half = mean_ci(diff)
+            cells += [f"{m:+.4f} (+-{half:.4f})", f"{sum(d < 0 for d in diff)}/{len(diff)}"]
+        out.append(f"| seam {s} | " + " | ".join(cells) + " |")
+    return out
 
 
 def main() -> None:
@@ -183,10 +204,12 @@ def main() -> None:
     parser.add_argument("--partial", default=None, help="rewrite the rows so far to this JSON file after each question")
     parser.add_argument("--tag", default=None, help="docs/accuracy.md section tag (default: real-<model>)")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--from-json", action="store_true", help="rewrite the docs section from the saved raw rows "
+                        "(docs/accuracy_real_<model>.json) instead of running; give the run's other arguments")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results = evaluate(args)
     name = Path(args.model).name
+    results = json.loads((ROOT / "docs" / f"accuracy_real_{name}.json").read_text()) if args.from_json else evaluate(args)
     naive = "" if args.naive_seams is None else " ".join([" --naive-seams", *map(str, args.naive_seams)])
     naive += " --no-prefix" if args.no_prefix else ""
     command = (f".venv/bin/python bench/accuracy_real.py --model {args.model} --n {args.n} --seams {' '.join(map(str, args.seams))}"
