@@ -4,7 +4,8 @@
     async for part in serve_asgi(app, request): ...                    # in a replica
     # parts: {"status": 200, "headers": [(b"content-type", b"...")]} once, then {"body": b"..."}
 
-The response comes back part by part as the app sends it, so SSE streams stay streams. When the
+The response comes back part by part as the app sends it, so SSE streams stay streams; parts
+that are ready together travel together. When the
 consumer stops early (the client went away: Ray cancels the replica's generator), the app's
 `receive` answers `http.disconnect`, as a server would, and the app is cancelled if it does
 not finish on its own within `DISCONNECT_GRACE_S`.
@@ -85,9 +86,19 @@ async def serve_asgi(app, request: ForwardedRequest, extra_headers: tuple[tuple[
                 started = True
                 yield {"status": message["status"], "headers": [*message.get("headers", ()), *extra_headers]}
             elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield {"body": bytes(message["body"])}
-                if not message.get("more_body", False):
+                body, more = bytes(message.get("body", b"")), message.get("more_body", False)
+                # Parts the app has already sent go as one: each part costs a message between
+                # processes, so a fast stream must not be sent token by token.
+                while more and not messages.empty():
+                    following = messages.get_nowait()
+                    if following is done or following["type"] != "http.response.body":
+                        messages.put_nowait(following)  # only `done` can follow a body part, and nothing follows it
+                        break
+                    body += following.get("body", b"")
+                    more = following.get("more_body", False)
+                if body:
+                    yield {"body": body}
+                if not more:
                     break
         finished = True
     finally:

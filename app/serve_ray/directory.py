@@ -30,8 +30,8 @@ Replica = Hashable
 @dataclass(frozen=True)
 class Choice:
     """Where a request goes: `replica`, how many of its keys that replica holds (`matched`), and why:
-    "affinity" (the best holder within the bound), "diverted" (a holder exists but is over the
-    bound: least-loaded instead), "spread" (no replica holds any key: least-loaded)."""
+    "affinity" (the best holder within the bound), "diverted" (holders exist but are over the
+    bound or of unknown load: least-loaded instead), "spread" (no replica holds any key: least-loaded)."""
 
     replica: Replica
     matched: int
@@ -119,5 +119,5 @@ def choose(matched: Mapping[Replica, int], loads: Mapping[Replica, int | None], 
     if matched.get(best, 0) > 0:
         return Choice(best, matched[best], "affinity")
     spread = min(within, key=lambda r: (known[r], held.get(r, 0)))
-    reason = "diverted" if any(matched.get(r, 0) > 0 for r in known) else "spread"
+    reason = "diverted" if any(n > 0 for n in matched.values()) else "spread"
     return Choice(spread, matched.get(spread, 0), reason)

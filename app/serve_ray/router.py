@@ -67,8 +67,8 @@ class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if choice is None:
             return fallback
         self.decisions[choice.reason] = self.decisions.get(choice.reason, 0) + 1
-        log.debug("routed", extra={"replica": choice.replica.unique_id, "reason": choice.reason, "matched": choice.matched,
-                                   "keys": len(keys), "loads": {r.unique_id: q for r, q in loads.items()}})
+        log.debug("routed to %s (%s, %d of %d keys held); loads %s", choice.replica.unique_id, choice.reason, choice.matched,
+                  len(keys), {r.unique_id: q for r, q in loads.items()})
         return [[by_id[choice.replica]], *fallback]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
