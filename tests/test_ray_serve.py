@@ -261,9 +261,7 @@ def test_load_bound_diverts_from_a_saturated_owner(serve_url):
             "ignore_eos": True}
     with ThreadPoolExecutor(8) as pool:
         served = [r.headers["x-hypic-replica"] for r in pool.map(lambda _: _complete(serve_url, **body), range(8))]
-    print("burst served by", served)
-    assert 2 <= served.count(owner) <= 6, served
-    assert _complete(serve_url, chunks, "And the garden?").headers["x-hypic-replica"] == owner  # idle again: back to the owner
+    assert 2 <= served.count(owner) <= 6, served  # without the bound: all 8 on the owner
 
 
 def test_streaming_query_through_serve(serve_url):
