@@ -6,8 +6,8 @@ Ray instance, `--replicas` replicas, HYPIC_RAY_ROUTER set) gets the same warm-up
 requests (streaming POST /v1/completions, mode hypic, Poisson arrivals at each `--rates`), and
 the benchmark reports side by side: TTFT, the chunk hit rate by cache tier and the share of
 requests each replica served. Server counters are summed over the replicas: GET /metrics is
-answered by one replica at a time (`X-Hypic-Replica` says which), so it is asked until every
-replica has answered once.
+asked of each replica by name (the `X-Hypic-Replica` request header), and the gauges are sampled
+every `--gauge-interval` s (each sample is a request per replica through Serve).
 
 Every option of bench/serve.py's workload and arrivals applies (--corpus-size, --chunk-tokens,
 --k, --zipf, --rates, --num-requests, --warmup, --max-tokens, --seed, ...); the replicas share
@@ -73,8 +73,8 @@ class RayGateway(sb.Gateway):
 
         problem = await sb.wait_ready(http, self.base, self.args.startup_timeout, dead)
         if not problem:
-            seen = await replica_ids(http, self.base, self.args.replicas, "/ready", timeout=self.args.startup_timeout)
-            problem = None if len(seen) == self.args.replicas else f"only replicas {sorted(seen)} became ready"
+            self.replicas = sorted(await replica_ids(http, self.base, self.args.replicas, "/ready", timeout=self.args.startup_timeout))
+            problem = None if len(self.replicas) == self.args.replicas else f"only replicas {self.replicas} became ready"
         if problem:
             self.fail(problem)
         sb._progress(f"[{self.label}] {self.args.replicas} replicas ready on {self.base} in {time.perf_counter() - started:.1f} s")
@@ -98,18 +98,19 @@ async def replica_ids(http: httpx.AsyncClient, base: str, n: int, path: str, tim
 
 
 class ReplicasClient(sb.Client):
-    """bench/serve.py's client, with metrics summed over every replica."""
+    """bench/serve.py's client, with metrics summed over every replica (each asked by name)."""
 
-    def __init__(self, *a, replicas: int, **kw) -> None:
+    def __init__(self, *a, replicas: list[str], **kw) -> None:
         super().__init__(*a, **kw)
         self.replicas = replicas
 
     async def metrics(self) -> sb.Sample:
-        answers = await replica_ids(self.http, self.base, self.replicas, "/metrics", timeout=30.0)
-        if len(answers) < self.replicas:
-            raise SystemExit(f"/metrics answered by {len(answers)} of {self.replicas} replicas")
         out: sb.Sample = {}
-        for response in answers.values():
+        for replica in self.replicas:
+            response = await self.http.get(self.base + "/metrics", headers={"X-Hypic-Replica": replica})
+            response.raise_for_status()
+            if response.headers.get("x-hypic-replica") != replica:
+                raise ValueError(f"/metrics for replica {replica} answered by {response.headers.get('x-hypic-replica')}")
             for key, value in sb.parse_prometheus(response.text).items():
                 out[key] = out.get(key, 0.0) + value
         return out
@@ -125,10 +126,14 @@ async def run_router(args: argparse.Namespace, http: httpx.AsyncClient, workload
 
     http.event_hooks["response"] = [count]
     gateway = RayGateway(args, router)
+    watch = sb.watch_gauges
+    # run_cell samples the gauges every 0.25 s: here each sample is a request per replica through
+    # Serve, so it is sampled less often, not to load the replicas it measures.
+    sb.watch_gauges = lambda client, stop: watch(client, stop, interval=args.gauge_interval)
     cells = []
     try:
         base = await gateway.start(http)
-        client = ReplicasClient(base, http, args.model_name or await sb.served_model(http, base), args, replicas=args.replicas)
+        client = ReplicasClient(base, http, args.model_name or await sb.served_model(http, base), args, replicas=gateway.replicas)
         tracker = sb.ReuseTracker()
         tracker.feed(workload.warmup)
         await sb.warm(client, workload.warmup, "hypic", f"{router} warm-up")
@@ -146,6 +151,7 @@ async def run_router(args: argparse.Namespace, http: httpx.AsyncClient, workload
     finally:
         gateway.stop()
         http.event_hooks["response"] = []
+        sb.watch_gauges = watch
     return cells
 
 
@@ -197,6 +203,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--load-bound", type=int, default=2, help="HYPIC_RAY_LOAD_BOUND")
     ap.add_argument("--replica-cpus", type=float, default=1.0, help="HYPIC_RAY_REPLICA_CPUS (0 on a 2-core machine)")
     ap.add_argument("--memory-only", action="store_true", help="no disk tier (HYPIC_CACHE_DIR=none)")
+    ap.add_argument("--gauge-interval", type=float, default=2.0, help="seconds between samples of the running / waiting gauges")
     ours, rest = ap.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         ap.print_help()

@@ -286,3 +286,15 @@ def test_streaming_query_through_serve(serve_url):
 def test_ingress_refuses_an_oversized_body(serve_url):
     response = httpx.post(f"{serve_url}/query", content=b"x" * ((8 << 20) + 1), headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+
+
+def test_a_request_naming_a_replica_goes_there(serve_url):
+    replicas = set()
+    for _ in range(2):
+        for rid in {httpx.get(f"{serve_url}/ready", timeout=30).headers["x-hypic-replica"] for _ in range(10)}:
+            replicas.add(rid)
+    for rid in replicas:
+        response = httpx.get(f"{serve_url}/metrics", headers={"X-Hypic-Replica": rid}, timeout=30)
+        assert response.status_code == 200 and response.headers["x-hypic-replica"] == rid
+    unknown = httpx.get(f"{serve_url}/health", headers={"X-Hypic-Replica": "no-such-replica"}, timeout=30)
+    assert unknown.status_code == 200 and unknown.headers["x-hypic-replica"] in replicas  # routed as usual

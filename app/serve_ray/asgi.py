@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 DISCONNECT_GRACE_S = 2.0
+REPLICA_HEADER = b"x-hypic-replica"
+"""On a response: the replica that served it. On a request: serve it there (if that replica exists)."""
 
 
 @dataclass(frozen=True)
@@ -34,14 +36,16 @@ class ForwardedRequest:
     scheme: str = "http"
     http_version: str = "1.1"
     routing_keys: tuple[str, ...] = field(default=())
+    replica: str | None = None  # the replica asked for by name (`X-Hypic-Replica` request header), if any
 
     @classmethod
     def from_scope(cls, scope: dict, body: bytes, routing_keys: tuple[str, ...] = ()) -> "ForwardedRequest":
         client = scope.get("client")
-        return cls(scope["method"], scope["path"], scope.get("query_string", b""),
-                   tuple((bytes(k), bytes(v)) for k, v in scope.get("headers", ())), body,
+        headers = tuple((bytes(k), bytes(v)) for k, v in scope.get("headers", ()))
+        replica = next((v.decode("latin-1").strip() for k, v in headers if k.lower() == REPLICA_HEADER), None)
+        return cls(scope["method"], scope["path"], scope.get("query_string", b""), headers, body,
                    tuple(client) if client else None, scope.get("scheme", "http"), scope.get("http_version", "1.1"),
-                   routing_keys)
+                   routing_keys, replica or None)
 
     def scope(self) -> dict:
         return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": self.http_version,

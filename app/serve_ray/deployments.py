@@ -10,7 +10,8 @@ the shared index: app/serve_ray/keys.py) -> the gateway deployment's handle, who
 within the load bound -> `GatewayReplica.forward` runs the request through the replica's gateway
 app (the app `hypic serve` serves, from `create_app`) and streams the response back part by part
 (SSE included) -> the ingress writes it to the client. Every response carries `X-Hypic-Replica`,
-the id of the replica that served it.
+the id of the replica that served it; a request with that header goes to that replica (operations:
+one replica's /metrics or /ready), unless no such replica is running.
 
 Why an ingress that retrieves: a request's chunks are only known after retrieval, and a Ray
 request router sees a request's arguments, not an HTTP body; the ingress turns the body into
@@ -31,12 +32,11 @@ from ray.serve.config import RequestRouterConfig
 from ..errors import APIError
 from ..runtime import corpus_to_seed
 from ..settings import Settings
-from .asgi import ForwardedRequest, serve_asgi
+from .asgi import REPLICA_HEADER, ForwardedRequest, serve_asgi
 from .keys import routing_keys
 from .router import ChunkAffinityRouter
 
 log = logging.getLogger("hypic.serve_ray")
-REPLICA_HEADER = b"x-hypic-replica"
 APP_NAME = "hypic"
 
 
@@ -221,5 +221,8 @@ def run(settings: Settings, ready: "threading.Event | None" = None, stop: "threa
             ready.set()
         stop.wait()
     finally:
-        serve.delete(APP_NAME)
-        serve.shutdown()
+        try:
+            serve.delete(APP_NAME)
+            serve.shutdown()
+        finally:
+            ray.shutdown()

@@ -7,7 +7,8 @@ keys on its first argument (`routing_keys`, set by the ingress: app/serve_ray/ke
 `choose_replicas` reads the replicas' queue lengths (Ray's cache, else a probe), asks
 `directory.choose` and offers the chosen replica first, then Ray's power-of-two choices as the
 fallback rank (taken when the chosen replica refuses: its queue is full). A request without keys
-gets power-of-two choices only. `on_request_routed` records the keys against the replica that
+gets power-of-two choices only; one naming a replica (`replica`, from the `X-Hypic-Replica`
+request header) goes to that replica when it is running. `on_request_routed` records the keys against the replica that
 accepted the request; a replica that dies is forgotten.
 
 `policy="pow2"` keeps every key out of the decision: Ray's default routing, for comparison in
@@ -40,6 +41,14 @@ def request_keys(pending_request: Optional[PendingRequest]) -> tuple[str, ...]:
     return tuple(keys) if isinstance(keys, (tuple, list)) else ()
 
 
+def request_replica(pending_request: Optional[PendingRequest]) -> Optional[str]:
+    """The replica a request asks for by name (`X-Hypic-Replica`), if any."""
+    if pending_request is None or not pending_request.args:
+        return None
+    replica = getattr(pending_request.args[0], "replica", None)
+    return replica if isinstance(replica, str) else None
+
+
 class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, policy: str = "chunk", load_bound: int = 2, max_keys: int = 100_000) -> None:
         """`load_bound`: how many more queued requests than the least-loaded replica a chunk
@@ -55,6 +64,11 @@ class ChunkAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        pinned = request_replica(pending_request)
+        if pinned is not None:
+            named = [r for r in candidate_replicas if r.replica_id.unique_id == pinned]
+            if named:
+                return [named]
         fallback = await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas=candidate_replicas,
                                                                          pending_request=pending_request)
         keys = request_keys(pending_request)
