@@ -110,6 +110,13 @@ class _StoreCollector:
         yield CounterMetricFamily("hypic_cache_disk_errors", "Disk-tier I/O failures.", value=stats.disk_errors)
         yield CounterMetricFamily("hypic_cache_disk_damaged", "Disk-tier directories found damaged at startup, moved aside "
                                   "and started empty.", value=stats.disk_damaged)
+        if stats.redis_connected is not None:
+            yield CounterMetricFamily("hypic_cache_redis_errors", "Failed calls to the shared Redis tier (it is skipped "
+                                      "until it answers again).", value=stats.redis_errors)
+            yield CounterMetricFamily("hypic_cache_redis_dropped_writes", "Redis-tier writes skipped (queue full, server "
+                                      "down or the write failed).", value=stats.redis_dropped_writes)
+            yield GaugeMetricFamily("hypic_cache_redis_connected", "1 while the Redis tier reaches its server, 0 while it "
+                                    "is skipped.", value=stats.redis_connected)
         yield CounterMetricFamily("hypic_cache_evictions", "Segment-store entries evicted for space.", value=stats.evictions)
         yield CounterMetricFamily("hypic_cache_corrupt", "Segment-store entries found damaged or foreign.", value=stats.corrupt)
         yield _by_tier(GaugeMetricFamily, "hypic_cache_bytes", "Bytes held by each segment-store tier.", stats.bytes)

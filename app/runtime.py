@@ -40,10 +40,14 @@ IndexSource = Union[VectorIndex, Callable[[], VectorIndex], None]
 
 
 def build_store(settings: Settings) -> SegmentStore:
-    """A hot tier on the model's device (GPU), host memory, and a disk tier in `cache_dir` when set."""
+    """A hot tier on the model's device (GPU), host memory, a disk tier in `cache_dir` when set, and
+    a Redis tier shared with other gateways when `redis_url` is set."""
+    redis_url = settings.redis_url.get_secret_value() if settings.redis_url is not None else None
     return build_segment_store(settings.cache_memory_bytes, device=settings.device, device_bytes=settings.cache_device_bytes,
                                directory=settings.cache_dir, disk_bytes=settings.cache_disk_bytes,
-                               storage_dtype=settings.cache_storage_dtype)
+                               storage_dtype=settings.cache_storage_dtype, redis_url=redis_url,
+                               redis_bytes=settings.redis_max_bytes, redis_ttl_s=settings.redis_ttl_s,
+                               redis_prefix=settings.redis_prefix, redis_timeout_s=settings.redis_timeout_s)
 
 
 def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engine:

@@ -73,6 +73,17 @@ class Settings(BaseSettings):
                                      "T and E fp32) or bf16 (narrowed); fp32, a former name of auto, is still read.")
     prefix_cache_bytes: int = Field(512 << 20, ge=0)
 
+    # shared segment-cache tier (hypic_core/cache/redis_tier.py; docs/deploy-redis.md)
+    redis_url: SecretStr | None = Field(None, description="Redis server that gateway replicas share segment entries through "
+                                        "(redis://[user:password@]host:port/db, rediss://..., unix:///path); unset: no Redis tier.")
+    redis_max_bytes: int = Field(4 << 30, ge=0, description="Entry bytes all gateways sharing redis_url and redis_prefix may hold "
+                                 "together there; least recently used entries are removed past it.")
+    redis_ttl_s: int = Field(7 * 24 * 3600, ge=0, description="An entry unused this many seconds expires from Redis; 0: never.")
+    redis_prefix: str = Field("hypic:", min_length=1, description="Prefix of every key the tier writes; gateways with the same "
+                              "prefix share entries and one redis_max_bytes budget.")
+    redis_timeout_s: float = Field(0.5, gt=0, description="Connect and per-call socket timeout: the longest a lookup waits for "
+                                   "Redis before serving without it.")
+
     # online accuracy guard of the served model (app/guard.py; docs/architecture.md)
     guard_enabled: bool = Field(True, description="Shadow-check approximate reuse against full prefill and widen the seam "
                                 "or fall back to prefix when agreement drops.")
@@ -199,6 +210,15 @@ class Settings(BaseSettings):
         value = "auto" if value == "fp32" else value
         if value not in STORAGE_DTYPES:
             raise ValueError(f"expected one of {', '.join(STORAGE_DTYPES)}, got {value!r}")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None
+        if not value.get_secret_value().startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("expected a redis://, rediss:// or unix:// URL")
         return value
 
     @field_validator("api_key")

