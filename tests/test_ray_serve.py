@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -186,8 +187,15 @@ CORPUS = [{"id": f"doc{i}", "text": f"Document {i}: the river Alna{i} flows thro
           for i in range(6)]
 
 
+@dataclass(frozen=True)
+class Served:
+    url: str
+    replicas: tuple[str, ...]
+    redis: object  # tests/conftest.py's RedisServer
+
+
 @pytest.fixture(scope="module")
-def serve_url(tmp_path_factory):
+def served(tmp_path_factory, redis_server):
     import ray
     from ray import serve
 
@@ -198,9 +206,10 @@ def serve_url(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-serve")
     (root / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
     port = free_port()
-    # No disk tier: a hit then shows the memory tier of the replica that served the request.
+    # No disk tier: a hit shows the memory tier of the replica that served the request, or the
+    # Redis tier every replica shares.
     settings = Settings(_env_file=None, index_dir=root / "index", corpus_path=root / "corpus.jsonl", embedder="hashing",
-                        cache_dir=None, guard_enabled=False, torch_threads=1, ray_replicas=2, ray_replica_cpus=0,
+                        cache_dir=None, redis_url=redis_server.url, guard_enabled=False, torch_threads=1, ray_replicas=2, ray_replica_cpus=0,
                         ray_load_bound=1, max_running=1, max_queue=8, host="127.0.0.1", port=port, log_level="warning")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
@@ -216,7 +225,7 @@ def serve_url(tmp_path_factory):
             if response.status_code == 200:
                 ready.add(response.headers["x-hypic-replica"])
             time.sleep(0.05)
-        yield url
+        yield Served(url, tuple(sorted(ready)), redis_server)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -224,7 +233,7 @@ def serve_url(tmp_path_factory):
 
 def _complete(url: str, segments: list[str], prompt: str, **extra) -> httpx.Response:
     body = {"model": "hypic-tiny", "prompt": prompt, "segments": segments, "max_tokens": 2, "temperature": 0, **extra}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=180)  # generous: 2 shared cores in CI
     assert response.status_code == 200, response.text
     return response
 
@@ -233,41 +242,53 @@ def _composed(response: httpx.Response) -> int:
     return response.json()["usage"]["prompt_tokens_details"]["composed_tokens"]
 
 
-def test_same_chunks_land_on_the_same_replica_and_hit_its_cache(serve_url):
+def _hits(url: str, replica: str) -> dict[str, float]:
+    """Segment-store hits by tier of one replica (asked by name)."""
+    response = httpx.get(f"{url}/metrics", headers={"X-Hypic-Replica": replica}, timeout=30)
+    assert response.headers["x-hypic-replica"] == replica
+    out = {}
+    for line in response.text.splitlines():
+        if line.startswith("hypic_cache_hits_total{"):
+            tier = line.split('tier="')[1].split('"')[0]
+            out[tier] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_same_chunks_land_on_the_same_replica_and_hit_its_cache(served):
     chunks = [f"Chunk {c}: the harbour of Brill{c} opened in 19{c}0 and its bridge is painted red. " * 3 for c in "abc"]
-    first = _complete(serve_url, chunks, "When did the harbour open?")
-    again = _complete(serve_url, chunks[::-1], "What colour is the bridge?")  # same chunks, other order and question
+    first = _complete(served.url, chunks, "When did the harbour open?")
+    again = _complete(served.url, chunks[::-1], "What colour is the bridge?")  # same chunks, other order and question
     assert first.headers["x-hypic-replica"] == again.headers["x-hypic-replica"]
     assert _composed(first) == 0 and _composed(again) > 0  # cold there, then reused from that replica's cache
     # chunks no replica holds go to the replica holding fewer (spread), where they are cold
     others = [f"Other {c}: the mill of Oke{c} grinds wheat every Tuesday since 18{c}5. " * 3 for c in "xyz"]
-    fresh = _complete(serve_url, others, "What does the mill grind?")
+    fresh = _complete(served.url, others, "What does the mill grind?")
     assert fresh.headers["x-hypic-replica"] != first.headers["x-hypic-replica"] and _composed(fresh) == 0
     # /query: the ingress retrieves the same chunks the replica will use
-    asked = [httpx.post(f"{serve_url}/query", json={"question": "Which river flows through Varo3?", "max_tokens": 2}, timeout=60)
+    asked = [httpx.post(f"{served.url}/query", json={"question": "Which river flows through Varo3?", "max_tokens": 2}, timeout=60)
              for _ in range(2)]
     assert [a.status_code for a in asked] == [200, 200]
     assert asked[0].headers["x-hypic-replica"] == asked[1].headers["x-hypic-replica"]
     assert asked[1].json()["usage"]["composed_tokens"] > 0
 
 
-def test_load_bound_diverts_from_a_saturated_owner(serve_url):
+def test_load_bound_diverts_from_a_saturated_owner(served):
     chunks = [f"Bound {c}: the tower of Tam{c} has {c}{c} bells and a garden on its roof. " * 3 for c in "pqr"]
-    owner = _complete(serve_url, chunks, "How many bells?").headers["x-hypic-replica"]
+    owner = _complete(served.url, chunks, "How many bells?").headers["x-hypic-replica"]
     # A burst of requests for the owner's chunks, all routed before the first finishes (each
     # replica runs one generation at a time): the owner's queue grows by one per request until
     # it exceeds the other replica's by the bound (1), and the rest of the burst spills over.
     body = {"model": "hypic-tiny", "prompt": "Tell me everything.", "segments": chunks, "max_tokens": 120, "temperature": 0,
             "ignore_eos": True}
     with ThreadPoolExecutor(8) as pool:
-        served = [r.headers["x-hypic-replica"] for r in pool.map(lambda _: _complete(serve_url, **body), range(8))]
+        served = [r.headers["x-hypic-replica"] for r in pool.map(lambda _: _complete(served.url, **body), range(8))]
     assert 2 <= served.count(owner) <= 6, served  # without the bound: all 8 on the owner
 
 
-def test_streaming_query_through_serve(serve_url):
+def test_streaming_query_through_serve(served):
     events = []
     body = {"question": "Who is the mayor of Varo2?", "max_tokens": 300, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{serve_url}/query", json=body, timeout=60) as response:
+    with httpx.stream("POST", f"{served.url}/query", json=body, timeout=60) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         assert response.headers.get("x-hypic-replica") and "content-length" not in response.headers  # streamed, not buffered
         event = None
@@ -283,18 +304,30 @@ def test_streaming_query_through_serve(serve_url):
     assert text and events[-1][1]["finish_reason"] == "length"
 
 
-def test_ingress_refuses_an_oversized_body(serve_url):
-    response = httpx.post(f"{serve_url}/query", content=b"x" * ((8 << 20) + 1), headers={"content-type": "application/json"}, timeout=60)
+def test_ingress_refuses_an_oversized_body(served):
+    response = httpx.post(f"{served.url}/query", content=b"x" * ((8 << 20) + 1), headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
 
 
-def test_a_request_naming_a_replica_goes_there(serve_url):
-    replicas = set()
-    for _ in range(2):
-        for rid in {httpx.get(f"{serve_url}/ready", timeout=30).headers["x-hypic-replica"] for _ in range(10)}:
-            replicas.add(rid)
-    for rid in replicas:
-        response = httpx.get(f"{serve_url}/metrics", headers={"X-Hypic-Replica": rid}, timeout=30)
+def test_a_request_naming_a_replica_goes_there(served):
+    for rid in served.replicas:
+        response = httpx.get(f"{served.url}/metrics", headers={"X-Hypic-Replica": rid}, timeout=30)
         assert response.status_code == 200 and response.headers["x-hypic-replica"] == rid
-    unknown = httpx.get(f"{serve_url}/health", headers={"X-Hypic-Replica": "no-such-replica"}, timeout=30)
-    assert unknown.status_code == 200 and unknown.headers["x-hypic-replica"] in replicas  # routed as usual
+    unknown = httpx.get(f"{served.url}/health", headers={"X-Hypic-Replica": "no-such-replica"}, timeout=30)
+    assert unknown.status_code == 200 and unknown.headers["x-hypic-replica"] in served.replicas  # routed as usual
+
+
+def test_replicas_share_the_redis_tier(served):
+    chunks = [f"Shared {c}: the library of Ines{c} lends {c}{c}{c} maps of the valley each spring. " * 3 for c in "jkl"]
+    owner = _complete(served.url, chunks, "How many maps?").headers["x-hypic-replica"]
+    other = next(r for r in served.replicas if r != owner)
+    deadline = time.monotonic() + 20
+    while served.redis.client().dbsize() < 4:  # the owner writes entries to Redis in the background
+        assert time.monotonic() < deadline, "the owner's entries never reached Redis"
+        time.sleep(0.05)
+    before = _hits(served.url, other)
+    response = httpx.post(f"{served.url}/v1/completions", headers={"X-Hypic-Replica": other}, timeout=60,
+                          json={"model": "hypic-tiny", "prompt": "When?", "segments": chunks, "max_tokens": 2})
+    assert response.status_code == 200 and response.headers["x-hypic-replica"] == other
+    assert _composed(response) > 0  # computed on the owner, reused on the other replica through Redis
+    assert _hits(served.url, other).get("redis", 0) - before.get("redis", 0) >= 3
