@@ -218,7 +218,7 @@ def served(tmp_path_factory, redis_server):
         serve.run(build_application(settings), name=APP_NAME, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         ready: set[str] = set()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180
         while len(ready) < 2:  # /ready lands on either replica; both must answer 200
             assert time.monotonic() < deadline, f"replicas ready: {ready}"
             response = httpx.get(f"{url}/ready", timeout=10)
@@ -331,3 +331,28 @@ def test_replicas_share_the_redis_tier(served):
     assert response.status_code == 200 and response.headers["x-hypic-replica"] == other
     assert _composed(response) > 0  # computed on the owner, reused on the other replica through Redis
     assert _hits(served.url, other).get("redis", 0) - before.get("redis", 0) >= 3
+
+
+# --------------------------------------------------------------------------------------------
+# Settings travel to replicas; the command line (no Ray started)
+# --------------------------------------------------------------------------------------------
+def test_settings_travel_with_absolute_paths_and_the_same_seeding(tmp_path, monkeypatch):
+    from app.runtime import corpus_to_seed
+    from app.serve_ray.deployments import absolute
+    from app.settings import Settings
+
+    monkeypatch.chdir(tmp_path)
+    default = absolute(Settings(_env_file=None))
+    assert default.index_dir == tmp_path / "data" / "index" and default.cache_dir == tmp_path / "data" / "cache"
+    assert corpus_to_seed(default) == tmp_path / "data" / "demo_corpus.jsonl"  # the demo corpus still seeds the default index
+    elsewhere = absolute(Settings(_env_file=None, index_dir="mine/index"))
+    assert elsewhere.index_dir == tmp_path / "mine" / "index" and corpus_to_seed(elsewhere) is None  # and no other index
+
+
+def test_serve_ray_command_refuses_a_bad_router_before_starting_anything():
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+
+    result = CliRunner().invoke(cli, ["serve-ray", "--router", "random"])
+    assert result.exit_code == 1 and "ray_router" in result.output

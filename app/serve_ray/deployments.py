@@ -190,12 +190,15 @@ def build_application(settings: Settings):
     router = RequestRouterConfig(request_router_class=ChunkAffinityRouter,
                                  request_router_kwargs={"policy": settings.ray_router, "load_bound": settings.ray_load_bound,
                                                         "max_keys": settings.ray_directory_keys})
+    # Serve's own access log line per call (ingress and replica) only when debugging; the gateway logs its own.
+    logging = {"enable_access_log": settings.log_level == "debug"}
     gateway = serve.deployment(GatewayReplica, name="gateway").options(
         num_replicas=settings.ray_replicas, max_ongoing_requests=max_ongoing, request_router_config=router,
         ray_actor_options={"num_cpus": settings.ray_replica_cpus, "num_gpus": gpus},
-        health_check_period_s=10, graceful_shutdown_timeout_s=10)
+        health_check_period_s=10, graceful_shutdown_timeout_s=10, logging_config=logging)
     ingress = serve.deployment(Ingress, name="ingress").options(
-        num_replicas=settings.ray_ingress_replicas, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+        num_replicas=settings.ray_ingress_replicas, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0},
+        logging_config=logging)
     return ingress.bind(gateway.bind(settings), settings)
 
 
