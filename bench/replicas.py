@@ -158,7 +158,7 @@ async def run_router(args: argparse.Namespace, http: httpx.AsyncClient, workload
 def comparison(cells: list[dict], rates: list[float]) -> str:
     """A row per router and rate; the last columns compare with the first router's row at that rate."""
     header = ["router", "rate", "TTFT p50 / p95 (ms)", "chunk hit rate: server / ideal", "store hits by tier",
-              "requests per replica", "TTFT p50 vs first router"]
+              "requests per replica", "TTFT p50 speed-up vs first router"]
     rows = []
     for rate in rates:
         group = [c for c in cells if c["label"] == sb.rate_label(rate)]
