@@ -1,4 +1,4 @@
-"""The `hypic` command line: `serve` (the gateway), `query` (ask a running gateway), `ingest`."""
+"""The `hypic` command line: `serve` (the gateway), `serve-ray` (replicas on Ray Serve), `query` (ask a running gateway), `ingest`."""
 
 from __future__ import annotations
 
@@ -70,6 +70,36 @@ def serve_command(
         sys.exit(3)  # uvicorn's STARTUP_FAILURE, what `uvicorn.run` exits with
     if settings.exit_on_load_failure and runtime.load_error is not None:
         _fail(f"loading failed: {runtime.load_error}")
+
+
+@cli.command("serve-ray")
+def serve_ray_command(
+    replicas: Annotated[int | None, typer.Option(help="Gateway replicas (default: HYPIC_RAY_REPLICAS or 2).")] = None,
+    router: Annotated[str | None, typer.Option(help="chunk or pow2 (default: HYPIC_RAY_ROUTER or chunk).")] = None,
+    address: Annotated[str | None, typer.Option(help="Ray cluster to join, e.g. auto (default: HYPIC_RAY_ADDRESS; "
+                                                     "unset: start a local Ray).")] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address of Serve's HTTP proxy (default: HYPIC_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: HYPIC_PORT or 8000).")] = None,
+    model: Annotated[str | None, typer.Option(help="As for `hypic serve` (default: HYPIC_MODEL).")] = None,
+) -> None:
+    """Serve the gateway as several replicas on Ray Serve, requests routed to the replica holding
+    their chunks (docs/deploy-ray.md). Needs the `ray` extra. Runs until Ctrl-C / SIGTERM."""
+    from pydantic import ValidationError
+
+    from app import logs
+    from app.settings import Settings
+
+    overrides = {"ray_replicas": replicas, "ray_router": router, "ray_address": address, "host": host, "port": port, "model": model}
+    try:
+        settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        _fail(str(exc))
+    try:
+        from app.serve_ray.deployments import run
+    except ImportError as exc:
+        _fail(f"{exc}; install the ray extra: pip install 'hypic-gateway[ray]'")
+    logs.configure(settings.log_level)
+    run(settings)
 
 
 models_cli = typer.Typer(no_args_is_help=False, help="The named models: list them, install one.")

@@ -150,6 +150,21 @@ class Settings(BaseSettings):
         bound = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return list(dict.fromkeys([*loopback, bound]))
 
+    # several replicas on Ray Serve (`hypic serve-ray`; docs/deploy-ray.md)
+    ray_address: str | None = Field(None, description="Ray cluster to join (`auto`: the one `ray start` began on this "
+                                    "machine; `ray://host:10001`: a remote one); unset: start a local Ray instance.")
+    ray_replicas: int = Field(2, ge=1, description="Gateway replicas (each loads the model and keeps its own cache tiers).")
+    ray_router: Literal["chunk", "pow2"] = Field("chunk", description="chunk: to the replica holding most of a request's "
+                                                 "chunks, within ray_load_bound; pow2: Ray's power-of-two choices.")
+    ray_load_bound: int = Field(2, ge=0, description="A chunk holder is chosen only while its ongoing requests exceed the "
+                                "least-loaded replica's by at most this; beyond: the least-loaded replica.")
+    ray_directory_keys: int = Field(100_000, ge=1, description="Chunk keys the router remembers (least recently routed dropped).")
+    ray_replica_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per gateway replica.")
+    ray_replica_gpus: float | None = Field(None, ge=0, description="GPUs per replica; unset: 1 when device is cuda, else 0.")
+    ray_ingress_replicas: int = Field(1, ge=1, description="Ingress replicas (each keeps its own chunk directory).")
+    ray_max_ongoing_requests: int | None = Field(None, ge=1, description="Requests Ray sends one replica at once; "
+                                                 "unset: max_running + max_queue. More wait in the ingress.")
+
     # startup failures
     exit_on_load_failure: bool = Field(True, description="When loading the model or index fails, `hypic serve` exits non-zero "
                                        "with the reason, so a supervisor (Compose's restart policy) sees it; false: stay up, "
