@@ -81,7 +81,6 @@ class Settings(BaseSettings):
     prefill_split_tokens: int = Field(0, ge=0, description="With prefill workers: a cold chunk longer than this is split "
                                       "into pieces computed on different workers and joined (an approximation: attention "
                                       "inside a piece does not see the pieces before it); 0: off. At least 64 when set.")
-    ray_address: str | None = Field(None, description="Ray cluster the ray backend joins; unset: a local Ray instance.")
 
     # shared segment-cache tier (hypic_core/cache/redis_tier.py; docs/deploy-redis.md)
     redis_url: SecretStr | None = Field(None, description="Redis server that gateway replicas share segment entries through "
@@ -152,7 +151,8 @@ class Settings(BaseSettings):
 
     # several replicas on Ray Serve (`hypic serve-ray`; docs/deploy-ray.md)
     ray_address: str | None = Field(None, description="Ray cluster to join (`auto`: the one `ray start` began on this "
-                                    "machine; `ray://host:10001`: a remote one); unset: start a local Ray instance.")
+                                    "machine; `ray://host:10001`: a remote one); unset: start a local Ray instance. Used by `hypic serve-ray` "
+                                    "and by prefill_backend=ray.")
     ray_replicas: int = Field(2, ge=1, description="Gateway replicas (each loads the model and keeps its own cache tiers).")
     ray_router: Literal["chunk", "pow2"] = Field("chunk", description="chunk: to the replica holding most of a request's "
                                                  "chunks, within ray_load_bound; pow2: Ray's power-of-two choices.")
