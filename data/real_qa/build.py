@@ -1,7 +1,7 @@
 """Build data/real_qa/ from real English text installed on this machine.
 
-    /work/main/.venv/bin/python data/real_qa/build.py            # write passages.jsonl, questions.jsonl, held_out.txt
-    /work/main/.venv/bin/python data/real_qa/build.py --preview  # print every passage with its word count, write nothing
+    .venv/bin/python data/real_qa/build.py            # write passages.jsonl, questions.jsonl, held_out.txt
+    .venv/bin/python data/real_qa/build.py --preview  # print every passage with its word count, write nothing
 
 Every passage is a contiguous slice of one source text: a file under /usr/share/doc, a package's
 METADATA (its README) under the virtual environment's site-packages, a docstring of a CPython
