@@ -65,6 +65,20 @@ def timed(fn, reps: int) -> float:
     return statistics.median(out)
 
 
+
+def time_recompute(recompute, lengths, reps: int) -> tuple[dict, dict[int, list[float]]]:
+    """({length: entry}, {length: [ms per recompute]}). Timed in rounds over all lengths after one
+    warm-up round, so the slow first forwards of a process (allocator, lazy init) and load drift
+    spread over every length."""
+    entries = {L: recompute(L) for L in lengths}
+    times: dict[int, list[float]] = {L: [] for L in lengths}
+    for _ in range(reps):
+        for L in lengths:
+            t = time.perf_counter()
+            recompute(L)
+            times[L].append((time.perf_counter() - t) * 1000.0)
+    return entries, times
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
@@ -87,15 +101,7 @@ def main() -> None:
         with torch.inference_mode():
             return runner.compute_entries([segments[L]], SEAM, 1 << 20)[0]
 
-    # Recompute is timed in rounds over all lengths after one warm-up round, so the slow first
-    # forwards of a process (allocator, lazy init) and load drift spread over every length.
-    entries = {L: recompute(L) for L in args.lengths}
-    times: dict[int, list[float]] = {L: [] for L in args.lengths}
-    for _ in range(args.reps):
-        for L in args.lengths:
-            t = time.perf_counter()
-            recompute(L)
-            times[L].append((time.perf_counter() - t) * 1000.0)
+    entries, times = time_recompute(recompute, args.lengths, args.reps)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         disks = {dt: DiskTier(os.path.join(tmp, dt), size_limit=8 << 30) for dt in ("fp32", "bf16")}
@@ -113,15 +119,16 @@ def main() -> None:
                 t_device = timed(lambda: dev.lookup(key, seg), args.reps * 4)
             t_disk, size = {}, {}
             for dt, disk in disks.items():
-                writer = TieredSegmentStore(device, [MemoryTier("host", "cpu", 1 << 34)], disk, storage_dtype="auto" if dt == "fp32" else dt)
+                storage = "auto" if dt == "fp32" else dt  # the store's name for "as computed" (fp32 here)
+                writer = TieredSegmentStore(device, [MemoryTier("host", "cpu", 1 << 34)], disk, storage_dtype=storage)
                 writer.insert(key, entry)
                 writer.flush()
-                data = encode(entry, key, dt)
+                data = encode(entry, key, storage)
                 size[dt] = len(data)
-                t_disk[f"decode {dt}"] = timed(lambda data=data, dt=dt: decode(data, key, seg, dt), args.reps)
+                t_disk[f"decode {dt}"] = timed(lambda data=data, storage=storage: decode(data, key, seg, storage), args.reps)
 
-                def disk_hit(dt=dt, disk=disk):
-                    fresh = TieredSegmentStore(device, [MemoryTier("host", "cpu", 1 << 34)], disk, storage_dtype="auto" if dt == "fp32" else dt)
+                def disk_hit(storage=storage, disk=disk):
+                    fresh = TieredSegmentStore(device, [MemoryTier("host", "cpu", 1 << 34)], disk, storage_dtype=storage)
                     assert fresh.lookup(key, seg) is not None and fresh.stats().hits["disk"] == 1
                 t_disk[dt] = timed(disk_hit, args.reps)
             rows.append((L, entry.nbytes, size, t_recompute, t_host, t_device, t_disk))
