@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from cache_tiers import SEAM, bench_model, timed  # noqa: E402
+from cache_tiers import SEAM, bench_model, time_recompute, timed  # noqa: E402
 from hypic_core.adapters import adapter_for  # noqa: E402
 from hypic_core.cache import DiskTier, MemoryTier, RedisTier, TieredSegmentStore, encode  # noqa: E402
 from hypic_core.keys import SegmentKey  # noqa: E402
@@ -77,13 +77,7 @@ def main() -> None:
         with torch.inference_mode():
             return runner.compute_entries([segments[L]], SEAM, 1 << 20)[0]
 
-    entries = {L: recompute(L) for L in args.lengths}  # also the warm-up round
-    times: dict[int, list[float]] = {L: [] for L in args.lengths}
-    for _ in range(args.reps):
-        for L in args.lengths:
-            t = time.perf_counter()
-            recompute(L)
-            times[L].append((time.perf_counter() - t) * 1000.0)
+    entries, times = time_recompute(recompute, args.lengths, args.reps)
 
     rows = []
     prefix = f"hypic-bench-{uuid.uuid4().hex[:8]}:"
