@@ -112,17 +112,9 @@ def hybrid(hybrid_dir):
 
 
 def _segments(engine):
-    from test_models import COLOSSEUM, EIFFEL  # the two real passages of the SmolLM2 tests
+    from test_models import _eiffel_segments  # the real passages of the SmolLM2 tests
 
-    from app.prompter import Prompter
-    from app.settings import Settings
-    from retrieval.document import Chunk, chunk_id_for
-    from retrieval.index import SearchHit
-
-    layout = Settings(_env_file=None).prompt_layout(engine.tokenizer, KNOWN_MODELS["smollm2-hybrid-135m"].prompt)
-    hits = [SearchHit(s, Chunk(chunk_id_for(t), f"d{s}", "", "t", 0, t, 0)) for s, t in ((0.9, EIFFEL), (0.2, COLOSSEUM))]
-    return tuple(Prompter(engine.tokenizer, layout, engine.max_positions).query(
-        "In which year was the Eiffel Tower completed?", hits, reserve=16).segments)
+    return _eiffel_segments(engine, "smollm2-hybrid-135m")
 
 
 def test_shipped_hybrid_assembles_once_and_loads_with_plain_transformers(hybrid_dir):

@@ -136,13 +136,14 @@ def smollm2(smollm2_dir):
     return Engine.from_pretrained(smollm2_dir, EngineConfig(seam=8), model_id="smollm2-135m-instruct")
 
 
-def _eiffel_segments(engine):
+def _eiffel_segments(engine, model: str = "smollm2-135m-instruct"):
+    """The Eiffel Tower question over the Eiffel and Colosseum passages, as the gateway lays it out for `model`."""
     from app.prompter import Prompter
     from app.settings import Settings
     from retrieval.document import Chunk, chunk_id_for
     from retrieval.index import SearchHit
 
-    layout = Settings(_env_file=None).prompt_layout(engine.tokenizer, KNOWN_MODELS["smollm2-135m-instruct"].prompt)
+    layout = Settings(_env_file=None).prompt_layout(engine.tokenizer, KNOWN_MODELS[model].prompt)
     hits = [SearchHit(s, Chunk(chunk_id_for(t), f"d{s}", "", "t", 0, t, 0)) for s, t in ((0.9, EIFFEL), (0.2, COLOSSEUM))]
     return tuple(Prompter(engine.tokenizer, layout, engine.max_positions).query(
         "In which year was the Eiffel Tower completed?", hits, reserve=16).segments)

@@ -21,6 +21,7 @@ from hypic_core.cache import DiskTier, MemoryTier, RedisTier, TieredSegmentStore
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine import Engine
 from hypic_core.testing import tiny_model
+from test_cache_engine import answer
 from test_cache_serde import make_entry
 from test_cache_tiered import damaged, key_of
 
@@ -256,9 +257,6 @@ def request_():
     return GenerationRequest(random_segments(LENGTHS, seed=7), sampling=SamplingParams(max_tokens=4))
 
 
-def answer(engine: Engine, request: GenerationRequest):
-    prefilled = engine.prefill(request)
-    return prefilled.logits, [e.token_id for e in engine.generate(request, prefilled=prefilled)]
 
 
 class KillsServerAfterFirstRead(RedisTier):
