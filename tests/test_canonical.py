@@ -8,8 +8,9 @@ import torch
 
 from hypic_core.config import Mode
 from hypic_core.engine import Engine
-from hypic_core.testing import tiny_model
+from hypic_core.testing import FAMILIES, tiny_model
 from conftest import random_segments
+from test_operators import assert_close
 
 
 def maxdiff(a, b):
@@ -51,26 +52,49 @@ def test_batches_split_by_token_budget():
         assert all(rel(x.end, y.end) <= 1e-5 for x, y in zip(a.operators, b.operators))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "olmo_hybrid_nope", "llama"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("seam", [0, 3, 100])
 def test_fused_stitch_equals_sequential_stitch(family, seam):
+    """Every family: one fused forward over all seam heads and the question equals the plain
+    sequential stitch (first-token logits, and the final K/V, conv and recurrent states)."""
     engine = Engine(tiny_model(family))
     assert engine.adapter.supports_fused_stitch
     segs = random_segments((12, 40, 2, 17, 3, 33, 7), seed=seam)
     context, question = segs[:-1], segs[-1]
     entries, _ = engine.segment_entries(context, seam)
+    runner = engine.runner
     with torch.inference_mode():
         for mode in (Mode.HYPIC, Mode.PIC_NAIVE):
-            fused_cache, seq_cache = engine.runner.new_cache(), engine.runner.new_cache()
-            fused = engine.runner.stitch(fused_cache, context, entries, question, mode)
-            seq = engine.runner.stitch_sequential(seq_cache, context, entries, question, mode)
-            assert maxdiff(seq, fused) <= 1e-5
+            fused_cache, seq_cache = runner.new_cache(), runner.new_cache()
+            fused = runner.stitch(fused_cache, context, entries, question, mode)
+            seq = runner.stitch_sequential(seq_cache, context, entries, question, mode)
+            assert_close(f"{family} {mode.value} logits", seq, fused, 1e-5)
+            # The fused cache holds the bodies' K/V first, then the run tokens': same columns, another order.
+            order = torch.argsort(fused_key_positions(segs, entries))
+            fk, fv = runner.attention.kv(fused_cache)
+            sk, sv = runner.attention.kv(seq_cache)
+            for a, b in zip(fk + fv, sk + sv):
+                assert maxdiff(b, a[:, :, order]) <= 1e-5
+            for p, ((fc, fs), (sc, ss)) in enumerate(zip(runner.linear.rows(fused_cache), runner.linear.rows(seq_cache))):
+                assert maxdiff(sc, fc) <= 1e-5, f"layer {p} conv"
+                assert_close(f"{family} {mode.value} state {p}", ss, fs, 1e-5)
             # The caches continue identically: decode one more token on each.
             nxt = [int(seq.argmax())]
             pos = sum(map(len, segs))
-            a = engine.runner.forward(nxt, pos, fused_cache, logits=True)
-            b = engine.runner.forward(nxt, pos, seq_cache, logits=True)
+            a = runner.forward(nxt, pos, fused_cache, logits=True)
+            b = runner.forward(nxt, pos, seq_cache, logits=True)
             assert maxdiff(b, a) <= 1e-5
+
+
+def fused_key_positions(segs, entries) -> torch.Tensor:
+    """Positions of a fused stitch cache's K/V columns: every body, then the seam heads and the question."""
+    bodies, runs, offset = [], [], 0
+    for seg, entry in zip(segs, entries):
+        runs += range(offset, offset + entry.seam)
+        if entry.body_length:
+            bodies += range(offset + entry.seam, offset + len(seg))
+        offset += len(seg)
+    return torch.tensor(bodies + runs + list(range(offset, offset + len(segs[-1]))))
 
 
 def test_fused_stitch_with_eager_attention():

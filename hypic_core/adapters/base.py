@@ -144,6 +144,71 @@ class ModelAdapter(ABC):
     def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], mode: "Mode") -> dict[tuple[Any, str], Callable]:
         return {}
 
+    def _stitch_conv(self, cap: Capture, spans: list[StitchSpan], conv_fn: Callable) -> Callable:
+        """A conv function for a fused stitch forward: each run span is convolved after the conv
+        context of what precedes it (the previous span, then the cached body's conv tail shifted in),
+        as a sequential stitch would. Records each layer's final context in `cap.conv_inputs`.
+
+        The mixer passes [conv state | run tokens] (K + n_run columns); only the run tokens' outputs return.
+        """
+        n_run = spans[-1].end if spans else 0
+
+        def conv_wrapper(hidden_states, *args, **kwargs):
+            lp = len(cap.conv_inputs)
+            K = self.conv_kernel(lp)
+            x = hidden_states[..., hidden_states.shape[-1] - n_run :]
+            ctx = hidden_states[..., : hidden_states.shape[-1] - n_run][..., -K:]
+            outs = []
+            for span in spans:
+                piece = x[..., span.start : span.end]
+                if span.end > span.start:
+                    full = torch.cat([ctx, piece], dim=-1)
+                    outs.append(conv_fn(full, *args, **kwargs)[..., -piece.shape[-1] :])
+                    ctx = full[..., -K:]
+                if span.entry is not None:
+                    ctx = torch.cat([ctx, span.entry.conv_tails[lp].to(ctx.dtype)[None]], dim=-1)[..., -K:]
+            cap.conv_inputs.append(ctx[0].clone())
+            return torch.cat(outs, dim=-1)
+
+        return conv_wrapper
+
+    @staticmethod
+    def _advance_body(state: torch.Tensor, span: StitchSpan, layer_pos: int, mode: "Mode") -> torch.Tensor:
+        """`state` after the cached body that follows `span` (unchanged when none follows):
+        S <- T S + E (hypic), S <- S + E (pic-naive: the transition is ignored)."""
+        if span.entry is None:
+            return state
+        from ..config import Mode
+
+        op = span.entry.operators[layer_pos]
+        return op.apply(state) if mode is Mode.HYPIC else state.float() + op.end
+
+    def _stitch_delta_scan(self, spans: list[StitchSpan], mode: "Mode", scan_fn: Callable) -> Callable:
+        """A chunked delta-rule kernel (GDN, KDA: `(q, k, v, g, beta, ...) -> (o, state)`) for a fused
+        stitch forward: the recurrence runs span by span from the carried state, each cached body's
+        operator applied in between, all inside the layer's one call."""
+        calls = [0]
+
+        def scan_wrapper(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
+            lp = calls[0]
+            calls[0] += 1
+            kwargs.pop("chunk_size", None)
+            B, _, hv, dv = value.shape
+            state = (value.new_zeros(B, hv, key.shape[-1], dv, dtype=torch.float32) if initial_state is None
+                     else initial_state.float())
+            outs = []
+            for span in spans:
+                a, b = span.start, span.end
+                if b > a:
+                    out, state = scan_fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
+                                         chunk_size=span_chunk(b - a), initial_state=state, output_final_state=True,
+                                         **kwargs)
+                    outs.append(out)
+                state = self._advance_body(state, span, lp, mode)
+            return torch.cat(outs, dim=1), (state if output_final_state else None)
+
+        return scan_wrapper
+
     def finish_stitch(self, cache, cap: Capture) -> None:
         """Copy the conv contexts recorded during a fused stitch into the cache (row 0)."""
         for p, ctx in enumerate(cap.conv_inputs):
@@ -311,6 +376,12 @@ class StitchSpan:
     start: int
     end: int
     entry: Any = None  # SegmentEntry with a non-empty body
+
+
+def span_chunk(n: int, limit: int = 64) -> int:
+    """Kernel chunk size for a span of n tokens: short spans (seam heads) run as one small chunk
+    instead of being padded to the kernel's default (at most `limit`)."""
+    return min(limit, 1 << max(3, (n - 1).bit_length()))
 
 
 def require(condition: bool, model_type: str, why: str) -> None:

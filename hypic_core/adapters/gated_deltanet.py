@@ -19,7 +19,7 @@ import torch
 
 from ..config import Mode
 from ..operators import LinearOperator
-from .base import Capture, ModelAdapter, StitchSpan
+from .base import Capture, ModelAdapter, StitchSpan, span_chunk
 from .kernels import KernelSelection
 
 _MODELING = {
@@ -85,7 +85,7 @@ class GatedDeltaNetAdapter(ModelAdapter):
             head_out = []
             if seam:
                 out, s_w = scan_fn(query[:, :seam], key[:, :seam], value[:, :seam], g=g[:, :seam], beta=beta[:, :seam],
-                                   chunk_size=_small_chunk(seam), initial_state=s_w, output_final_state=True, **kwargs)
+                                   chunk_size=span_chunk(seam), initial_state=s_w, output_final_state=True, **kwargs)
                 head_out.append(out)
             q, k, v, g, beta = (x[:, seam:] for x in (query, key, value, g, beta))
             real = (torch.arange(L - seam)[None, :] < lengths[:, None]).to(value.device)[..., None]  # [B, Lb, 1]
@@ -110,48 +110,9 @@ class GatedDeltaNetAdapter(ModelAdapter):
         one batch; only the recurrence and the short conv run per span, as in a sequential stitch.
         """
         mod = self._modeling
-        conv_fn = self.kernels.fallback("causal_conv1d_fn")
-        scan_fn = self.kernels.fallback("torch_chunk_gated_delta_rule")
-        calls = {"conv": 0, "scan": 0}
-        n_run = spans[-1].end if spans else 0
-
-        def conv_wrapper(hidden_states, *args, **kwargs):
-            lp = calls["conv"]
-            calls["conv"] += 1
-            K = self.conv_kernel(lp)
-            x = hidden_states[..., hidden_states.shape[-1] - n_run :]
-            ctx = hidden_states[..., : hidden_states.shape[-1] - n_run][..., -K:]
-            outs = []
-            for span in spans:
-                piece = x[..., span.start : span.end]
-                if span.end > span.start:
-                    full = torch.cat([ctx, piece], dim=-1)
-                    outs.append(conv_fn(full, *args, **kwargs)[..., -piece.shape[-1] :])
-                    ctx = full[..., -K:]
-                if span.entry is not None:
-                    ctx = torch.cat([ctx, span.entry.conv_tails[lp].to(ctx.dtype)[None]], dim=-1)[..., -K:]
-            cap.conv_inputs.append(ctx[0].clone())
-            return torch.cat(outs, dim=-1)
-
-        def scan_wrapper(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
-            lp = calls["scan"]
-            calls["scan"] += 1
-            B, _, hv, dv = value.shape
-            state = value.new_zeros(B, hv, key.shape[-1], dv, dtype=torch.float32) if initial_state is None else initial_state.float()
-            outs = []
-            for span in spans:
-                a, b = span.start, span.end
-                if b > a:
-                    out, state = scan_fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
-                                         chunk_size=_small_chunk(b - a), initial_state=state, output_final_state=True,
-                                         **kwargs)
-                    outs.append(out)
-                if span.entry is not None:
-                    op = span.entry.operators[lp]
-                    state = op.apply(state) if mode is Mode.HYPIC else state + op.end  # pic-naive: T ignored
-            return torch.cat(outs, dim=1), (state if output_final_state else None)
-
-        return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "torch_chunk_gated_delta_rule"): scan_wrapper}
+        return {(mod, "causal_conv1d_fn"): self._stitch_conv(cap, spans, self.kernels.fallback("causal_conv1d_fn")),
+                (mod, "torch_chunk_gated_delta_rule"):
+                    self._stitch_delta_scan(spans, mode, self.kernels.fallback("torch_chunk_gated_delta_rule"))}
 
     # --- operators ----------------------------------------------------------------------
     def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:
@@ -178,12 +139,6 @@ class GatedDeltaNetAdapter(ModelAdapter):
     def state_shape(self, layer_pos: int) -> tuple[int, ...]:
         m = self._mixers[layer_pos]
         return (int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim))
-
-
-def _small_chunk(n: int) -> int:
-    """Kernel chunk size for a span of n tokens: short spans (seam heads) run as one small chunk
-    instead of being padded to the default 64."""
-    return min(64, 1 << max(3, (n - 1).bit_length()))
 
 
 def naive_scan(k, v, g, beta, initial_state=None, l2norm: bool = True) -> torch.Tensor:

@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 
 from ..operators import LinearOperator
-from .base import Capture, ModelAdapter
+from ..config import Mode
+from .base import Capture, ModelAdapter, StitchSpan
 from .kernels import KernelSelection
 
 
@@ -58,6 +59,16 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
             return scan_fn(query, key, value, g, beta, *args, **kwargs)
 
         return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "chunk_kimi_delta_attention"): scan_wrapper}
+
+    supports_fused_stitch = True
+
+    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], mode: Mode) -> dict[tuple[Any, str], Callable]:
+        """As Gated DeltaNet: the KDA recurrence runs span by span inside the layer's one kernel call,
+        each body's (T, E) applied in between; the short conv continues across spans."""
+        mod = self._modeling
+        return {(mod, "causal_conv1d_fn"): self._stitch_conv(cap, spans, self.kernels.fallback("causal_conv1d_fn")),
+                (mod, "chunk_kimi_delta_attention"):
+                    self._stitch_delta_scan(spans, mode, self.kernels.fallback("chunk_kimi_delta_attention"))}
 
     # --- operators ----------------------------------------------------------------------
     def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:

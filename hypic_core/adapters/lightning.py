@@ -26,7 +26,8 @@ import torch
 from transformers.models.minimax import modeling_minimax
 
 from ..operators import LinearOperator
-from .base import Capture, ModelAdapter, require
+from ..config import Mode
+from .base import Capture, ModelAdapter, StitchSpan, require
 
 
 class LightningAdapter(ModelAdapter):
@@ -58,6 +59,35 @@ class LightningAdapter(ModelAdapter):
             return out
 
         return {(mod, "apply_mask_to_padding_states"): qkv_wrapper}
+
+    supports_fused_stitch = True
+
+    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], mode: Mode) -> dict[tuple[Any, str], Callable]:
+        """Replace the lightning layers' forward for one fused stitch: the recurrence runs span by span
+        (block-wise, `lightning_scan`), each body's (T, E) applied in between. The stock forward would
+        run token by token once a state is cached; projections, norm and gate are the stock ones."""
+        adapter, positions = self, {m.layer_idx: p for p, m in enumerate(self._mixers)}
+
+        def forward(mixer, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+            lp = positions[mixer.layer_idx]
+            b, n, _ = hidden_states.shape
+            h, d = mixer.num_attention_heads, mixer.head_dim
+            qkv = mixer.act_fn(mixer.qkv_proj(hidden_states)).reshape(b, n, h, 3 * d)
+            q, k, v = torch.split(qkv, d, dim=3)
+            _, state = adapter.linear_state_or_zero(cache, lp)
+            state, slopes, outs = state[None].float(), adapter.slopes(lp), []
+            for span in spans:
+                lo, hi = span.start, span.end
+                if hi > lo:
+                    out, state = lightning_scan(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], slopes, state, mixer.block_size)
+                    outs.append(out)
+                state = adapter._advance_body(state, span, lp, mode)
+            out = torch.cat(outs, dim=1).to(hidden_states.dtype).reshape(b, n, h * d)
+            out = torch.sigmoid(mixer.output_gate(hidden_states)) * mixer.norm(out)
+            cache.set_linear_cache(mixer.layer_idx, state.to(hidden_states.dtype))
+            return mixer.out_proj(out), state
+
+        return {(type(self._mixers[0]), "forward"): forward}
 
     def conv_tail(self, cap: Capture, layer_pos: int, row: int, end: int) -> torch.Tensor:
         return self._no_conv()
@@ -137,6 +167,29 @@ class PositionedMiniMaxCache(modeling_minimax.MiniMaxCache):
         return super().get_mask_sizes(query_length, layer_idx or self.attention_layer)
 
 
+def lightning_scan(q, k, v, slopes, state, block_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lightning attention over a span from `state`, block by block, fp32 (the model's own block form).
+
+    q, k, v [B, L, H, d]; slopes [H]; state [B, H, d, d]. Returns (outputs [B, L, H, d], final state):
+    o_t = q_t S_t with S_t = exp(-slope) S_{t-1} + k_t^T v_t.
+    """
+    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))  # [B, H, L, d]
+    s = slopes.float().view(-1, 1)  # [H, 1]
+    outs = []
+    for lo in range(0, q.shape[2], block_size):
+        qb, kb, vb = q[:, :, lo:lo + block_size], k[:, :, lo:lo + block_size], v[:, :, lo:lo + block_size]
+        n = qb.shape[2]
+        idx = torch.arange(n, dtype=torch.float32, device=q.device)
+        age = idx[:, None] - idx[None, :]
+        diagonal = torch.exp(-s[..., None] * age.clamp_min(0)).masked_fill(age < 0, 0.0)  # [H, n, n]
+        intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2)) * diagonal, vb)
+        inter = torch.matmul(qb * torch.exp(-s * (idx + 1))[..., None], state)
+        outs.append(intra + inter)
+        state = torch.exp(-s * n)[..., None] * state + torch.matmul(
+            (kb * torch.exp(-s * (n - 1 - idx))[..., None]).transpose(-1, -2), vb)
+    return torch.cat(outs, dim=2).transpose(1, 2), state
+
+
 def naive_scan(k, v, slopes, initial_state=None) -> torch.Tensor:
     """Plain sequential lightning recurrence, token by token, fp32. k, v [L, H, d]; returns [H, d, d]."""
     k, v = k.float(), v.float()
@@ -147,4 +200,4 @@ def naive_scan(k, v, slopes, initial_state=None) -> torch.Tensor:
     return S
 
 
-__all__ = ["LightningAdapter", "PositionedMiniMaxCache", "naive_scan"]
+__all__ = ["LightningAdapter", "PositionedMiniMaxCache", "lightning_scan", "naive_scan"]

@@ -26,8 +26,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..config import Mode
 from ..operators import LinearOperator
-from .base import Capture, ModelAdapter, require
+from .base import Capture, ModelAdapter, StitchSpan, require, span_chunk
 from .kernels import KernelSelection
 
 _MODELING = {
@@ -85,6 +86,41 @@ class Mamba2Adapter(ModelAdapter):
             return scan_fn(hidden_states, dt, A, B, C, *args, **kwargs)
 
         return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "mamba2_chunk_scan"): scan_wrapper}
+
+    supports_fused_stitch = True
+
+    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], mode: Mode) -> dict[tuple[Any, str], Callable]:
+        """Run the SSD scan span by span inside one layer call, applying each body's operator in between
+        (T is one scalar per head, so a body costs one multiply-add of the state).
+
+        Projections, gated norm and MLP of every seam head and the question run as one batch.
+        """
+        mod = self._modeling
+        scan_fn = self.kernels.fallback("mamba2_chunk_scan")
+        calls = [0]
+
+        def scan_wrapper(hidden_states, dt, A, B, C, chunk_size=256, D=None, dt_bias=None, initial_states=None,
+                         dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+            lp = calls[0]
+            calls[0] += 1
+            b, _, h, p = hidden_states.shape
+            state = (hidden_states.new_zeros(b, h, p, B.shape[-1], dtype=torch.float32) if initial_states is None
+                     else initial_states.float())
+            outs = []
+            for span in spans:
+                lo, hi = span.start, span.end
+                if hi > lo:
+                    out, state = scan_fn(hidden_states[:, lo:hi], dt[:, lo:hi], A, B[:, lo:hi], C[:, lo:hi],
+                                         chunk_size=span_chunk(hi - lo, chunk_size), D=D, dt_bias=dt_bias,
+                                         initial_states=state, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                                         return_final_states=True, **kwargs)
+                    outs.append(out)
+                state = self._advance_body(state, span, lp, mode)
+            out = torch.cat(outs, dim=1)
+            return (out, state) if return_final_states else out
+
+        return {(mod, "causal_conv1d_fn"): self._stitch_conv(cap, spans, self.kernels.fallback("causal_conv1d_fn")),
+                (mod, "mamba2_chunk_scan"): scan_wrapper}
 
     # --- operators ----------------------------------------------------------------------
     def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:
