@@ -235,12 +235,11 @@ def build_student(cfg, tsd, states: dict[int, dict]):
     return model, trainable
 
 
-def shipped_states(cfg) -> dict[int, dict] | None:
+def shipped_states(cfg, f: Path = SHIPPED / "mixers.safetensors") -> dict[int, dict] | None:
     """The shipped mixers as training states, when they are of this recipe and layout."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    f = SHIPPED / "mixers.safetensors"
     if not f.is_file():
         return None
     with safe_open(str(f), "pt") as h:
@@ -347,9 +346,22 @@ def train(args) -> None:
 # ---------------------------------------------------------------- export / evaluate
 
 
-def export(args) -> None:
+def write_mixers(states: dict[int, dict], cfg, step: int, file: Path) -> None:
+    """The shipped file: bf16 mixer states keyed `layers.{i}.{name}`, with the recipe version,
+    the attention layers and the stage-2 step in its metadata; written atomically."""
     from safetensors.torch import save_file
 
+    flat = {f"layers.{i}.{k}": v.detach().to(torch.bfloat16).contiguous() for i, st in sorted(states.items()) for k, v in st.items()}
+    meta = {"format": "pt", "recipe_version": str(C.RECIPE_VERSION), "attn_layers": json.dumps(list(cfg.attn_layer_indices)),
+            "stage2_step": str(step)}
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(file.name + ".tmp")
+    save_file(flat, str(tmp), metadata=meta)
+    tmp.chmod(0o644)
+    tmp.replace(file)
+
+
+def export(args) -> None:
     out = Path(args.out)
     src = out / "stage2.pt"
     if src.is_file() and not args.stage1:
@@ -359,14 +371,8 @@ def export(args) -> None:
         states, step = torch.load(out / "stage1.pt"), 0
     path = teacher_dir()
     cfg = C.bamba_config(json.loads((path / "config.json").read_text()))
-    flat = {f"layers.{i}.{k}": v.to(torch.bfloat16).contiguous() for i, st in sorted(states.items()) for k, v in st.items()}
     target = Path(args.to)
-    target.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pt", "recipe_version": str(C.RECIPE_VERSION), "attn_layers": json.dumps(list(cfg.attn_layer_indices)),
-            "stage2_step": str(step)}
-    tmp = target / "mixers.safetensors.tmp"
-    save_file(flat, str(tmp), metadata=meta)
-    tmp.replace(target / "mixers.safetensors")
+    write_mixers(states, cfg, step, target / "mixers.safetensors")
     _say(f"wrote {target / 'mixers.safetensors'} ({(target / 'mixers.safetensors').stat().st_size / 1e6:.1f} MB, stage-2 step {step})")
     if args.assembled:
         C.assemble(path, target / "mixers.safetensors", Path(args.assembled), stamp={"named": "smollm2-hybrid-135m", "stage2_step": step})
