@@ -17,6 +17,7 @@ or held-out text is dropped (training/hybrid/data.py's `excluded_shingles`). Gen
 `--minutes` and resumes (appends) when rerun; progress on stderr.
 
     python -m training.hybrid.generate --out /work/var/hybrid --minutes 12
+    python -m training.hybrid.generate --out /work/var/hybrid --minutes 30 --kinds rag,rag,chat   # more RAG answers
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="/work/var/hybrid")
     p.add_argument("--minutes", type=float, default=12)
     p.add_argument("--batch", type=int, default=24)
+    p.add_argument("--kinds", default="continue,chat,rag", help="the kinds to cycle through, comma-separated (repeat one to weight it)")
     p.add_argument("--seed", type=int, default=None, help="default: from the lines already written (a rerun continues)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -127,7 +129,8 @@ def main(argv=None) -> None:
 
     round_ = 0
     while time.time() < deadline:
-        kind = ("continue", "chat", "rag")[round_ % 3]
+        kinds = args.kinds.split(",")
+        kind = kinds[round_ % len(kinds)]
         round_ += 1
         if kind == "continue":
             temp = rng.choice((0.7, 1.0))
@@ -146,9 +149,11 @@ def main(argv=None) -> None:
             qs = sample(model, tok, [chat_ids(tok, ASK.format(x=g)) for g in gold], 40, 0.7)
             prompts = []
             for g, q in zip(gold, qs):
-                question = tok.decode(q, skip_special_tokens=True).strip().split("\n")[0].strip()
-                if not re.search(r"\w.*\?$", question):
+                text = tok.decode(q, skip_special_tokens=True).strip()
+                found = re.match(r"(?:question:\s*)?([^\n?]*\w[^\n?]*\?)", text, re.I)  # its first line, up to the "?"
+                if not found:
                     continue
+                question = found.group(1).strip()
                 chunks = [g] + [" ".join(rng.choice(paras).split()[:200]) for _ in range(rng.randint(1, 3))]
                 rng.shuffle(chunks)
                 hits = [SearchHit(float(i), Chunk(chunk_id_for(t), f"c{i}", "", "gen", 0, t, 0)) for i, t in enumerate(chunks)]
