@@ -45,7 +45,7 @@ from hypic_core import hybrid as C
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "smollm2-hybrid-135m"
 # stage 2's draw per step: (pool, weight); an empty pool's weight goes to the others
-MIXTURE = (("docs", 0.2), ("docs-prompt", 0.15), ("continue", 0.2), ("chat", 0.2), ("rag", 0.25))
+MIXTURE = (("docs", 0.15), ("docs-prompt", 0.15), ("continue", 0.15), ("chat", 0.15), ("rag", 0.4))
 
 
 def teacher_dir() -> Path:
@@ -120,12 +120,12 @@ def pools(tokenizer, out: Path, window: int, rag_window: int) -> dict[str, list[
     return res
 
 
-def draw(pool: dict[str, list[torch.Tensor]], step: int, held: int) -> tuple[str, torch.Tensor]:
+def draw(pool: dict[str, list[torch.Tensor]], step: int, held: int, mixture=MIXTURE) -> tuple[str, torch.Tensor]:
     """Step `step`'s sequence: a pool by MIXTURE's weights, then a sequence of it (the first
     `held` of every pool are held back for validation), both from a generator seeded by the step."""
     rng = random.Random(step)
-    names = [n for n, _ in MIXTURE if len(pool.get(n, ())) > held]
-    kind = rng.choices(names, weights=[w for n, w in MIXTURE if n in names])[0]
+    names = [n for n, _ in mixture if len(pool.get(n, ())) > held]
+    kind = rng.choices(names, weights=[w for n, w in mixture if n in names])[0]
     return kind, pool[kind][rng.randrange(held, len(pool[kind]))]
 
 
@@ -285,7 +285,7 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
                "recipe": C.RECIPE_VERSION}, ckpt)
 
     while step < args.steps and time.time() < deadline:
-        kind, seq = draw(pool, step, args.held)
+        kind, seq = draw(pool, step, args.held, args.mix)
         ids = seq[None].long()
         ts = time.time()
         with torch.no_grad():
@@ -446,6 +446,14 @@ def memory(args) -> dict:
     return rows
 
 
+def _mixture(text: str) -> tuple[tuple[str, float], ...]:
+    pairs = tuple((k, float(v)) for k, v in (item.split("=") for item in text.split(",")))
+    unknown = {k for k, _ in pairs} - {k for k, _ in MIXTURE}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown pool(s) {sorted(unknown)}; pools: {[k for k, _ in MIXTURE]}")
+    return pairs
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -465,6 +473,8 @@ def main(argv=None) -> None:
     t.add_argument("--minutes", type=float, default=60)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--save-minutes", type=float, default=5)
+    t.add_argument("--mix", type=_mixture, default=MIXTURE, help="stage 2's pool weights, e.g. docs=0.2,rag=0.8 (default: "
+                   + ",".join(f"{n}={w}" for n, w in MIXTURE) + ")")
     x = sub.choices["export"]
     x.add_argument("--stage1", action="store_true", help="export stage 1's mixers")
     x.add_argument("--to", default=str(SHIPPED), help="folder of the mixers file (default: the shipped model's)")
