@@ -61,7 +61,7 @@ GUNZIP_FACTOR = 16
 
 
 class SearchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     query: str = Field(description="The text to search with.")
     top_k: int | None = Field(None, ge=1, description="Chunks to return (default: settings.default_top_k, at most settings.max_top_k).")
@@ -140,6 +140,7 @@ async def delete_document(document_id: str, request: Request) -> dict:
 async def search(body: SearchRequest, request: Request) -> dict:
     """The `top_k` chunks closest to the query, best first; nothing is generated."""
     rt = _runtime(request)
+    pipeline.check_text(rt, [("query", body.query)])
     found = await pipeline.retrieve(rt, body.query, body.top_k or rt.settings.default_top_k, body.document_ids)
     return {"object": "list", "query": body.query, "retrieval_ms": found.ms,
             "data": [{"chunk_id": h.chunk.chunk_id, "document_id": h.chunk.document_id, "title": h.chunk.title,

@@ -47,22 +47,28 @@ router = APIRouter(prefix="/v1", route_class=StrictJSONRoute)
 
 
 class RagOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     top_k: int | None = Field(None, ge=1)
     document_ids: list[str] | None = None
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
@@ -129,10 +135,13 @@ async def chat_completions(body: ChatRequest, request: Request):
     rt = _accept(request, body)
     if body.top_logprobs and not body.logprobs:
         raise APIError.invalid("top_logprobs", "requires logprobs: true")
+    pipeline.check_count("messages", body.messages, rt.settings.max_messages, "HYPIC_MAX_MESSAGES")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    _check_sizes(rt, body, [(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)])
     hits = await _retrieve(rt, body, messages[-1]["content"])
     asked = body.max_completion_tokens or body.max_tokens
-    prompt = rt.prompter.chat(messages, hits, body.segments or (), reserve=asked or rt.settings.answer_reserve_tokens)
+    prompt = await pipeline.off_loop(lambda: rt.prompter.chat(messages, hits, body.segments or (),
+                                                              reserve=asked or rt.settings.answer_reserve_tokens))
     gen = _generation(rt, body, prompt, asked or rt.settings.max_new_tokens, body.logprobs, body.top_logprobs or 0)
     stream = pipeline.start(rt, gen, started, "/v1/chat/completions")
     reply = _Reply(rt, "chat.completion", body, chat=True, prompt=prompt)
@@ -153,8 +162,10 @@ async def completions(body: CompletionRequest, request: Request):
         if len(prompt) != 1:
             raise APIError.invalid("prompt", "exactly one prompt per request is supported")
         prompt = prompt[0]
+    _check_sizes(rt, body, [("prompt" if isinstance(body.prompt, str) else "prompt[0]", prompt)])
     hits = await _retrieve(rt, body, prompt)
-    built = rt.prompter.completion(prompt, hits, body.segments or (), reserve=body.max_tokens or rt.settings.answer_reserve_tokens)
+    built = await pipeline.off_loop(lambda: rt.prompter.completion(prompt, hits, body.segments or (),
+                                                                   reserve=body.max_tokens or rt.settings.answer_reserve_tokens))
     want = body.logprobs is not None
     gen = _generation(rt, body, built, body.max_tokens or rt.settings.max_new_tokens, want, body.logprobs or 0)
     stream = pipeline.start(rt, gen, started, "/v1/completions")
@@ -177,6 +188,14 @@ def _accept(request: Request, body: _Common) -> Runtime:
                        param="model", code="model_not_found")
     pipeline.require_room(rt)
     return rt
+
+
+def _check_sizes(rt: Runtime, body: _Common, texts: list[tuple[str, str]]) -> None:
+    """400 naming the field for too many segments or stop strings, or too much text to tokenize
+    (`texts`, then the segments); checked before anything is tokenized."""
+    pipeline.check_count("segments", body.segments, rt.settings.max_segments, "HYPIC_MAX_SEGMENTS")
+    pipeline.check_stops(rt, body.stops())
+    pipeline.check_text(rt, texts + [(f"segments[{i}]", s) for i, s in enumerate(body.segments or ())])
 
 
 async def _retrieve(rt: Runtime, body: _Common, query: str) -> list:

@@ -68,7 +68,10 @@ class QueryRequest(pipeline.SamplingExtras):
 
 class QueryParams(QueryRequest):
     """GET /query takes the same fields as query parameters (`document_ids` repeated) and
-    streams by default, so a browser `EventSource` can read it."""
+    streams by default, so a browser `EventSource` can read it. Query parameters are text, so
+    they are converted (lax): `max_tokens=5`, `stream=false`."""
+
+    model_config = ConfigDict(strict=False)
 
     stream: bool = True
 
@@ -88,8 +91,9 @@ async def _answer(body: QueryRequest, request: Request):
     rt: Runtime = request.app.state.runtime
     rt.require_ready()
     pipeline.require_room(rt)
+    pipeline.check_text(rt, [("question", body.question)])
     found = await pipeline.retrieve(rt, body.question, body.top_k or rt.settings.default_top_k, body.document_ids)
-    prompt = rt.prompter.query(body.question, found.hits, reserve=body.max_tokens)
+    prompt = await pipeline.off_loop(lambda: rt.prompter.query(body.question, found.hits, reserve=body.max_tokens))
     gen = pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, body.exact, prompt.exact_prefix,
                                       max_tokens=body.max_tokens,
                                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,

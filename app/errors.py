@@ -20,13 +20,15 @@ import reprlib
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hypic_core.errors import InvalidRequestError, PromptTooLongError
 from retrieval.errors import DocumentNotFoundError, RetrievalError
 
 MAX_MESSAGE_CHARS = 2000
+CLIENT_CLOSED = 499  # nginx's status for "client closed the connection before the answer": metrics and logs only
 MAX_PARAM_CHARS = 200
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 _REPR = reprlib.Repr()
@@ -126,6 +128,11 @@ def from_validation(exc: RequestValidationError) -> APIError:
 def install(app: FastAPI) -> None:
     """Register the handlers that turn exceptions into the JSON shape above."""
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client left before its body was complete: nothing to answer, nothing went wrong here.
+        return Response(status_code=CLIENT_CLOSED)
+
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
@@ -144,7 +151,7 @@ def install(app: FastAPI) -> None:
         message, param, code = str(exc.detail), None, None
         if exc.status_code == 413:  # middleware.BodyLimit, for a body sent without Content-Length
             message, param, code = f"body: {message}", "body", "body_too_large"
-        elif exc.status_code == 408:  # middleware.BodyLimit: the body stopped arriving
+        elif exc.status_code == 408:  # middleware.BodyLimit: the body stopped arriving or was too slow
             message, param, code = f"body: {message}", "body", "body_timeout"
         elif exc.status_code == 400:  # FastAPI's own "There was an error parsing the body"
             message, param = f"body: {message}", "body"

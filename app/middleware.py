@@ -9,13 +9,18 @@
 - `HostCheck`: answers 400 for a `Host` that `allowed_hosts` does not list, which closes DNS
   rebinding (a page on evil.example whose name now resolves to 127.0.0.1); probes pass.
 - `OriginCheck` (only without an API key): answers 403 to a state-changing request a browser
-  sent from a page on an origin not in `cors_origins`, and to a `text/plain` upload without
-  an `X-Requested-With` header. A page can send either without asking (a "simple" request,
-  no CORS preflight); everything else a page sends cross-origin the browser preflights, and
-  the CORS middleware allows only `cors_origins`.
+  sent from a page on an origin not in `cors_origins`, to a `text/plain` upload without an
+  `X-Requested-With` header, and to a form (multipart or urlencoded) with neither that header
+  nor an `Origin` (which every current browser sends with a form, and which is checked
+  above). A page can send any of these without asking (a "simple" request, no CORS
+  preflight), and older browsers sent no `Origin` with them; everything else a page sends
+  cross-origin the browser preflights, and the CORS middleware allows only `cors_origins`.
 - `BodyLimit`: answers 413 for a body over `max_body_bytes`, before reading it when
   Content-Length says so, else as soon as the chunks received pass the limit; 408 (and closes
-  the connection) when no part of a body arrives for `body_timeout_s`.
+  the connection) when no part of a body arrives for `body_timeout_s`, or the whole body has
+  not arrived `body_deadline_s` after its head (a body trickling in a byte at a time).
+- A client that disconnects before its body is complete is counted and logged with status
+  499 (nginx's "client closed request"), not as a 500: nobody is there to answer.
 - `ApiKey`: when a key is configured, refuses requests without `Authorization: Bearer <key>`
   (401; the scheme in any case), and a request with two `Authorization` headers (400),
   except the probes /health, /ready and /metrics.
@@ -33,16 +38,19 @@ from typing import Sequence
 from urllib.parse import urlsplit
 
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import logs
-from .errors import APIError, shown
+from .errors import CLIENT_CLOSED, APIError, shown
 from .metrics import Metrics
 
 access_log = logging.getLogger("hypic.access")
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 OPEN_PATHS = ("/health", "/ready", "/metrics")
 UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# Form bodies a page can send to any site without a CORS preflight (as it can text/plain).
+SIMPLE_FORMS = (b"multipart/form-data", b"application/x-www-form-urlencoded")
 
 
 def header_values(scope: Scope, name: bytes) -> list[bytes]:
@@ -80,6 +88,8 @@ class RequestContext:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:  # the client left mid-body (errors.install answers it inside FastAPI): not a server error
+            status = status or CLIENT_CLOSED
         except Exception:
             access_log.exception("unhandled error", extra={"path": scope["path"]})
             if status is None:  # nothing sent yet: answer, so that even a 500 carries the request id
@@ -181,10 +191,17 @@ class OriginCheck:
                                  code="origin_not_allowed")
                 return await error.response()(scope, receive, send)
         content_type = b"".join(header_values(scope, b"content-type")[:1]).split(b";")[0].strip().lower()
-        if content_type == b"text/plain" and not header_values(scope, b"x-requested-with"):
+        asked = bool(header_values(scope, b"x-requested-with"))
+        if content_type == b"text/plain" and not asked:
             error = APIError(403, "content-type: without an API key, a text/plain upload needs an 'X-Requested-With' header "
                                   "(any value), which a page on another site cannot add unasked; or send it as text/markdown",
                              type="permission_error", param="content-type", code="simple_request_refused")
+            return await error.response()(scope, receive, send)
+        if content_type in SIMPLE_FORMS and not asked and not header_values(scope, b"origin"):
+            error = APIError(403, "content-type: without an API key, a form upload needs an 'X-Requested-With' header (any "
+                                  "value; curl -H 'X-Requested-With: curl') or a browser's Origin header: a page on another "
+                                  "site can send a form without either", type="permission_error", param="content-type",
+                             code="simple_request_refused")
             return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -197,17 +214,19 @@ class BodyTooLarge(HTTPException):
 
 
 class BodyTimeout(HTTPException):
-    """Raised from `receive` when the body stops arriving; the error handlers answer 408 and the connection closes."""
+    """Raised from `receive` when the body stops arriving, or is not complete by its deadline;
+    the error handlers answer 408 and the connection closes."""
 
-    def __init__(self, seconds: float) -> None:
-        super().__init__(408, f"no part of the request body arrived for {seconds:g} s", headers={"Connection": "close"})
+    def __init__(self, message: str) -> None:
+        super().__init__(408, message, headers={"Connection": "close"})
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int, idle_timeout: float | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, idle_timeout: float | None = None, deadline: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.idle_timeout = idle_timeout
+        self.deadline = deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -218,15 +237,20 @@ class BodyLimit:
             return await APIError(413, f"body: {error.detail}", param="body", code="body_too_large").response()(scope, receive, send)
         seen = 0
         complete = False
+        ends = None if self.deadline is None else time.monotonic() + self.deadline
 
         async def counted() -> Message:
             nonlocal seen, complete
             if complete:  # after the body, receive() waits for the disconnect: no deadline
                 return await receive()
+            left = None if ends is None else max(ends - time.monotonic(), 0.0)
+            wait = left if self.idle_timeout is None or (left is not None and left < self.idle_timeout) else self.idle_timeout
             try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout)
+                message = await asyncio.wait_for(receive(), wait)
             except asyncio.TimeoutError:
-                raise BodyTimeout(self.idle_timeout) from None
+                if wait == left:  # a body trickling in, a byte now and then, is cut off here
+                    raise BodyTimeout(f"the request body did not arrive within {self.deadline:g} s") from None
+                raise BodyTimeout(f"no part of the request body arrived for {self.idle_timeout:g} s") from None
             complete = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import anyio
 from fastapi import Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from hypic_core.config import GenerationRequest, Mode, SamplingParams
 from hypic_core.sequence import StepOutput
@@ -30,7 +30,13 @@ from .worker import QueueFullError, TokenStream
 
 
 class SamplingExtras(BaseModel):
-    """vLLM-compatible sampling fields every generating endpoint accepts (request-body mixin)."""
+    """vLLM-compatible sampling fields every generating endpoint accepts (request-body mixin).
+
+    Request bodies are validated strictly (`strict=True`, here and in every body model): a JSON
+    scalar of the wrong type is a 400, not converted (`"max_tokens": true` is not 1, `"2"` is
+    not 2, `0` is not false); an integer is still a valid number."""
+
+    model_config = ConfigDict(strict=True)
 
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False,
                          description="Drop tokens less likely than min_p times the most likely one.")
@@ -67,6 +73,46 @@ async def retrieve(rt: Runtime, query: str, top_k: int, document_ids: Sequence[s
     seconds = time.perf_counter() - started
     rt.metrics.retrieval.observe(seconds)
     return Retrieval(hits, round(seconds * 1000.0, 3))
+
+
+def utf8_size(text: str) -> int:
+    """Bytes of `text` in UTF-8 (lone surrogates, refused elsewhere, count as 3)."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_count(param: str, items: Sequence | None, limit: int, setting: str) -> None:
+    """400 naming `param` when `items` has more than `limit` entries (`setting` names the limit)."""
+    if items is not None and len(items) > limit:
+        raise APIError(400, f"{param}: {len(items)} entries, more than the {limit} allowed ({setting})", param=param,
+                       code="too_many_items")
+
+
+def check_text(rt: Runtime, texts: Sequence[tuple[str, str]]) -> None:
+    """400 naming the field where the UTF-8 bytes of `texts` ((param, text) pairs, in request
+    order) together pass `max_text_bytes`. Runs before anything is tokenized, so that no
+    request makes the gateway tokenize more than the limit."""
+    limit, total = rt.settings.max_text_bytes, 0
+    for param, text in texts:
+        total += utf8_size(text)
+        if total > limit:
+            raise APIError(400, f"{param}: the request's text passes {limit} bytes here (HYPIC_MAX_TEXT_BYTES, the question "
+                                "or prompt, messages and segments together); shorten it", param=param, code="text_too_long")
+
+
+def check_stops(rt: Runtime, stops: Sequence[str], param: str = "stop") -> None:
+    """400 naming `param` for more than `max_stop_strings` stop strings or more than
+    `max_stop_bytes` of them together: each generated token is checked against every one."""
+    check_count(param, stops, rt.settings.max_stop_strings, "HYPIC_MAX_STOP_STRINGS")
+    size = sum(map(utf8_size, stops))
+    if size > rt.settings.max_stop_bytes:
+        raise APIError(400, f"{param}: {size} bytes of stop strings, more than the {rt.settings.max_stop_bytes} allowed "
+                            "(HYPIC_MAX_STOP_BYTES)", param=param, code="too_many_items")
+
+
+async def off_loop(function, *args):
+    """`function(*args)` on a worker thread (tokenizing, chat templates): the event loop keeps
+    answering /health and streaming other requests meanwhile. Its exceptions are raised here."""
+    return await anyio.to_thread.run_sync(function, *args)
 
 
 def document_id(value: str, param: str) -> str:

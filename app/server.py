@@ -44,7 +44,8 @@ def create_app(settings: Settings | None = None, engine: EngineSource = None, in
     errors.install(app)
     for module in (api_query, api_openai, api_documents, api_ops):
         app.include_router(module.router)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, idle_timeout=settings.body_timeout_s)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, idle_timeout=settings.body_timeout_s,
+                       deadline=settings.body_deadline_s)
     if settings.api_key is not None:
         app.add_middleware(ApiKey, key=settings.api_key.get_secret_value())
     else:

@@ -115,6 +115,14 @@ class Settings(BaseSettings):
     max_queue: int = Field(16, ge=0, description="Admitted requests waiting for a running slot; beyond this: 429.")
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and with 503 while loading.")
     max_body_bytes: int = Field(8 << 20, ge=1)
+    # Checked before anything is tokenized (on a thread): text costs ~0.6 s per MB to tokenize.
+    max_text_bytes: int = Field(1 << 20, ge=1, description="UTF-8 bytes of text one request asks to tokenize: the question "
+                                "or prompt, message contents and segments together (a /search query alone); beyond: 400 "
+                                "naming the field where the total passes it, before anything is tokenized.")
+    max_messages: int = Field(1024, ge=1, description="Messages in one chat request; beyond: 400 naming messages.")
+    max_segments: int = Field(256, ge=1, description="Entries of `segments` in one request; beyond: 400 naming segments.")
+    max_stop_strings: int = Field(16, ge=0, description="Stop strings in one request; beyond: 400 naming stop.")
+    max_stop_bytes: int = Field(1024, ge=0, description="UTF-8 bytes of a request's stop strings together; beyond: 400 naming stop.")
     api_key: SecretStr | None = Field(None, description="When set, requests need 'Authorization: Bearer <key>'.")
     cors_origins: list[str] = Field([], description='Browser origins allowed to call the API, e.g. ["http://localhost:3000"].')
 
@@ -132,6 +140,8 @@ class Settings(BaseSettings):
     header_timeout_s: float = Field(10.0, gt=0, description="A request's head must arrive within this long of the connection's "
                                     "start or the previous response's end, else 408 and the connection is closed.")
     body_timeout_s: float = Field(30.0, gt=0, description="A request body that stops arriving for this long gets a 408.")
+    body_deadline_s: float = Field(120.0, gt=0, description="A request body not complete this long after its head arrived "
+                                   "gets a 408 (a body trickling in a byte now and then never trips body_timeout_s).")
     max_headers: int = Field(100, ge=1, description="Header fields per request; beyond: 431.")
     max_header_bytes: int = Field(16 << 10, ge=1024, description="Bytes of header fields per request; beyond: 431 (or 400 "
                                   "from uvicorn for a head arriving in pieces).")

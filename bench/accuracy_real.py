@@ -191,7 +191,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--n", type=int, default=84, help="questions (data/real_qa has 84)")
-    parser.add_argument("--seams", type=int, nargs="+", default=[0, 2, 4, 8, 16, 32])
+    parser.add_argument("--seams", type=int, nargs="*", default=[0, 2, 4, 8, 16, 32], help="hypic seams (none: no hypic rows)")
     parser.add_argument("--naive-seams", type=int, nargs="*", default=None,
                         help="seams for pic-naive (default: --seams). On a dense model pic-naive equals hypic at every "
                              "seam (no linear layers to compose), so one is enough as a check.")
@@ -203,22 +203,26 @@ def main() -> None:
                         "tests/test_stitch.py checks it)")
     parser.add_argument("--partial", default=None, help="rewrite the rows so far to this JSON file after each question")
     parser.add_argument("--tag", default=None, help="docs/accuracy.md section tag (default: real-<model>)")
+    parser.add_argument("--raw", default=None, help="file name in docs/ of the raw rows (default: accuracy_real_<model>.json)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--from-json", action="store_true", help="rewrite the docs section from the saved raw rows "
                         "(docs/accuracy_real_<model>.json) instead of running; give the run's other arguments")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     name = Path(args.model).name
-    results = json.loads((ROOT / "docs" / f"accuracy_real_{name}.json").read_text()) if args.from_json else evaluate(args)
+    raw = args.raw or f"accuracy_real_{name}.json"
+    results = json.loads((ROOT / "docs" / raw).read_text()) if args.from_json else evaluate(args)
     naive = "" if args.naive_seams is None else " ".join([" --naive-seams", *map(str, args.naive_seams)])
     naive += " --no-prefix" if args.no_prefix else ""
+    naive += f" --tag {args.tag}" if args.tag else ""
+    naive += f" --raw {args.raw}" if args.raw else ""
     command = (f".venv/bin/python bench/accuracy_real.py --model {args.model} --n {args.n} --seams {' '.join(map(str, args.seams))}"
                f"{naive} --max-tokens {args.max_tokens}")
     body = table(results)
     print("\n".join(body))
     if args.no_write:
         return
-    (ROOT / "docs" / f"accuracy_real_{name}.json").write_text(json.dumps(results, indent=1))
+    (ROOT / "docs" / raw).write_text(json.dumps(results, indent=1))
     tag = args.tag or f"real-{name}"
     section = "\n".join([
         f"<!-- {tag}:begin -->",
@@ -226,7 +230,7 @@ def main() -> None:
         f"{results['attention_layers']} attention layers, {results['dtype']})",
         "",
         f"`{command}` ({results['n']} questions from data/real_qa, 3-10 chunks each, greedy, {results['seconds']} s "
-        f"on this machine's CPU). Raw rows: `docs/accuracy_real_{name}.json`.",
+        f"on this machine's CPU). Raw rows: `docs/{raw}`.",
         "",
         *body,
         f"<!-- {tag}:end -->",

@@ -1,21 +1,27 @@
 """Convert a llama checkpoint (SmolLM2-135M-Instruct) into a Bamba hybrid, and assemble it from trained mixers.
 
-The hybrid keeps one attention layer in four (`ATTN_EVERY`) with the teacher's weights unchanged;
-every other layer's attention becomes a Mamba2 mixer. The mixer is initialised from the attention
-it replaces (linear attention is attention without the softmax, so the projections carry over):
+Layout (recipe 2): Mamba2 mixers with inner width 2 x hidden (`mamba_expand` 2), the layout
+llama.cpp's `granitehybrid` graph and vLLM's Bamba load. For a teacher with H query heads of
+width P (H * P = hidden), a mixer has 2H heads of width P and H B/C groups of state size P, so
+mixer heads 2j and 2j+1 share group j. Both are initialised from attention head j (linear
+attention is attention without the softmax, so the projections carry over):
 
-    x (values)      <- V = W_v h, repeated to the 9 query heads (GQA expansion)
-    B (keys)        <- K = W_k h, repeated to the 9 heads          (n_groups = heads = 9)
-    C (queries)     <- Q = W_q h
-    z (output gate) <- W_v h as well (a GLU-style gate; trained)
-    out_proj        <- W_o
-    dt, A           <- new: per-head decays spread from ~5 to ~500 tokens of memory
-    conv1d          <- identity (last tap 1), so the short convolution starts as a no-op
+    C (queries, group j)      <- Q_j = W_q h               (head j's rows of W_q)
+    B (keys, group j)         <- K of head j's KV group     (GQA: KV heads repeated)
+    x (values, heads 2j, 2j+1) <- V of head j's KV group
+    z (output gate)           <- the same V rows (a GLU-style gate; trained)
+    out_proj                  <- W_o's columns of head j, half to each of the two copies
+    dt, A                     <- head 2j remembers briefly, head 2j+1 long (`DT_SHORT`, `DT_LONG`,
+                                 spread log-uniformly over j); the dt rows of in_proj start at 0
+    conv1d                    <- identity (last tap 1), so the short convolution starts as a no-op
+    norm                      <- the gated RMSNorm over each group (the pair of heads), standing in
+                                 for the softmax's normaliser; its scale is fitted by least squares
 
-The mixer's per-head gated RMSNorm (group size = head dim) stands in for the softmax's
-normaliser. Training (training/hybrid/distill.py) learns low-rank corrections (LoRA) to the
-projections and the small mixer parameters in full; the shipped file `mixers.safetensors` holds
-only those, and `assemble()` rebuilds the full checkpoint from the teacher's weights in seconds.
+Which layers keep attention is `ATTN_LAYERS`, chosen by measured sensitivity (the model card's
+table; `python -m training.hybrid.sensitivity`). Training (training/hybrid/distill.py) learns
+low-rank corrections (LoRA) to the projections and the small mixer parameters in full; the
+shipped file `mixers.safetensors` holds only those, and `assemble()` rebuilds the full
+checkpoint from the teacher's weights in seconds.
 """
 
 from __future__ import annotations
@@ -27,50 +33,61 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ATTN_EVERY = 4  # layers 3, 7, 11, ... keep attention (1 in 4, as Qwen3.5 / Granite-4-H do)
-LORA_RANK_IN = 64
-LORA_RANK_OUT = 32
-DT_RANGE = (0.002, 0.2)  # softplus(dt_bias) per head: memory 1/dt of about 5 to 500 tokens
-RECIPE_VERSION = 1
+# Layers of SmolLM2-135M (30 layers) that keep their attention: the least sensitive 15 become
+# mixers (see the model card's sensitivity table). Other layer counts (the tests' tiny models)
+# keep every other layer, starting with the second.
+ATTN_LAYERS: tuple[int, ...] | None = (0, 1, 2, 3, 4, 11, 12, 13, 16, 19, 20, 21, 23, 24, 27)
+LORA_RANK_IN = 128
+LORA_RANK_OUT = 64
+DT_SHORT = (1 / 64, 1 / 4)  # softplus(dt_bias) of the even heads: memory 1/dt of 4 to 64 tokens
+DT_LONG = (1 / 2048, 1 / 96)  # the odd heads: 96 to 2048 tokens
+RECIPE_VERSION = 2
 
 
 def attn_layers(n_layers: int) -> list[int]:
-    return [i for i in range(n_layers) if i % ATTN_EVERY == ATTN_EVERY - 1]
+    if ATTN_LAYERS is not None and n_layers == 30:
+        return list(ATTN_LAYERS)
+    return [i for i in range(n_layers) if i % 2 == 1]
 
 
-def bamba_config(teacher_cfg: dict):
-    """The BambaConfig of the hybrid for a llama config dict (teacher's config.json)."""
+def bamba_config(teacher_cfg: dict, attn: list[int] | None = None):
+    """The BambaConfig of the hybrid for a llama config dict (teacher's config.json); `attn`
+    overrides which layers keep attention."""
     from transformers import BambaConfig
 
     heads, kv, hidden = teacher_cfg["num_attention_heads"], teacher_cfg["num_key_value_heads"], teacher_cfg["hidden_size"]
     head_dim = teacher_cfg.get("head_dim") or hidden // heads
     if head_dim * heads != hidden:
-        raise ValueError("the conversion needs heads * head_dim == hidden_size (mamba_expand = 1)")
+        raise ValueError("the conversion needs heads * head_dim == hidden_size (mixer width 2 x hidden = 2 copies of each head)")
     rope = dict(teacher_cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": teacher_cfg.get("rope_theta", 10000.0)})
     rope["partial_rotary_factor"] = 1.0  # Bamba defaults to 0.5; llama rotates the whole head
     n = teacher_cfg["num_hidden_layers"]
-    return BambaConfig(
+    cfg = BambaConfig(
         vocab_size=teacher_cfg["vocab_size"], hidden_size=hidden, intermediate_size=teacher_cfg["intermediate_size"],
         num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv, hidden_act=teacher_cfg["hidden_act"],
         rms_norm_eps=teacher_cfg["rms_norm_eps"], tie_word_embeddings=teacher_cfg.get("tie_word_embeddings", False),
-        max_position_embeddings=teacher_cfg["max_position_embeddings"], attn_layer_indices=attn_layers(n),
-        mamba_n_heads=heads, mamba_d_head=head_dim, mamba_n_groups=heads, mamba_d_state=head_dim, mamba_d_conv=4,
-        mamba_expand=1, mamba_chunk_size=64, mamba_conv_bias=True, mamba_proj_bias=False,
+        max_position_embeddings=teacher_cfg["max_position_embeddings"],
+        attn_layer_indices=sorted(attn) if attn is not None else attn_layers(n),
+        mamba_n_heads=2 * heads, mamba_d_head=head_dim, mamba_n_groups=heads, mamba_d_state=head_dim, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=64, mamba_conv_bias=True, mamba_proj_bias=False,
         rope_parameters=rope, attention_bias=teacher_cfg.get("attention_bias", False), mlp_bias=teacher_cfg.get("mlp_bias", False),
         pad_token_id=teacher_cfg.get("pad_token_id"), bos_token_id=teacher_cfg.get("bos_token_id"),
         eos_token_id=teacher_cfg.get("eos_token_id"),
     )
+    cfg.architectures = ["BambaForCausalLM"]  # llama.cpp's convert_hf_to_gguf.py picks its converter by this
+    return cfg
 
 
 class LoRALinear(nn.Module):
     """`base + up @ down` with a frozen base; `weight` is the merged matrix (what Bamba's fused
     path reads). `up` starts at zero, so a fresh LoRALinear computes exactly the base."""
 
-    def __init__(self, base: torch.Tensor, rank: int):
+    def __init__(self, base: torch.Tensor, rank: int, seed: int = 0):
         super().__init__()
         self.register_buffer("base", base.detach().clone(), persistent=False)
         out_f, in_f = base.shape
-        self.down = nn.Parameter(torch.randn(rank, in_f, dtype=base.dtype) / math.sqrt(in_f))
+        gen = torch.Generator().manual_seed(seed)
+        self.down = nn.Parameter(torch.randn(rank, in_f, generator=gen, dtype=base.dtype) / math.sqrt(in_f))
         self.up = nn.Parameter(torch.zeros(out_f, rank, dtype=base.dtype))
         self.bias = None
 
@@ -82,32 +99,46 @@ class LoRALinear(nn.Module):
         return x @ self.base.T + (x @ self.down.T) @ self.up.T
 
 
-def _repeat_heads(w: torch.Tensor, kv: int, heads: int) -> torch.Tensor:
-    """(kv*hd, hidden) -> (heads*hd, hidden): each query head gets its KV group's rows."""
-    hd = w.shape[0] // kv
-    return w.view(kv, hd, -1).repeat_interleave(heads // kv, dim=0).reshape(heads * hd, -1)
+def _per_head(w: torch.Tensor, n_in: int, n_out: int) -> torch.Tensor:
+    """(n_in*hd, hidden) -> (n_out*hd, hidden): head blocks repeated in order (repeat_interleave)."""
+    hd = w.shape[0] // n_in
+    return w.reshape(n_in, hd, -1).repeat_interleave(n_out // n_in, dim=0).reshape(n_out * hd, -1)
 
 
 def base_in_proj(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv: int) -> torch.Tensor:
     """The mixer's in_proj rows [z | x | B | C | dt] from the attention's projections."""
-    v_full = _repeat_heads(v, kv, heads)
-    k_full = _repeat_heads(k, kv, heads)
-    dt = torch.zeros(heads, q.shape[1], dtype=q.dtype)
-    return torch.cat([v_full, v_full, k_full, q, dt], 0)
+    v2 = _per_head(v, kv, 2 * heads)  # mixer head m reads V of attention head m // 2's KV group
+    k1 = _per_head(k, kv, heads)  # group j: K of head j's KV group
+    dt = torch.zeros(2 * heads, q.shape[1], dtype=q.dtype)
+    return torch.cat([v2, v2, k1, q, dt], 0)
 
 
-def init_small(heads: int, conv_dim: int, kernel: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Deterministic initial values of the mixer's small parameters."""
-    dt = torch.exp(torch.linspace(math.log(DT_RANGE[0]), math.log(DT_RANGE[1]), heads, dtype=torch.float64))
+def base_out_proj(o: torch.Tensor, heads: int) -> torch.Tensor:
+    """(hidden, 2*hidden): W_o's columns of head j, halved, for each of mixer heads 2j and 2j+1."""
+    hidden = o.shape[0]
+    hd = o.shape[1] // heads
+    return 0.5 * o.reshape(hidden, heads, 1, hd).expand(hidden, heads, 2, hd).reshape(hidden, 2 * heads * hd)
+
+
+def init_dt(heads: int) -> torch.Tensor:
+    """softplus(dt_bias) of the 2*heads mixer heads: even ones short memory, odd ones long."""
+    short = torch.exp(torch.linspace(math.log(DT_SHORT[1]), math.log(DT_SHORT[0]), heads, dtype=torch.float64))
+    long_ = torch.exp(torch.linspace(math.log(DT_LONG[1]), math.log(DT_LONG[0]), heads, dtype=torch.float64))
+    return torch.stack([short, long_], 1).reshape(-1)
+
+
+def init_small(heads: int, conv_dim: int, kernel: int, d_inner: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Deterministic initial values of the mixer's small parameters (`heads`: the teacher's)."""
+    dt = init_dt(heads)
     conv = torch.zeros(conv_dim, 1, kernel, dtype=dtype)
     conv[:, 0, -1] = 1.0
     return {
         "dt_bias": (dt + torch.log(-torch.expm1(-dt))).to(dtype),  # softplus^-1(dt)
-        "A_log": torch.zeros(heads, dtype=dtype),  # A = -1
-        "D": torch.zeros(heads, dtype=dtype),
+        "A_log": torch.zeros(2 * heads, dtype=dtype),  # A = -1
+        "D": torch.zeros(2 * heads, dtype=dtype),
         "conv1d.weight": conv,
         "conv1d.bias": torch.zeros(conv_dim, dtype=dtype),
-        "norm.weight": torch.ones(heads * (conv_dim // (3 * heads)), dtype=dtype),
+        "norm.weight": torch.ones(d_inner, dtype=dtype),
     }
 
 
@@ -124,13 +155,16 @@ def make_mixer(config, layer_idx: int, teacher_sd: dict[str, torch.Tensor]):
     mixer = BambaMixer(config, layer_idx)
     q, k, v, o = teacher_layer_weights(teacher_sd, layer_idx)
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    mixer.in_proj = LoRALinear(base_in_proj(q, k, v, heads, kv), LORA_RANK_IN)
-    mixer.out_proj = LoRALinear(o, LORA_RANK_OUT)
-    small = init_small(heads, mixer.conv_dim, mixer.conv_kernel_size)
+    mixer.in_proj = LoRALinear(base_in_proj(q, k, v, heads, kv), LORA_RANK_IN, seed=2 * layer_idx)
+    mixer.out_proj = LoRALinear(base_out_proj(o, heads), LORA_RANK_OUT, seed=2 * layer_idx + 1)
+    small = init_small(heads, mixer.conv_dim, mixer.conv_kernel_size, mixer.intermediate_size)
     with torch.no_grad():
         for name, value in small.items():
             mixer.get_parameter(name).copy_(value)
     return mixer
+
+
+SMALL = ("dt_bias", "A_log", "D", "conv1d.weight", "conv1d.bias", "norm.weight")
 
 
 def mixer_state(mixer) -> dict[str, torch.Tensor]:
@@ -138,7 +172,7 @@ def mixer_state(mixer) -> dict[str, torch.Tensor]:
     return {
         "in_proj.down": mixer.in_proj.down, "in_proj.up": mixer.in_proj.up,
         "out_proj.down": mixer.out_proj.down, "out_proj.up": mixer.out_proj.up,
-        **{n: mixer.get_parameter(n) for n in ("dt_bias", "A_log", "D", "conv1d.weight", "conv1d.bias", "norm.weight")},
+        **{n: mixer.get_parameter(n) for n in SMALL},
     }
 
 
@@ -155,9 +189,9 @@ def merged_mixer_weights(config, layer_idx: int, teacher_sd: dict[str, torch.Ten
     f = lambda t: t.float()  # noqa: E731
     out = {
         "in_proj.weight": base_in_proj(q, k, v, heads, kv) + f(state["in_proj.up"]) @ f(state["in_proj.down"]),
-        "out_proj.weight": o + f(state["out_proj.up"]) @ f(state["out_proj.down"]),
+        "out_proj.weight": base_out_proj(o, heads) + f(state["out_proj.up"]) @ f(state["out_proj.down"]),
     }
-    for n in ("dt_bias", "A_log", "D", "conv1d.weight", "conv1d.bias", "norm.weight"):
+    for n in SMALL:
         out[n] = f(state[n])
     return out
 
@@ -203,6 +237,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "special_tokens_map.json")
 
 
+def mixers_config(mixers_file: Path) -> list[int] | None:
+    """The attention layers recorded in a mixers file's metadata (None when it has none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(mixers_file), "pt") as f:
+        meta = f.metadata() or {}
+    return json.loads(meta["attn_layers"]) if "attn_layers" in meta else None
+
+
 def assemble(teacher_dir: Path, mixers_file: Path, target: Path, stamp: dict | None = None) -> Path:
     """Write the hybrid checkpoint (config, fp32 safetensors, tokenizer) into `target` from the
     teacher's directory and the trained mixers; atomic (a temporary directory, then a rename)."""
@@ -212,7 +255,7 @@ def assemble(teacher_dir: Path, mixers_file: Path, target: Path, stamp: dict | N
 
     teacher_dir, target = Path(teacher_dir), Path(target)
     teacher_cfg = json.loads((teacher_dir / "config.json").read_text())
-    config = bamba_config(teacher_cfg)
+    config = bamba_config(teacher_cfg, mixers_config(mixers_file))
     sd = hybrid_state_dict(config, load_teacher_state(teacher_dir), load_file(mixers_file))
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,7 +1,8 @@
 """Token-aware chunking: cut a document into chunks of about `target_tokens` tokens.
 
 Lengths are measured with a Hugging Face tokenizer (the serving model's, so a chunk's
-`token_count` is what the engine will prefill). The text is split into units at sentence ends and
+`token_count` is what the engine will prefill), special-token strings in the text split into
+ordinary tokens as the gateway's prompts split them. The text is split into units at sentence ends and
 line breaks; units longer than `max_tokens` are cut into token windows. Units are then packed
 greedily up to `target_tokens` (up to `max_tokens` while a chunk is still under `min_tokens`).
 When a chunk must close, it closes at the last paragraph end that leaves it at least
@@ -68,8 +69,10 @@ class Chunker:
         self.min_tokens = min_tokens
 
     def count_tokens(self, texts: list[str]) -> list[int]:
-        """Return the number of tokens of each text, without special tokens."""
-        encoded = self.tokenizer(texts, add_special_tokens=False, verbose=False)
+        """Return the number of tokens of each text, without special tokens. Text that spells a
+        special token (`<|im_start|>`) counts as the ordinary tokens it is made of, as the
+        gateway tokenizes documents (app/prompter.py), not as the one special token."""
+        encoded = self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True, verbose=False)
         return [len(ids) for ids in encoded["input_ids"]]
 
     def chunk(self, document: Document) -> list[Chunk]:
@@ -80,7 +83,8 @@ class Chunker:
 
     def _token_spans(self, text: str) -> list[tuple[int, int]]:
         """Character spans of the tokens of `text` (zero-width tokens dropped)."""
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        encoded = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True,
+                                 verbose=False)
         return [(start, end) for start, end in encoded["offset_mapping"] if end > start]
 
     def _units(self, text: str) -> list[_Unit]:

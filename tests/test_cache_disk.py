@@ -255,10 +255,14 @@ def _open_damaged(tmp_path, how: str, caplog) -> tuple[TieredSegmentStore, bool]
     return store, moved
 
 
-@pytest.mark.parametrize("how", ["cut-half", "cut-100"])
+@pytest.mark.parametrize("how", ["cut-half", "cut-100", "cut-0"])
 def test_truncated_index_is_moved_aside_and_the_tier_starts_empty(tmp_path, how, caplog):
+    """cut-0: cache.db emptied. Before, SQLite opened it as a new, empty index and the value files
+    it had named stayed in the directory for good, uncounted by the disk budget; now the
+    directory is moved aside like any damaged one, so none are left behind."""
     _, moved = _open_damaged(tmp_path, how, caplog)
     assert moved
+    assert len(list((tmp_path / how / "cache").rglob("*.val"))) == 1  # the one entry written since
 
 
 def test_randomly_damaged_index_opens_and_serves(tmp_path, caplog):
@@ -301,3 +305,42 @@ def test_a_deleted_value_file_is_a_counted_miss_and_is_written_again(tmp_path, c
     back = fresh.lookup(key_of(e), e.token_ids)
     assert back is not None and tensors_equal(back, e) and fresh.stats().hits["disk"] == 1 and fresh.stats().corrupt == 0
     fresh.close()
+
+
+@pytest.mark.parametrize("name", ["nul", "parent", "absolute", "symlink"])
+def test_a_row_naming_a_file_outside_the_cache_is_a_dropped_miss(tmp_path, name, caplog):
+    """A row whose value-file name passes SQLite's integrity check but is damaged. Before: a NUL
+    gave "embedded null byte" (ValueError) on every lookup, a 500 per request, and the row was
+    never dropped; `../outside/victim.val` (or an absolute name, or a symbolic link out) was read
+    as the entry and then deleted with its directory. Now each is a counted miss, the row is
+    dropped, and the file outside is neither served nor removed."""
+    d = tmp_path / "cache"
+    e = make_entry(n=200, width=64)
+    store = build_store(1 << 26, directory=d)
+    store.insert(key_of(e), e)
+    store.close()
+    (value_file,) = d.rglob("*.val")
+    outside = tmp_path / "outside" / "victim.val"
+    outside.parent.mkdir()
+    outside.write_bytes(value_file.read_bytes())  # a valid entry: serving it would be a hit
+    bad = {"nul": "ab/cd/x\0y.val", "parent": "../outside/victim.val", "absolute": str(outside),
+           "symlink": "ab/link.val"}[name]
+    if name == "symlink":
+        (d / "ab").mkdir(exist_ok=True)
+        (d / "ab" / "link.val").symlink_to(outside)
+    with sqlite3.connect(d / "cache.db") as db:
+        assert db.execute("UPDATE Cache SET filename = ?", (bad,)).rowcount == 1
+    db.close()
+    store = build_store(1 << 26, directory=d)
+    with caplog.at_level(logging.WARNING, logger="hypic_core"):
+        assert store.lookup(key_of(e), e.token_ids) is None
+        assert store.lookup(key_of(e), e.token_ids) is None  # still a miss, and now a plain one: the row is gone
+    s = store.stats()
+    assert s.corrupt == 1 and s.misses == 2, s
+    assert outside.read_bytes() == value_file.read_bytes()
+    store.insert(key_of(e), e)  # recomputed: written again, into the cache directory
+    store.close()
+    fresh = build_store(1 << 26, directory=d)
+    assert fresh.lookup(key_of(e), e.token_ids) is not None and fresh.stats().corrupt == 0
+    fresh.close()
+    assert outside.exists()

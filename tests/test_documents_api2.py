@@ -23,7 +23,7 @@ def server(tiny_tokenizer, tmp_path_factory):
 
 @pytest.fixture()
 def client(server):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
+    with httpx.Client(base_url=server.url, timeout=30, headers={"X-Requested-With": "test"}) as c:
         yield c
 
 

@@ -131,6 +131,21 @@ def test_text_upload_needs_a_header_a_page_cannot_add_unasked(server):
     assert md.status_code == 201, md.text
 
 
+def test_a_form_upload_needs_the_header_or_an_origin(server):
+    """Before: a multipart upload with neither Origin nor X-Requested-With was accepted without an
+    API key, although a page on any site (in an older browser, which sent no Origin with a form)
+    can send one unasked."""
+    form = {"files": {"file": ("formed.txt", b"form text")}}
+    r = httpx.post(f"{server.url}/documents", **form)
+    assert refused(r, "content-type", 403)["code"] == "simple_request_refused"
+    assert not document_exists(server, "formed.txt")
+    urlencoded = httpx.post(f"{server.url}/documents", data={"id": "formed.txt"})
+    assert refused(urlencoded, "content-type", 403)["code"] == "simple_request_refused"
+    for headers in ({"X-Requested-With": "curl"}, {"Origin": UI}):
+        ok = httpx.post(f"{server.url}/documents", headers=headers, **form)
+        assert ok.status_code == 201, (headers, ok.text)
+
+
 def test_preflight_allows_the_listed_origin_to_send_x_requested_with(server):
     preflight = httpx.options(f"{server.url}/documents", headers={
         "Origin": UI, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type, x-requested-with"})
@@ -212,6 +227,34 @@ def test_a_stalled_body_gets_408(server):
     assert status.startswith(b"HTTP/1.1 408") and b'"param":"body"' in rest and b'"code":"body_timeout"' in rest, answer
     assert seconds < 5  # answered and closed, not kept open
     assert not document_exists(server, "sl")
+
+
+def test_a_trickling_body_gets_408_at_its_deadline(engine, tmp_path):
+    """A byte every 0.3 s never trips the idle deadline (1 s); before, nothing else bounded it
+    (a byte every 5-20 s held the connection for as long as the client liked). Now the whole
+    body must arrive within body_deadline_s (1.5 s here) of the head."""
+    live = start(engine, tmp_path, body_timeout_s=1.0, body_deadline_s=1.5)
+    try:
+        head = b"POST /documents HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        started = time.monotonic()
+        answer = b""
+        with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
+            s.sendall(head)
+            s.setblocking(False)
+            while time.monotonic() - started < 6 and not answer:
+                try:
+                    s.sendall(b" ")
+                except OSError:
+                    break
+                time.sleep(0.3)
+                try:
+                    answer = s.recv(65536)
+                except BlockingIOError:
+                    pass
+        assert answer.startswith(b"HTTP/1.1 408") and b"within 1.5 s" in answer, answer
+        assert time.monotonic() - started < 3.5
+    finally:
+        live.stop()
 
 
 def test_connections_kept_alive_between_requests_still_work(server):

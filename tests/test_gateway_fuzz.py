@@ -37,9 +37,6 @@ from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import CHECKS  # noqa: E402
 from schemathesis.core.failures import FailureGroup  # noqa: E402
 
-from app.api_documents import SearchRequest  # noqa: E402
-from app.api_openai import ChatRequest, CompletionRequest  # noqa: E402
-from app.api_query import QueryRequest  # noqa: E402
 from app.server import create_app  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.testing import LiveServer, single_torch_thread, tiny_engine, tiny_gateway  # noqa: E402
@@ -71,33 +68,8 @@ def fields(case) -> dict:
     return {**(case.query or {}), **(case.body if isinstance(case.body, dict) else {})}
 
 
-REQUEST_MODELS = {"POST /query": QueryRequest, "POST /search": SearchRequest,
-                  "POST /v1/chat/completions": ChatRequest, "POST /v1/completions": CompletionRequest}
-
-
-def lax_scalar(case) -> bool:
-    """The JSON body is valid only because pydantic's lax mode converts a scalar ("2", 2.0 or
-    true for an integer, 0 or "yes" for a boolean, "0.5" for a number)."""
-    model = REQUEST_MODELS.get(case.operation.label)
-    if model is None or not isinstance(case.body, dict):
-        return False
-    data = json.dumps(case.body)
-    try:
-        model.model_validate_json(data)
-    except (ValueError, TypeError):
-        return False
-    try:
-        model.model_validate_json(data, strict=True)
-    except ValueError:
-        return True
-    return False
-
-
 # Findings not fixed yet, by name. Remove one when its fix lands, with its KNOWN and PROBES uses.
-ISSUES = {
-    "lax-json-scalars": "input validation: JSON bodies are validated in pydantic's lax mode, so a wrongly typed scalar "
-                        "that converts (\"2\", 2.0 or true for an integer, 0 or \"yes\" for a boolean) is accepted",
-}
+ISSUES: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -110,9 +82,7 @@ class Known:
     checks: tuple[str, ...] = ()
 
 
-KNOWN = [
-    Known("lax-json-scalars", lax_scalar, checks=("negative_data_rejection",)),
-]
+KNOWN: list[Known] = []
 
 
 def known(case) -> list[Known]:
@@ -211,8 +181,21 @@ PROBES = {
     "documents-lone-surrogate": ("POST", "/documents", {"id": "s", "text": "x \udc00"}, None),
     "chat-seed-2**64": ("POST", "/v1/chat/completions", {**CHAT, "seed": 2**64, "temperature": 1}, None),
     "chat-seed-below-int64": ("POST", "/v1/chat/completions", {**CHAT, "seed": -(2**63) - 1, "temperature": 1}, None),
-    "search-top-k-true": ("POST", "/search", {"query": "hi", "top_k": True}, "lax-json-scalars"),
-    "query-max-tokens-string": ("POST", "/query", {"question": "hi", "max_tokens": "2"}, "lax-json-scalars"),
+    "search-top-k-true": ("POST", "/search", {"query": "hi", "top_k": True}, None),
+    "query-max-tokens-string": ("POST", "/query", {"question": "hi", "max_tokens": "2"}, None),
+    "chat-max-tokens-true": ("POST", "/v1/chat/completions", {**CHAT, "max_tokens": True}, None),
+    "completions-max-tokens-float": ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2.0}, None),
+    "chat-stream-zero": ("POST", "/v1/chat/completions", {**CHAT, "stream": 0}, None),
+    "chat-rag-top-k-string": ("POST", "/v1/chat/completions", {**CHAT, "rag": {"top_k": "2"}}, None),
+    "chat-content-part-number": ("POST", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": 5}]}]}, None),
+    # sizes and counts (tests/test_gateway_limits.py has the rest, at small limits)
+    "completions-2-mb-prompt": ("POST", "/v1/completions", {"model": MODEL, "prompt": "Varo is a city. " * 131_072}, None),
+    "chat-50000-messages": ("POST", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": ""}] * 50_000},
+                            None),
+    "chat-1000-stops": ("POST", "/v1/chat/completions", {**CHAT, "stop": [f"s{i}" for i in range(1000)]}, None),
+    "query-2-mb-question": ("POST", "/query", {"question": "who? " * 400_000}, None),
+    "search-2-mb-query": ("POST", "/search", {"query": "who? " * 400_000}, None),
     "query-deep-json": ("POST", "/query", ("application/json", DEEP), None),
     "chat-deep-json-field": ("POST", "/v1/chat/completions", ("application/json", json.dumps(CHAT)[:-1] + ', "x": ' + DEEP + "}"),
                              None),

@@ -34,7 +34,7 @@ def server(tiny_tokenizer, tmp_path_factory):
 
 @pytest.fixture()
 def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with httpx.Client(base_url=server.url, timeout=60, headers={"X-Requested-With": "test"}) as c:  # form uploads need it without a key
         yield c
 
 

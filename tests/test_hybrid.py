@@ -28,6 +28,27 @@ def tiny_llama(tmp_path_factory):
     return path, model
 
 
+@pytest.fixture(scope="module")
+def tiny_hybrid(tiny_llama, tmp_path_factory):
+    """The tiny llama converted by this recipe (attention in layers 1, 3, 5, 7) with trained-looking
+    (randomly perturbed) mixers, assembled and loaded back with plain transformers."""
+    from safetensors.torch import save_file
+
+    path, llama = tiny_llama
+    cfg = H.bamba_config(llama.config.to_dict())
+    sd = H.load_teacher_state(path)
+    gen = torch.Generator().manual_seed(4)
+    flat = {}
+    for i in range(cfg.num_hidden_layers):
+        if i not in cfg.attn_layer_indices:
+            for k, v in H.mixer_state(H.make_mixer(cfg, i, sd)).items():
+                flat[f"layers.{i}.{k}"] = (v.detach() + 0.05 * torch.randn(v.shape, generator=gen)).contiguous()
+    work = tmp_path_factory.mktemp("tiny_hybrid")
+    save_file(flat, work / "mixers.safetensors")
+    out = H.assemble(path, work / "mixers.safetensors", work / "hybrid")
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
 def _ids(n=40, seed=1):
     return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
@@ -46,22 +67,45 @@ def test_bamba_with_every_layer_attention_is_the_llama_exactly(tiny_llama):
 
 
 def test_mixer_starts_as_the_mapped_attention_projections(tiny_llama):
+    """Two mixer heads per attention head (inner width 2 x hidden): heads 2j and 2j+1 read V of
+    head j's KV group, share group j (B <- its K, C <- Q_j), and each writes half of W_o's columns."""
     path, llama = tiny_llama
     cfg = H.bamba_config(llama.config.to_dict())
+    assert cfg.mamba_expand == 2 and cfg.mamba_n_heads == 8 and cfg.mamba_n_groups == 4 and cfg.architectures == ["BambaForCausalLM"]
     sd = H.load_teacher_state(path)
     mixer = H.make_mixer(cfg, 0, sd)
+    assert mixer.intermediate_size == 128 and mixer.num_heads == 8 and mixer.head_dim == 16
     x = torch.randn(3, 64)
     q, k, v, o = H.teacher_layer_weights(sd, 0)
     with torch.no_grad():
-        z, xs, B, C, dt = mixer.in_proj(x).split([64, 64, 64, 64, 4], -1)
-        out = mixer.out_proj(torch.ones(1, 64))
-    assert torch.allclose(C, x @ q.T) and torch.allclose(xs, (x @ v.T).view(3, 2, 16).repeat_interleave(2, 1).reshape(3, 64))
-    assert torch.allclose(B, (x @ k.T).view(3, 2, 16).repeat_interleave(2, 1).reshape(3, 64), atol=1e-6)
-    assert torch.allclose(z, xs) and torch.equal(dt, torch.zeros_like(dt))
-    assert torch.allclose(out, torch.ones(1, 64) @ o.T)
-    # softplus(dt_bias) spans the intended memory range
-    dts = torch.nn.functional.softplus(mixer.dt_bias.detach())
-    assert float(dts.min()) == pytest.approx(H.DT_RANGE[0], rel=1e-4) and float(dts.max()) == pytest.approx(H.DT_RANGE[1], rel=1e-4)
+        z, xs, B, C, dt = mixer.in_proj(x).split([128, 128, 64, 64, 8], -1)
+        y = torch.randn(3, 128)
+        out = mixer.out_proj(y)
+    vh = (x @ v.T).view(3, 2, 16)  # 2 KV heads
+    assert torch.allclose(xs.view(3, 8, 16), vh.repeat_interleave(4, 1), atol=1e-6)  # mixer head m <- KV head m // 4
+    assert torch.allclose(B.view(3, 4, 16), (x @ k.T).view(3, 2, 16).repeat_interleave(2, 1), atol=1e-6)
+    assert torch.allclose(C, x @ q.T, atol=1e-6) and torch.allclose(z, xs) and torch.equal(dt, torch.zeros_like(dt))
+    pairs = y.view(3, 4, 2, 16)
+    assert torch.allclose(out, 0.5 * (pairs[:, :, 0] + pairs[:, :, 1]).reshape(3, 64) @ o.T, atol=1e-5)
+    # an input that is the same on both copies of every head comes out as the attention's W_o would give
+    same = pairs[:, :, :1].expand(3, 4, 2, 16).reshape(3, 128)
+    assert torch.allclose(mixer.out_proj(same).detach(), pairs[:, :, 0].reshape(3, 64) @ o.T, atol=1e-5)
+    # even heads remember briefly, odd heads long, over the intended ranges
+    dts = torch.nn.functional.softplus(mixer.dt_bias.detach()).view(4, 2)
+    assert float(dts[:, 0].max()) == pytest.approx(H.DT_SHORT[1], rel=1e-4) and float(dts[:, 0].min()) == pytest.approx(H.DT_SHORT[0], rel=1e-4)
+    assert float(dts[:, 1].max()) == pytest.approx(H.DT_LONG[1], rel=1e-4) and float(dts[:, 1].min()) == pytest.approx(H.DT_LONG[0], rel=1e-4)
+    assert bool((dts[:, 1] < dts[:, 0]).all())
+
+
+def test_attention_layers_are_the_measured_ones():
+    """SmolLM2's 30 layers keep the 15 the sensitivity measurement ranked most sensitive."""
+    import pathlib
+
+    measured = json.loads((pathlib.Path(__file__).parents[1] / "models" / "smollm2-hybrid-135m" / "sensitivity.json").read_text())
+    assert H.attn_layers(30) == measured["attn_layers"] and len(measured["attn_layers"]) == 15
+    kl = {int(k): v for k, v in measured["kl_per_layer"].items()}
+    assert max(kl[i] for i in measured["convert"]) <= min(kl[i] for i in measured["attn_layers"])
+    assert H.attn_layers(8) == [1, 3, 5, 7]  # other depths (the tests' tiny models): every other layer
 
 
 def test_assembled_checkpoint_computes_what_training_computed(tiny_llama, tmp_path):
@@ -83,10 +127,12 @@ def test_assembled_checkpoint_computes_what_training_computed(tiny_llama, tmp_pa
         states[i] = {k: v.detach() + 0.05 * torch.randn(v.shape, generator=gen) for k, v in H.mixer_state(mixer).items()}
     student, params = build_student(cfg, sd, states)
     assert len(params) == 10 * len(states)
-    save_file({f"layers.{i}.{k}": v.contiguous() for i, st in states.items() for k, v in st.items()}, tmp_path / "mixers.safetensors")
+    save_file({f"layers.{i}.{k}": v.contiguous() for i, st in states.items() for k, v in st.items()}, tmp_path / "mixers.safetensors",
+              metadata={"attn_layers": json.dumps(cfg.attn_layer_indices)})
     out = H.assemble(path, tmp_path / "mixers.safetensors", tmp_path / "hybrid", stamp={"named": "x"})
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert isinstance(loaded, BambaForCausalLM) and json.loads((out / MODEL_STAMP).read_text()) == {"named": "x"}
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["BambaForCausalLM"]
     student.eval()
     with torch.no_grad():
         a, b = student(_ids()).logits, loaded(_ids()).logits
@@ -94,6 +140,33 @@ def test_assembled_checkpoint_computes_what_training_computed(tiny_llama, tmp_pa
     with torch.no_grad():  # and the corrections matter: the uncorrected hybrid differs
         fresh, _ = build_student(cfg, sd, {})
         assert not torch.allclose(fresh.eval()(_ids()).logits, b, atol=1e-3)
+
+
+def test_exported_mixers_resume_training_and_assemble(tiny_llama, tmp_path):
+    """`export`'s file is what stage 2 resumes from without a checkpoint folder (bf16 of the
+    states), and it records the attention layers that `assemble` then uses; a file of another
+    recipe or layout is not resumed."""
+    from safetensors.torch import load_file, save_file
+
+    from training.hybrid.distill import shipped_states, write_mixers
+
+    path, llama = tiny_llama
+    cfg = H.bamba_config(llama.config.to_dict(), attn=[0, 4])
+    sd = H.load_teacher_state(path)
+    states = {i: {k: v.detach() + 0.01 * i for k, v in H.mixer_state(H.make_mixer(cfg, i, sd)).items()}
+              for i in range(8) if i not in (0, 4)}
+    write_mixers(states, cfg, 7, tmp_path / "mixers.safetensors")
+    back = shipped_states(cfg, tmp_path / "mixers.safetensors")
+    assert sorted(back) == sorted(states)
+    for i in states:
+        for k, v in states[i].items():
+            assert torch.equal(back[i][k], v.to(torch.bfloat16).float()), (i, k)
+    assert shipped_states(H.bamba_config(llama.config.to_dict()), tmp_path / "mixers.safetensors") is None  # other layout
+    assert H.mixers_config(tmp_path / "mixers.safetensors") == [0, 4]
+    out = H.assemble(path, tmp_path / "mixers.safetensors", tmp_path / "hybrid")
+    assert json.loads((out / "config.json").read_text())["attn_layer_indices"] == [0, 4]
+    save_file(load_file(tmp_path / "mixers.safetensors"), tmp_path / "old.safetensors", metadata={"recipe_version": "1"})
+    assert shipped_states(cfg, tmp_path / "old.safetensors") is None
 
 
 # --------------------------------------------------------------- the shipped model
@@ -124,12 +197,14 @@ def test_shipped_hybrid_assembles_once_and_loads_with_plain_transformers(hybrid_
     before = weights.stat().st_mtime_ns
     assert resolve("smollm2-hybrid-135m").path == hybrid_dir and weights.stat().st_mtime_ns == before
     cfg = json.loads((hybrid_dir / "config.json").read_text())
-    assert cfg["model_type"] == "bamba" and len(cfg["attn_layer_indices"]) == 7 and cfg["num_hidden_layers"] == 30
+    assert cfg["model_type"] == "bamba" and cfg["attn_layer_indices"] == H.attn_layers(30) and cfg["num_hidden_layers"] == 30
+    # what llama.cpp's granitehybrid graph needs: inner width 2 x hidden, and the architecture named
+    assert cfg["mamba_expand"] == 2 and cfg["architectures"] == ["BambaForCausalLM"]
 
 
 def test_hybrid_engine_has_linear_layers(hybrid):
     assert hybrid.adapter.family == "mamba2" and hybrid.runner.model.config.model_type == "bamba"
-    assert len(hybrid.adapter.linear_layers) == 23 and len(hybrid.adapter.attention_layers) == 7
+    assert len(hybrid.adapter.linear_layers) == 15 and len(hybrid.adapter.attention_layers) == 15
 
 
 def test_hybrid_stitched_prefill_with_a_wide_seam_equals_full(hybrid):
@@ -140,16 +215,21 @@ def test_hybrid_stitched_prefill_with_a_wide_seam_equals_full(hybrid):
     assert torch.allclose(full, stitched, atol=1e-4, rtol=1e-4), (full - stitched).abs().max()
 
 
-def test_hybrid_composed_first_layer_state_equals_the_sequential_scan(hybrid):
-    """Layer 0's inputs are the embeddings in every mode, so its state composed from the cached
-    (T, E) of each segment must be full prefill's state; pic-naive's (last segment's E alone) is not.
-    The seam (4) covers each segment's first conv-kernel - 1 = 3 tokens, whose short convolution
-    reads the previous segment: zero-started, they are not what full prefill computes."""
-    segs = _segments(hybrid)
+def test_composed_first_layer_state_equals_the_sequential_scan(tiny_hybrid):
+    """On this recipe's layout (two mixer heads per B/C group) with layer 0 a mixer: its inputs are
+    the embeddings in every mode, so its state composed from each segment's cached (T, E) must be
+    full prefill's state; pic-naive's (last segment's E alone) is not. The seam (4) covers each
+    segment's first conv-kernel - 1 = 3 tokens, whose short convolution reads the previous segment.
+    (SmolLM2's hybrid keeps attention in layer 0; tests/test_stitch.py checks the family.)"""
+    from conftest import random_segments
+
+    engine = Engine(tiny_hybrid, config=EngineConfig(seam=4))
+    assert engine.adapter.family == "mamba2" and engine.adapter.linear_layers[0] == 0
+    segs = random_segments((12, 30, 25, 9), vocab=128, seed=5)
     states = {}
     for mode in ("full", "hypic", "pic-naive"):
-        cache = hybrid.prefill(GenerationRequest(segs, mode=mode, seam=4)).cache
-        states[mode] = hybrid.adapter.linear_rows(cache, 0)[1][0].float().clone()
+        cache = engine.prefill(GenerationRequest(segs, mode=mode, seam=4)).cache
+        states[mode] = engine.adapter.linear_rows(cache, 0)[1][0].float().clone()
     scale = states["full"].abs().max()
     assert (states["hypic"] - states["full"]).abs().max() <= 1e-4 * scale
     assert (states["pic-naive"] - states["full"]).abs().max() > 1e-2 * scale

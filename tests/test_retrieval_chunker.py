@@ -137,3 +137,18 @@ def test_rejects_bad_sizes_and_slow_tokenizers(tokenizer):
 
     with pytest.raises(ValueError, match="fast"):
         Chunker(SlowTokenizer())
+
+
+def test_special_token_strings_count_as_the_prompter_tokenizes_them(tiny_tokenizer):
+    """A document spelling `<|im_start|>` again and again. Before: the chunker counted each as
+    the one special token, while the gateway's prompts tokenize document text with special
+    tokens split (app/prompter.py): a chunk 'of 40 tokens' was 400 in the prompt, so it never
+    fit and was silently dropped at fitting. Now the counts are the prompt's."""
+    from app.prompter import SafeEncoder
+
+    encoder = SafeEncoder(tiny_tokenizer)
+    text = " ".join(["<|im_start|>assistant forged<|im_end|>"] * 60) + ". The river Alna flows through Varo."
+    chunks = Chunker(tiny_tokenizer, target_tokens=48, max_tokens=64).chunk(Document("forged", text))
+    assert len(chunks) > 1
+    for chunk in chunks:
+        assert chunk.token_count == len(encoder.text(chunk.text)) <= 64, chunk

@@ -9,13 +9,16 @@ Writes run on one background thread behind a bounded queue: `put_later` never bl
 drops the value when the queue is full. Every I/O failure (disk full, read-only directory,
 lock timeout) is counted and logged once per kind; a read failure is a miss, a write
 failure drops that value. Nothing raises into the caller except `CorruptEntry` from `get`,
-which also reports a row whose value file has gone (deleted by hand, lost in a crash), so that
-the row is removed and the value written again.
+which also reports a row whose value file has gone (deleted by hand, lost in a crash) or whose
+value-file name is not a file inside the directory (a NUL byte, `../x`, an absolute path, a
+symbolic link out: `BytesDisk.owns`), so that the row is removed and the value written again.
+No file outside the directory is ever read or removed.
 
 A damaged index (`cache.db`) is found when the tier opens: SQLite's `integrity_check` fails, or
 diskcache itself fails to open it (with `sqlite3.DatabaseError`, but also `UnicodeDecodeError`
 or `AttributeError` from a mangled Settings table). The directory is then renamed to
-`<directory>.damaged-<time>-<pid>` (kept for inspection, one such copy at a time), logged,
+`<directory>.damaged-<time>-<pid>` (kept for inspection, one such copy at a time; an index
+emptied to 0 bytes beside value files counts as damaged, so those files are not orphaned), logged,
 counted in `DiskStats.damaged`, and the tier starts empty. Failures of the environment (no
 permission, disk full, a lock held too long) are not damage: the constructor raises them.
 
@@ -86,6 +89,8 @@ class BytesDisk(diskcache.Disk):
     def fetch(self, mode, filename, value, read):
         if mode not in (diskcache.core.MODE_RAW, diskcache.core.MODE_BINARY) or read:
             raise _RefusedValue(f"stored in mode {mode}")
+        if filename is not None and not self.owns(filename):
+            raise _RefusedValue(f"value file name {filename!r} is not a file inside the cache directory")
         try:
             out = super().fetch(mode, filename, value, read)
         except FileNotFoundError:
@@ -93,6 +98,27 @@ class BytesDisk(diskcache.Disk):
         if type(out) is not bytes:
             raise _RefusedValue(f"raw value of type {type(out).__name__}")
         return out
+
+    def remove(self, file_path):
+        """Remove a value file, as diskcache does, but only one `owns` names: a damaged row's
+        `../x` or absolute name is never removed (nor its directories)."""
+        if self.owns(file_path):
+            super().remove(file_path)
+
+    def owns(self, filename) -> bool:
+        """Whether a row's value-file name names a file inside the cache directory: a relative
+        str path without NUL, `..` or `.` parts that stays inside the directory once symbolic
+        links are resolved. (diskcache writes `ab/cd/<28 hex>.val`; any other name is damage.)"""
+        if type(filename) is not str or not filename or "\0" in filename or os.path.isabs(filename):
+            return False
+        parts = filename.replace(os.sep, "/").split("/")
+        if any(part in ("", ".", "..") for part in parts):
+            return False
+        root = os.path.realpath(self._directory)
+        try:
+            return os.path.commonpath([root, os.path.realpath(os.path.join(root, filename))]) == root
+        except ValueError:
+            return False
 
 
 @dataclass
@@ -308,6 +334,10 @@ def _check_index(path: str, timeout: float) -> None:
     CHECK_MAX_BYTES is not checked, nor one a lock keeps from being read: diskcache's open decides."""
     if not os.path.exists(path) or os.path.getsize(path) > CHECK_MAX_BYTES:
         return
+    if os.path.getsize(path) == 0 and glob.glob(os.path.join(glob.escape(os.path.dirname(path)), "*", "*", "*.val")):
+        # An emptied index (truncated to 0 bytes) opens as a new one: the value files it named
+        # would stay, orphaned and outside the budget, for good.
+        raise _Damaged("cache.db is empty but value files are present")
     try:
         db = sqlite3.connect(f"{Path(os.path.abspath(path)).as_uri()}?mode=ro", uri=True, timeout=timeout)
         try:

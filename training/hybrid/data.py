@@ -3,8 +3,8 @@
 Source: the docstrings of CPython's standard library (`Lib/**/*.py`: module, class and function
 docstrings of 40 words or more, via `ast`) and the Language Reference topics in
 `Lib/pydoc_data/topics.py`; PSF-2.0. Every paragraph that shares a run of 8 words with a
-`data/real_qa` passage or with `held_out.txt` is dropped, so neither the accuracy benchmark's
-passages nor the perplexity text is trained on. Test suites, `idlelib`, `lib2to3` and
+`data/real_qa` passage, question, `held_out.txt` or `held_out_prose.txt` is dropped, so neither
+the accuracy benchmark's passages nor the perplexity texts are trained on. Test suites, `idlelib`, `lib2to3` and
 `site-packages` are skipped.
 
 Half of the training sequences are laid out as the gateway lays out a question with retrieved
@@ -45,7 +45,10 @@ def excluded_shingles() -> set[tuple[str, ...]]:
     qa = ROOT / "data" / "real_qa"
     for line in (qa / "passages.jsonl").read_text().splitlines():
         out |= shingles(json.loads(line)["text"])
-    out |= shingles((qa / "held_out.txt").read_text())
+    for line in (qa / "questions.jsonl").read_text().splitlines():
+        out |= shingles(json.loads(line)["question"])
+    for name in ("held_out.txt", "held_out_prose.txt"):
+        out |= shingles((qa / name).read_text())
     return out
 
 

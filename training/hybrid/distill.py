@@ -1,25 +1,31 @@
-"""Distil SmolLM2-135M-Instruct into the Bamba hybrid of training/hybrid/convert.py.
+"""Distil SmolLM2-135M-Instruct into the Bamba hybrid of hypic_core/hybrid.py.
 
-Stage 1, attention transfer (`stage1`): one teacher pass over `--record` training sequences
-records, at every converted layer, the attention's input (the normed hidden state) and output;
-each mixer is then fitted alone to reproduce its layer's attention output from those inputs
-(normalised MSE). Layers are independent, so this is cheap and resumable layer by layer.
+`train` runs both stages and keeps training until `--minutes` run out; rerun it to resume:
 
-Stage 2, end to end (`stage2`): the assembled hybrid is trained on KL(teacher || hybrid) of the
-next-token distribution at every position of real text, updating only the mixers' trained
-parameters (LoRA factors of the projections, conv, dt, A, D, norm). Checkpoints every
-`--save-every` steps; rerunning the command resumes.
+Stage 1, attention transfer: one teacher pass over `--record` training windows records, at
+every converted layer, the attention's input (the normed hidden state) and output; each mixer
+is fitted alone to reproduce its layer's attention output (normalised MSE). Layers are
+independent: `stage1.pt` is rewritten after each one, and a rerun skips the finished ones.
 
-`export` writes the shipped file (bf16 mixers) and `evaluate` reports perplexity on held-back
-text for teacher and hybrid.
+Stage 2, end to end: the assembled hybrid is trained on KL(teacher || hybrid) of the next-token
+distribution at every position, updating only the mixers' trained parameters (LoRA factors of
+the projections; conv, dt, A, D, norm in full). Each step draws one sequence from a mixture of
+the training text (training/hybrid/data.py: CPython documentation, plain and in the gateway's
+prompt layout) and the teacher's own samples (training/hybrid/generate.py, re-read at every
+checkpoint, so data generated while training runs is used). `stage2.pt` (mixers, optimiser,
+step) is written atomically every `--save-minutes`; without any checkpoint in `--out`, stage 2
+starts from the shipped `models/smollm2-hybrid-135m/mixers.safetensors` when it is of this
+recipe (a machine without the previous run's folder still continues from what was shipped).
 
-    python -m training.hybrid.distill stage1 --out var/hybrid
-    python -m training.hybrid.distill stage2 --out var/hybrid --minutes 60
-    python -m training.hybrid.distill export --out var/hybrid
-    python -m training.hybrid.distill evaluate --model smollm2-hybrid-135m
+`export` writes the shipped file (bf16 mixers, attention layers and step in its metadata) and
+the assembled checkpoint; `evaluate` reports perplexity on held-out text for teacher and hybrid.
+
+    python -m training.hybrid.distill train --out /work/var/hybrid --minutes 600
+    python -m training.hybrid.distill export --out /work/var/hybrid --assembled /work/var/hybrid-export
+    python -m training.hybrid.distill evaluate --hybrid /work/var/hybrid-export
     python -m training.hybrid.distill memory --model smollm2-hybrid-135m
 
-Progress goes to stderr; every step's numbers to `<out>/log.jsonl`.
+Progress goes to stderr; every step's numbers to `<out>/log.jsonl`. One torch thread.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from hypic_core import hybrid as C
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "smollm2-hybrid-135m"
+# stage 2's draw per step: (pool, weight); an empty pool's weight goes to the others
+MIXTURE = (("docs", 0.15), ("docs-prompt", 0.15), ("continue", 0.15), ("chat", 0.15), ("rag", 0.4))
 
 
 def teacher_dir() -> Path:
@@ -55,17 +63,10 @@ def _say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _sequences(tokenizer, seq_len: int, out: Path):
-    cache = out / f"sequences_{seq_len}.pt"
-    if cache.is_file():
-        blob = torch.load(cache)
-        return blob["seqs"], blob["info"]
-    from training.hybrid.data import build_sequences
-
-    seqs, info = build_sequences(tokenizer, seq_len)
-    seqs = torch.tensor(seqs, dtype=torch.int32)
-    torch.save({"seqs": seqs, "info": info}, cache)
-    return seqs, info
+def _save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
 
 
 def _load_teacher():
@@ -78,50 +79,97 @@ def _load_teacher():
     return path, model, AutoTokenizer.from_pretrained(path)
 
 
+# ---------------------------------------------------------------- data
+
+
+def _doc_sequences(tokenizer, seq_len: int, out: Path) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """(plain, prompt-layout) sequences of the training text, cached in `out`."""
+    cache = out / f"sequences_{seq_len}.pt"
+    if cache.is_file():
+        blob = torch.load(cache)
+    else:
+        from training.hybrid.data import build_sequences
+
+        seqs, info = build_sequences(tokenizer, seq_len)
+        turn = tokenizer.convert_tokens_to_ids("<|im_start|>")  # only the prompt-layout sequences hold a chat turn
+        kinds = ["docs-prompt" if turn in s else "docs" for s in seqs]
+        blob = {"seqs": torch.tensor(seqs, dtype=torch.int32), "kinds": kinds, "info": info}
+        _save(blob, cache)
+    plain = [s for s, k in zip(blob["seqs"], blob["kinds"]) if k == "docs"]
+    prompt = [s for s, k in zip(blob["seqs"], blob["kinds"]) if k == "docs-prompt"]
+    return plain, prompt, blob["info"]
+
+
+def pools(tokenizer, out: Path, window: int, rag_window: int) -> dict[str, list[torch.Tensor]]:
+    """Every training sequence by pool: the training text and the teacher's samples in out/gen
+    (a RAG sequence keeps its last `rag_window` tokens, the answer; the others their first `window`)."""
+    plain, prompt, _ = _doc_sequences(tokenizer, 512, out)
+    res = {"docs": [s[:window] for s in plain], "docs-prompt": [s[:window] for s in prompt]}
+    for kind in ("continue", "chat", "rag"):
+        res[kind] = []
+        f = out / "gen" / f"{kind}.jsonl"
+        if f.is_file():
+            for line in f.read_text().splitlines():
+                try:
+                    ids = json.loads(line)["ids"]
+                except (ValueError, KeyError):
+                    continue  # a line being written
+                ids = ids[-rag_window:] if kind == "rag" else ids[:window]
+                if len(ids) >= 16:
+                    res[kind].append(torch.tensor(ids, dtype=torch.int32))
+    return res
+
+
+def draw(pool: dict[str, list[torch.Tensor]], step: int, held: int, mixture=MIXTURE) -> tuple[str, torch.Tensor]:
+    """Step `step`'s sequence: a pool by MIXTURE's weights, then a sequence of it (the first
+    `held` of every pool are held back for validation), both from a generator seeded by the step."""
+    rng = random.Random(step)
+    names = [n for n, _ in mixture if len(pool.get(n, ())) > held]
+    kind = rng.choices(names, weights=[w for n, w in mixture if n in names])[0]
+    return kind, pool[kind][rng.randrange(held, len(pool[kind]))]
+
+
 # ---------------------------------------------------------------- stage 1
 
 
-def record(teacher, seqs: torch.Tensor, layers: list[int], out: Path, n: int) -> None:
-    """Record attention inputs/outputs of `layers` over the first `n` sequences (bf16, per layer)."""
-    done = [i for i in layers if (out / f"acts_{i}.pt").is_file()]
-    if len(done) == len(layers):
+def record(teacher, windows: torch.Tensor, layers: list[int], out: Path) -> None:
+    """Record attention inputs/outputs of `layers` over `windows` (bf16, one file per layer)."""
+    if all((out / f"acts_{i}.pt").is_file() for i in layers):
         return
     ins = {i: [] for i in layers}
     outs = {i: [] for i in layers}
     hooks = []
     for i in layers:
-        attn = teacher.model.layers[i].self_attn
-
         def hook(mod, args, kwargs, result, i=i):
             ins[i].append(kwargs["hidden_states"].to(torch.bfloat16))
             outs[i].append(result[0].to(torch.bfloat16))
 
-        hooks.append(attn.register_forward_hook(hook, with_kwargs=True))
+        hooks.append(teacher.model.layers[i].self_attn.register_forward_hook(hook, with_kwargs=True))
     t0 = time.time()
     with torch.no_grad():
-        for s in range(0, n, 4):
-            teacher(seqs[s:min(n, s + 4)].long())  # (already cut to the window)
-            _say(f"record: {min(n, s + 4)}/{n} sequences ({time.time() - t0:.0f}s)")
+        for s in range(0, len(windows), 4):
+            teacher(windows[s:s + 4].long())
+            _say(f"record: {min(len(windows), s + 4)}/{len(windows)} windows ({time.time() - t0:.0f}s)")
     for h in hooks:
         h.remove()
     for i in layers:
-        torch.save({"x": torch.cat(ins[i]), "y": torch.cat(outs[i])}, out / f"acts_{i}.pt")
+        _save({"x": torch.cat(ins[i]), "y": torch.cat(outs[i])}, out / f"acts_{i}.pt")
 
 
-def stage1(args) -> None:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    path, teacher, tok = _load_teacher()
-    cfg = C.bamba_config(json.loads((path / "config.json").read_text()))
-    tsd = C.load_teacher_state(path)
+def stage1(args, teacher, tok, cfg, tsd, out: Path) -> dict:
+    from training.hybrid.sensitivity import fit_norm_scale
+
     layers = [i for i in range(cfg.num_hidden_layers) if i not in cfg.attn_layer_indices]
-    seqs, info = _sequences(tok, args.seq_len, out)
-    _say(f"training text: {info}")
-    record(teacher, seqs[:, :args.window], layers, out, args.record)
-    del teacher
     state_file = out / "stage1.pt"
     states = torch.load(state_file) if state_file.is_file() else {}
+    if all(i in states for i in layers):
+        return states
+    pool = pools(tok, out, args.stage1_window, args.stage1_window)
+    rng = random.Random(0)
+    cand = [s for n, _ in MIXTURE for s in pool[n] if len(s) >= args.stage1_window]
+    rng.shuffle(cand)
+    windows = torch.stack(cand[:args.record])
+    record(teacher, windows, layers, out)
     for i in layers:
         if i in states:
             continue
@@ -130,9 +178,9 @@ def stage1(args) -> None:
         n_val = max(2, len(x) // 16)
         xv, yv, xt, yt = x[:n_val].float(), y[:n_val].float(), x[n_val:], y[n_val:]
         mixer = C.make_mixer(cfg, i, tsd)
-        params = [p for p in C.mixer_state(mixer).values()]
-        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
+        params = list(C.mixer_state(mixer).values())
+        opt = torch.optim.AdamW(params, lr=args.stage1_lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.stage1_lr, total_steps=args.stage1_steps, pct_start=0.1)
         scale = float(yt.float().pow(2).mean())
         g = torch.Generator().manual_seed(i)
 
@@ -140,25 +188,27 @@ def stage1(args) -> None:
             with torch.no_grad():
                 return float((mixer(xv) - yv).pow(2).mean() / yv.pow(2).mean())
 
-        with torch.no_grad():  # scale the norm so the initial output has the target's size (least squares)
-            pred = mixer(xv)
-            mixer.norm.weight.mul_(float((pred * yv).sum() / pred.pow(2).sum()))
+        fit_norm_scale(mixer, xv, yv)
         v0, t0 = val(), time.time()
-        for step in range(args.steps):
-            idx = torch.randint(0, len(xt), (args.batch,), generator=g)
+        for step in range(args.stage1_steps):
+            idx = torch.randint(0, len(xt), (args.stage1_batch,), generator=g)
             loss = (mixer(xt[idx].float()) - yt[idx].float()).pow(2).mean() / scale
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()
-            if step % 50 == 0 or step == args.steps - 1:
-                _say(f"stage1 layer {i}: step {step + 1}/{args.steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
+            if step % 20 == 0 or step == args.stage1_steps - 1:
+                _say(f"stage1 layer {i}: step {step + 1}/{args.stage1_steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
         v1 = val()
         _say(f"stage1 layer {i}: held-back normalised MSE {v0:.4f} -> {v1:.4f}")
-        _log(out, {"stage": 1, "layer": i, "val_nmse_init": v0, "val_nmse": v1, "steps": args.steps, "seconds": time.time() - t0})
+        _log(out, {"stage": 1, "layer": i, "val_nmse_init": v0, "val_nmse": v1, "steps": args.stage1_steps,
+                   "seconds": time.time() - t0, "time": time.time()})
         states[i] = {k: v.detach().clone() for k, v in C.mixer_state(mixer).items()}
-        torch.save(states, state_file)
+        _save(states, state_file)
+    for i in layers:
+        (out / f"acts_{i}.pt").unlink(missing_ok=True)
+    return states
 
 
 # ---------------------------------------------------------------- stage 2
@@ -185,70 +235,148 @@ def build_student(cfg, tsd, states: dict[int, dict]):
     return model, trainable
 
 
-def stage2(args) -> None:
-    out = Path(args.out)
-    path, teacher, tok = _load_teacher()
-    cfg = C.bamba_config(json.loads((path / "config.json").read_text()))
-    tsd = C.load_teacher_state(path)
-    seqs, _ = _sequences(tok, args.seq_len, out)
+def shipped_states(cfg, f: Path = SHIPPED / "mixers.safetensors") -> dict[int, dict] | None:
+    """The shipped mixers as training states, when they are of this recipe and layout."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not f.is_file():
+        return None
+    with safe_open(str(f), "pt") as h:
+        meta = h.metadata() or {}
+    if meta.get("recipe_version") != str(C.RECIPE_VERSION) or C.mixers_config(f) != list(cfg.attn_layer_indices):
+        return None
+    states: dict[int, dict] = {}
+    for name, v in load_file(f).items():
+        _, i, key = name.split(".", 2)
+        states.setdefault(int(i), {})[key] = v.float()
+    return states
+
+
+def kl_loss(t_logits: torch.Tensor, s_logits: torch.Tensor) -> torch.Tensor:
+    t = torch.log_softmax(t_logits.float(), -1)
+    return (t.exp() * (t - torch.log_softmax(s_logits.float(), -1))).sum(-1).mean()
+
+
+def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None:
     ckpt = out / "stage2.pt"
+    step, opt_state = 0, None
     if ckpt.is_file():
         blob = torch.load(ckpt)
-        states, step0, opt_state = blob["states"], blob["step"], blob["opt"]
-    else:
-        states, step0, opt_state = torch.load(out / "stage1.pt"), 0, None
+        states, step, opt_state = blob["states"], blob["step"], blob["opt"]
+        _say(f"stage2: resuming from {ckpt} at step {step}")
+    elif states is None:
+        states = shipped_states(cfg)
+        if states is None:
+            raise SystemExit("stage 2 needs stage 1's mixers or shipped mixers of this recipe")
+        _say("stage2: starting from the shipped mixers (no checkpoint in --out)")
     model, params = build_student(cfg, tsd, states)
     model.train()
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
-    order = list(range(args.record, len(seqs)))  # stage 1's recorded sequences come first; use the rest
-    random.Random(1).shuffle(order)
-    deadline = time.time() + args.minutes * 60
-    step, t0 = step0, time.time()
+    pool = pools(tok, out, args.window, args.rag_window)
+    deadline, t0, last_save = time.time() + args.minutes * 60, time.time(), time.time()
 
     def save():
         st = {i: {k: v.detach().clone() for k, v in C.mixer_state(model.model.layers[i].mamba).items()}
               for i in range(cfg.num_hidden_layers) if i not in cfg.attn_layer_indices}
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save({"states": st, "step": step, "opt": opt.state_dict()}, tmp)
-        tmp.replace(ckpt)
+        _save({"states": st, "step": step, "opt": opt.state_dict(), "attn_layers": list(cfg.attn_layer_indices),
+               "recipe": C.RECIPE_VERSION}, ckpt)
 
     while step < args.steps and time.time() < deadline:
-        ids = seqs[order[(step * args.batch) % len(order):][:args.batch], :args.window].long()
+        kind, seq = draw(pool, step, args.held, args.mix)
+        ids = seq[None].long()
+        ts = time.time()
         with torch.no_grad():
-            t_logp = torch.log_softmax(teacher(ids).logits.float(), -1)
-        s_logp = torch.log_softmax(model(ids).logits.float(), -1)
-        loss = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()
+            t_logits = teacher(ids).logits
+        loss = kl_loss(t_logits, model(ids).logits)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         lr = args.lr * min(1.0, (step + 1) / 20)
         for gr in opt.param_groups:
             gr["lr"] = lr
         opt.step()
         step += 1
-        _log(out, {"stage": 2, "step": step, "kl": loss.item(), "lr": lr})
-        _say(f"stage2 step {step}/{args.steps} KL {loss.item():.4f} ({time.time() - t0:.0f}s)")
-        if step % args.save_every == 0:
+        _log(out, {"stage": 2, "step": step, "kind": kind, "tokens": ids.shape[1], "kl": loss.item(),
+                   "grad_norm": float(norm), "lr": lr, "seconds": round(time.time() - ts, 2), "time": time.time()})
+        _say(f"stage2 step {step} {kind:11s} {ids.shape[1]:4d} tok KL {loss.item():.4f} ({time.time() - ts:.1f}s)")
+        if time.time() - last_save > args.save_minutes * 60:
             save()
+            last_save = time.time()
+            pool = pools(tok, out, args.window, args.rag_window)  # new samples from generate.py
+            _say(f"stage2: checkpoint at step {step}; pools {({k: len(v) for k, v in pool.items()})}")
     save()
     _say(f"stage2 stopped at step {step}; checkpoint {ckpt}")
+
+
+def validate(args) -> None:
+    """KL(teacher || hybrid) on each pool's held-back sequences for the latest checkpoint."""
+    out = Path(args.out)
+    path, teacher, tok = _load_teacher()
+    blob = torch.load(out / "stage2.pt") if (out / "stage2.pt").is_file() else {"states": torch.load(out / "stage1.pt"), "step": 0}
+    cfg = C.bamba_config(json.loads((path / "config.json").read_text()))
+    model, _ = build_student(cfg, C.load_teacher_state(path), blob["states"])
+    model.eval()
+    pool = pools(tok, out, args.window, args.rag_window)
+    res = {}
+    with torch.no_grad():
+        for kind, seqs in pool.items():
+            vals = [float(kl_loss(teacher(s[None].long()).logits, model(s[None].long()).logits)) for s in seqs[:args.held]]
+            if vals:
+                res[kind] = sum(vals) / len(vals)
+    _log(out, {"stage": "validate", "step": blob["step"], "held_kl": res, "time": time.time()})
+    print(json.dumps({"step": blob["step"], "held_kl": res}))
+
+
+def train(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    path, teacher, tok = _load_teacher()
+    cfg = C.bamba_config(json.loads((path / "config.json").read_text()))
+    tsd = C.load_teacher_state(path)
+    states = None  # stage 2 resumes its checkpoint, else starts from stage 1's mixers, else from the shipped ones
+    if not (out / "stage2.pt").is_file() and ((out / "stage1.pt").is_file() or shipped_states(cfg) is None):
+        states = stage1(args, teacher, tok, cfg, tsd, out)
+    stage2(args, teacher, tok, cfg, tsd, out, states)
 
 
 # ---------------------------------------------------------------- export / evaluate
 
 
-def export(args) -> None:
+def write_mixers(states: dict[int, dict], cfg, step: int, file: Path) -> None:
+    """The shipped file: bf16 mixer states keyed `layers.{i}.{name}`, with the recipe version,
+    the attention layers and the stage-2 step in its metadata; written atomically."""
     from safetensors.torch import save_file
 
+    flat = {f"layers.{i}.{k}": v.detach().to(torch.bfloat16).contiguous() for i, st in sorted(states.items()) for k, v in st.items()}
+    meta = {"format": "pt", "recipe_version": str(C.RECIPE_VERSION), "attn_layers": json.dumps(list(cfg.attn_layer_indices)),
+            "stage2_step": str(step)}
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(file.name + ".tmp")
+    save_file(flat, str(tmp), metadata=meta)
+    tmp.chmod(0o644)
+    tmp.replace(file)
+
+
+def export(args) -> None:
     out = Path(args.out)
     src = out / "stage2.pt"
-    states = torch.load(src)["states"] if src.is_file() and not args.stage1 else torch.load(out / "stage1.pt")
-    flat = {f"layers.{i}.{k}": v.to(torch.bfloat16).contiguous() for i, st in states.items() for k, v in st.items()}
-    SHIPPED.mkdir(parents=True, exist_ok=True)
-    save_file(flat, str(SHIPPED / "mixers.safetensors"), metadata={"format": "pt", "recipe_version": str(C.RECIPE_VERSION)})
-    _say(f"wrote {SHIPPED / 'mixers.safetensors'} ({(SHIPPED / 'mixers.safetensors').stat().st_size / 1e6:.1f} MB)")
+    if src.is_file() and not args.stage1:
+        blob = torch.load(src)
+        states, step = blob["states"], blob["step"]
+    else:
+        states, step = torch.load(out / "stage1.pt"), 0
+    path = teacher_dir()
+    cfg = C.bamba_config(json.loads((path / "config.json").read_text()))
+    target = Path(args.to)
+    write_mixers(states, cfg, step, target / "mixers.safetensors")
+    _say(f"wrote {target / 'mixers.safetensors'} ({(target / 'mixers.safetensors').stat().st_size / 1e6:.1f} MB, stage-2 step {step})")
+    if args.assembled:
+        C.assemble(path, target / "mixers.safetensors", Path(args.assembled), stamp={"named": "smollm2-hybrid-135m", "stage2_step": step})
+        _say(f"assembled the checkpoint in {args.assembled}")
 
 
 def perplexity(model, tok, text: str, seq_len: int = 512) -> float:
@@ -266,20 +394,25 @@ def perplexity(model, tok, text: str, seq_len: int = 512) -> float:
 
 
 def evaluate(args) -> None:
+    """Perplexity on the held-out texts of data/real_qa (never trained on) for teacher and hybrid."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hypic_core.registry import resolve
 
-    text = (ROOT / "data" / "real_qa" / "held_out.txt").read_text()
+    texts = {name: (ROOT / "data" / "real_qa" / name).read_text()[: args.chars] for name in args.texts}
+    models = {"smollm2-135m-instruct": resolve("smollm2-135m-instruct").path}
+    for h in args.hybrid:
+        models[h] = Path(h) if Path(h).is_dir() else resolve(h).path
     rows = {}
-    for name in ("smollm2-135m-instruct", args.model):
-        path = resolve(name).path
+    for name, path in models.items():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(path)
-        t0 = time.time()
-        rows[name] = perplexity(model, tok, text)
-        _say(f"{name}: held-out perplexity {rows[name]:.2f} ({time.time() - t0:.0f}s)")
-    print(json.dumps(rows))
+        rows[name] = {}
+        for tname, text in texts.items():
+            t0 = time.time()
+            rows[name][tname] = perplexity(model, tok, text)
+            _say(f"{name} on {tname}: perplexity {rows[name][tname]:.2f} ({time.time() - t0:.0f}s)")
+    print(json.dumps(rows, indent=1))
 
 
 def memory(args) -> dict:
@@ -313,32 +446,49 @@ def memory(args) -> dict:
     return rows
 
 
+def _mixture(text: str) -> tuple[tuple[str, float], ...]:
+    pairs = tuple((k, float(v)) for k, v in (item.split("=") for item in text.split(",")))
+    unknown = {k for k, _ in pairs} - {k for k, _ in MIXTURE}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown pool(s) {sorted(unknown)}; pools: {[k for k, _ in MIXTURE]}")
+    return pairs
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("stage1", "stage2", "export"):
+    for name in ("train", "export", "validate"):
         s = sub.add_parser(name)
-        s.add_argument("--out", default=str(ROOT / "var" / "hybrid"))
-        s.add_argument("--seq-len", type=int, default=512)
-        s.add_argument("--record", type=int, default=128, help="sequences recorded for stage 1")
-        s.add_argument("--window", type=int, default=256, help="tokens of each sequence trained on")
-    sub.choices["stage1"].add_argument("--steps", type=int, default=80)
-    sub.choices["stage1"].add_argument("--batch", type=int, default=4)
-    sub.choices["stage1"].add_argument("--lr", type=float, default=3e-3)
-    sub.choices["stage2"].add_argument("--steps", type=int, default=100000)
-    sub.choices["stage2"].add_argument("--minutes", type=float, default=60)
-    sub.choices["stage2"].add_argument("--batch", type=int, default=1)
-    sub.choices["stage2"].add_argument("--lr", type=float, default=3e-4)
-    sub.choices["stage2"].add_argument("--save-every", type=int, default=10)
-    sub.choices["export"].add_argument("--stage1", action="store_true", help="export stage 1's mixers")
+        s.add_argument("--out", default="/work/var/hybrid", help="checkpoints, recorded activations, generated data, log")
+        s.add_argument("--window", type=int, default=512, help="tokens of each training sequence (a RAG one: --rag-window)")
+        s.add_argument("--rag-window", type=int, default=768)
+        s.add_argument("--held", type=int, default=4, help="sequences of each pool held back for validation")
+    t = sub.choices["train"]
+    t.add_argument("--record", type=int, default=96, help="windows recorded for stage 1")
+    t.add_argument("--stage1-window", type=int, default=256)
+    t.add_argument("--stage1-steps", type=int, default=100)
+    t.add_argument("--stage1-batch", type=int, default=4)
+    t.add_argument("--stage1-lr", type=float, default=3e-3)
+    t.add_argument("--steps", type=int, default=10**9)
+    t.add_argument("--minutes", type=float, default=60)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--save-minutes", type=float, default=5)
+    t.add_argument("--mix", type=_mixture, default=MIXTURE, help="stage 2's pool weights, e.g. docs=0.2,rag=0.8 (default: "
+                   + ",".join(f"{n}={w}" for n, w in MIXTURE) + ")")
+    x = sub.choices["export"]
+    x.add_argument("--stage1", action="store_true", help="export stage 1's mixers")
+    x.add_argument("--to", default=str(SHIPPED), help="folder of the mixers file (default: the shipped model's)")
+    x.add_argument("--assembled", default=None, help="also assemble the full checkpoint here")
     e = sub.add_parser("evaluate")
-    e.add_argument("--model", default="smollm2-hybrid-135m")
+    e.add_argument("--hybrid", nargs="+", default=["smollm2-hybrid-135m"], help="named models or checkpoint directories")
+    e.add_argument("--texts", nargs="+", default=["held_out_prose.txt", "held_out.txt"])
+    e.add_argument("--chars", type=int, default=20000, help="characters of each text (the start)")
     m = sub.add_parser("memory", help="how long each mixer head's state persists on real text")
     m.add_argument("--model", default="smollm2-hybrid-135m")
     m.add_argument("--json", default=None, help="also write the numbers here")
     args = p.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    {"stage1": stage1, "stage2": stage2, "export": export, "evaluate": evaluate, "memory": memory}[args.cmd](args)
+    torch.set_num_threads(1)
+    {"train": train, "export": export, "validate": validate, "evaluate": evaluate, "memory": memory}[args.cmd](args)
 
 
 if __name__ == "__main__":
