@@ -269,3 +269,25 @@ def test_gateway_serves_the_hybrid_and_reuses_its_chunks(hybrid_dir, tmp_path):
     assert first["answer"].strip() and first["sources"][0]["document_id"] == "eiffel"
     assert second["answer"] == first["answer"]
     assert first["usage"]["composed_tokens"] == 0 and second["usage"]["composed_tokens"] > 0, (first["usage"], second["usage"])
+
+
+def test_teacher_samples_ship_merged_and_deduplicated(tmp_path, monkeypatch):
+    """ship-samples merges a run's out/gen into the shipped gzipped samples once, shipped lines
+    first; a torn last line (a generator killed mid-write) is skipped, and training reads both."""
+    import gzip
+    import json
+
+    from training.hybrid import distill
+
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(distill, "SAMPLES", shipped)
+    run = tmp_path / "run"
+    (run / "gen").mkdir(parents=True)
+    line = lambda ids: json.dumps({"kind": "rag", "temperature": 0.0, "ids": ids})  # noqa: E731
+    (run / "gen" / "rag.jsonl").write_text(line([1, 2, 3]) + "\n" + line([4, 5]) + "\n" + '{"kind": "rag", "ids": [7,')
+    assert distill.ship_samples(run) == {"continue": 0, "chat": 0, "rag": 2}
+    (run / "gen" / "rag.jsonl").write_text(line([4, 5]) + "\n" + line([6]) + "\n")  # a later run: one old line, one new
+    assert distill.ship_samples(run)["rag"] == 3
+    kept = [json.loads(x)["ids"] for x in gzip.decompress((shipped / "rag.jsonl.gz").read_bytes()).decode().split("\n") if x]
+    assert kept == [[1, 2, 3], [4, 5], [6]]
+    assert [json.loads(x)["ids"] for x in distill._sample_lines(run, "rag")] == [[1, 2, 3], [4, 5], [6], [4, 5], [6]]

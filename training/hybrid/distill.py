@@ -12,7 +12,8 @@ distribution at every position, updating only the mixers' trained parameters (Lo
 the projections; conv, dt, A, D, norm in full). Each step draws one sequence from a mixture of
 the training text (training/hybrid/data.py: CPython documentation, plain and in the gateway's
 prompt layout) and the teacher's own samples (training/hybrid/generate.py, re-read at every
-checkpoint, so data generated while training runs is used). `stage2.pt` (mixers, optimiser,
+checkpoint, so data generated while training runs is used; the samples of earlier runs ship
+in data/distill/*.jsonl.gz). `stage2.pt` (mixers, optimiser,
 step) is written atomically every `--save-minutes`; without any checkpoint in `--out`, stage 2
 starts from the shipped `models/smollm2-hybrid-135m/mixers.safetensors` when it is of this
 recipe (a machine without the previous run's folder still continues from what was shipped).
@@ -24,6 +25,7 @@ the assembled checkpoint; `evaluate` reports perplexity on held-out text for tea
     python -m training.hybrid.distill export --out /work/var/hybrid --assembled /work/var/hybrid-export
     python -m training.hybrid.distill evaluate --hybrid /work/var/hybrid-export
     python -m training.hybrid.distill memory --model smollm2-hybrid-135m
+    python -m training.hybrid.distill ship-samples --out /work/var/hybrid   # the teacher's samples into data/distill
 
 Progress goes to stderr; every step's numbers to `<out>/log.jsonl`. One torch thread.
 """
@@ -44,6 +46,7 @@ from hypic_core import hybrid as C
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "smollm2-hybrid-135m"
+SAMPLES = ROOT / "data" / "distill"  # the teacher's samples, shipped (ship-samples)
 # stage 2's draw per step: (pool, weight); an empty pool's weight goes to the others
 MIXTURE = (("docs", 0.15), ("docs-prompt", 0.15), ("continue", 0.15), ("chat", 0.15), ("rag", 0.4))
 
@@ -107,17 +110,59 @@ def pools(tokenizer, out: Path, window: int, rag_window: int) -> dict[str, list[
     res = {"docs": [s[:window] for s in plain], "docs-prompt": [s[:window] for s in prompt]}
     for kind in ("continue", "chat", "rag"):
         res[kind] = []
-        f = out / "gen" / f"{kind}.jsonl"
-        if f.is_file():
-            for line in f.read_text().splitlines():
-                try:
-                    ids = json.loads(line)["ids"]
-                except (ValueError, KeyError):
-                    continue  # a line being written
-                ids = ids[-rag_window:] if kind == "rag" else ids[:window]
-                if len(ids) >= 16:
-                    res[kind].append(torch.tensor(ids, dtype=torch.int32))
+        seen: set[tuple[int, ...]] = set()
+        for line in _sample_lines(out, kind):
+            try:
+                ids = json.loads(line)["ids"]
+            except (ValueError, KeyError, TypeError):
+                continue  # a line being written
+            if tuple(ids) in seen:
+                continue  # the shipped samples and this run's folder may hold the same lines
+            seen.add(tuple(ids))
+            ids = ids[-rag_window:] if kind == "rag" else ids[:window]
+            if len(ids) >= 16:
+                res[kind].append(torch.tensor(ids, dtype=torch.int32))
     return res
+
+
+def _sample_lines(out: Path, kind: str) -> list[str]:
+    """The teacher's samples of `kind`: the ones shipped in data/distill (gzipped, so a machine
+    without the previous run's folder trains on them too), then this run's out/gen."""
+    import gzip
+
+    lines: list[str] = []
+    shipped = SAMPLES / f"{kind}.jsonl.gz"
+    if shipped.is_file():
+        lines += gzip.decompress(shipped.read_bytes()).decode().splitlines()
+    f = out / "gen" / f"{kind}.jsonl"
+    if f.is_file():
+        lines += f.read_text().splitlines()
+    return lines
+
+
+def ship_samples(out: Path) -> dict[str, int]:
+    """Merge out/gen's samples into data/distill/<kind>.jsonl.gz (deduplicated, shipped lines
+    first); returns the line count of each kind."""
+    import gzip
+
+    SAMPLES.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for kind in ("continue", "chat", "rag"):
+        keep, seen = [], set()
+        for line in _sample_lines(out, kind):
+            try:
+                key = tuple(json.loads(line)["ids"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if key not in seen:
+                seen.add(key)
+                keep.append(line)
+        target = SAMPLES / f"{kind}.jsonl.gz"
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_bytes(gzip.compress(("\n".join(keep) + "\n").encode(), mtime=0))
+        tmp.replace(target)
+        counts[kind] = len(keep)
+    return counts
 
 
 def draw(pool: dict[str, list[torch.Tensor]], step: int, held: int, mixture=MIXTURE) -> tuple[str, torch.Tensor]:
@@ -457,7 +502,7 @@ def _mixture(text: str) -> tuple[tuple[str, float], ...]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("train", "export", "validate"):
+    for name in ("train", "export", "validate", "ship-samples"):
         s = sub.add_parser(name)
         s.add_argument("--out", default="/work/var/hybrid", help="checkpoints, recorded activations, generated data, log")
         s.add_argument("--window", type=int, default=512, help="tokens of each training sequence (a RAG one: --rag-window)")
@@ -488,6 +533,9 @@ def main(argv=None) -> None:
     m.add_argument("--json", default=None, help="also write the numbers here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.cmd == "ship-samples":
+        print(json.dumps(ship_samples(Path(args.out))))
+        return
     {"train": train, "export": export, "validate": validate, "evaluate": evaluate, "memory": memory}[args.cmd](args)
 
 
