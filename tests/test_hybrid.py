@@ -291,3 +291,21 @@ def test_teacher_samples_ship_merged_and_deduplicated(tmp_path, monkeypatch):
     kept = [json.loads(x)["ids"] for x in gzip.decompress((shipped / "rag.jsonl.gz").read_bytes()).decode().split("\n") if x]
     assert kept == [[1, 2, 3], [4, 5], [6]]
     assert [json.loads(x)["ids"] for x in distill._sample_lines(run, "rag")] == [[1, 2, 3], [4, 5], [6], [4, 5], [6]]
+
+
+def test_reply_weights_weight_the_last_turn_and_kl_loss_weighs_by_them():
+    import torch
+
+    from training.hybrid.distill import kl_loss, reply_weights
+
+    ids = torch.tensor([5, 1, 6, 7, 1, 8, 9, 2])  # 1 = the turn marker: the reply starts at index 4
+    w = reply_weights(ids, 1, 4.0)
+    assert w.tolist() == [1, 1, 1, 1, 4, 4, 4, 4]
+    assert reply_weights(torch.tensor([5, 6]), 1, 4.0) is None and reply_weights(ids, 1, 1.0) is None
+    g = torch.Generator().manual_seed(0)
+    t, s = torch.randn(1, 8, 11, generator=g), torch.randn(1, 8, 11, generator=g)
+    tl = torch.log_softmax(t, -1)
+    per = (tl.exp() * (tl - torch.log_softmax(s, -1))).sum(-1)[0]
+    assert torch.allclose(kl_loss(t, s), per.mean())
+    assert torch.allclose(kl_loss(t, s, w), (per * w).sum() / w.sum())
+    assert torch.allclose(kl_loss(t, s, torch.ones(8)), per.mean())

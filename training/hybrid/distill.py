@@ -13,7 +13,8 @@ the projections; conv, dt, A, D, norm in full). Each step draws one sequence fro
 the training text (training/hybrid/data.py: CPython documentation, plain and in the gateway's
 prompt layout) and the teacher's own samples (training/hybrid/generate.py, re-read at every
 checkpoint, so data generated while training runs is used; the samples of earlier runs ship
-in data/distill/*.jsonl.gz). `stage2.pt` (mixers, optimiser,
+in data/distill/*.jsonl.gz). In a chat or RAG sequence the reply's positions weigh
+`--reply-weight` times the prompt's: they are where the student must read the documents. `stage2.pt` (mixers, optimiser,
 step) is written atomically every `--save-minutes`; without any checkpoint in `--out`, stage 2
 starts from the shipped `models/smollm2-hybrid-135m/mixers.safetensors` when it is of this
 recipe (a machine without the previous run's folder still continues from what was shipped).
@@ -298,9 +299,27 @@ def shipped_states(cfg, f: Path = SHIPPED / "mixers.safetensors") -> dict[int, d
     return states
 
 
-def kl_loss(t_logits: torch.Tensor, s_logits: torch.Tensor) -> torch.Tensor:
+def kl_loss(t_logits: torch.Tensor, s_logits: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(teacher || student) per position, averaged (weighted by `weights` [positions] if given)."""
     t = torch.log_softmax(t_logits.float(), -1)
-    return (t.exp() * (t - torch.log_softmax(s_logits.float(), -1))).sum(-1).mean()
+    per = (t.exp() * (t - torch.log_softmax(s_logits.float(), -1))).sum(-1)
+    if weights is None:
+        return per.mean()
+    return (per * weights).sum() / (weights.sum() * per.shape[0])
+
+
+def reply_weights(ids: torch.Tensor, turn: int, weight: float) -> torch.Tensor | None:
+    """Per-position loss weights for a chat sequence: `weight` from its last turn marker (`turn`,
+    the id of <|im_start|>: the assistant's reply, which reads the documents above it) to the end,
+    1 before; None for a sequence without a turn. Without it the reply's few dozen positions are
+    drowned by the hundreds of document positions, and the student learns to continue text, not
+    to answer from it."""
+    where = (ids == turn).nonzero()
+    if weight == 1.0 or len(where) == 0:
+        return None
+    w = torch.ones(ids.shape[-1])
+    w[int(where[-1, -1]):] = weight
+    return w
 
 
 def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None:
@@ -321,6 +340,7 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     pool = pools(tok, out, args.window, args.rag_window)
+    turn = tok.convert_tokens_to_ids("<|im_start|>")
     deadline, t0, last_save = time.time() + args.minutes * 60, time.time(), time.time()
 
     def save():
@@ -335,7 +355,11 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
         ts = time.time()
         with torch.no_grad():
             t_logits = teacher(ids).logits
-        loss = kl_loss(t_logits, model(ids).logits)
+        s_logits = model(ids).logits
+        weights = reply_weights(ids[0], turn, args.reply_weight) if kind in ("chat", "rag") else None
+        loss = kl_loss(t_logits, s_logits, weights)
+        with torch.no_grad():
+            plain = loss if weights is None else kl_loss(t_logits, s_logits)
         opt.zero_grad()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -344,9 +368,9 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
             gr["lr"] = lr
         opt.step()
         step += 1
-        _log(out, {"stage": 2, "step": step, "kind": kind, "tokens": ids.shape[1], "kl": loss.item(),
+        _log(out, {"stage": 2, "step": step, "kind": kind, "tokens": ids.shape[1], "kl": plain.item(), "loss": loss.item(),
                    "grad_norm": float(norm), "lr": lr, "seconds": round(time.time() - ts, 2), "time": time.time()})
-        _say(f"stage2 step {step} {kind:11s} {ids.shape[1]:4d} tok KL {loss.item():.4f} ({time.time() - ts:.1f}s)")
+        _say(f"stage2 step {step} {kind:11s} {ids.shape[1]:4d} tok KL {plain.item():.4f} loss {loss.item():.4f} ({time.time() - ts:.1f}s)")
         if time.time() - last_save > args.save_minutes * 60:
             save()
             last_save = time.time()
@@ -518,6 +542,8 @@ def main(argv=None) -> None:
     t.add_argument("--minutes", type=float, default=60)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--save-minutes", type=float, default=5)
+    t.add_argument("--reply-weight", type=float, default=8.0,
+                   help="loss weight of a chat or RAG sequence's reply positions against its prompt's (1: plain mean)")
     t.add_argument("--mix", type=_mixture, default=MIXTURE, help="stage 2's pool weights, e.g. docs=0.2,rag=0.8 (default: "
                    + ",".join(f"{n}={w}" for n, w in MIXTURE) + ")")
     x = sub.choices["export"]
