@@ -139,6 +139,43 @@ def test_limits_are_inclusive(server):
         assert r.status_code == 200, (path, r.text[:300])
 
 
+# --- document fields echoed in every listing ------------------------------------------------
+HEADERS = {"X-Requested-With": "test"}
+
+
+@pytest.mark.parametrize("method,path,kwargs,param", [
+    ("POST", "/documents", dict(json={"id": "long-title", "text": "t", "title": "T" * 513}), "body.title"),
+    ("POST", "/documents", dict(json=[{"id": "a", "text": "t"}, {"id": "b", "text": "t", "source": "s" * 1025}]), "body[1].source"),
+    ("POST", "/documents?id=plain&title=" + "T" * 513, dict(content=b"some text", headers={"Content-Type": "text/plain"}), "title"),
+    ("POST", "/documents", dict(files={"file": ("a.txt", b"some text")}, data={"title": "T" * 513}), "title"),
+    ("GET", "/documents?after=" + "a" * 257, {}, "after"),
+], ids=["json-title", "json-source", "text-title", "form-title", "after"])
+def test_document_fields_are_bounded(server, method, path, kwargs, param):
+    """Before: title, source and ?after= took any length (a 1 MB title was stored and echoed in
+    every listing and search hit; a 1 MB `after` was accepted). Now a client's title past 512
+    characters, source past 1024 or `after` past 256 (the longest id) is a 400 naming it."""
+    headers = HEADERS | kwargs.pop("headers", {})
+    r = httpx.request(method, server.url + path, headers=headers, timeout=30, **kwargs)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: ") and len(r.content) < 1000, error
+    at_limit = {"POST": dict(json={"id": "at-limit", "text": "t", "title": "T" * 512, "source": "s" * 1024})}
+    assert httpx.post(server.url + "/documents", headers=HEADERS, timeout=30, **at_limit["POST"]).status_code == 201
+    assert httpx.get(server.url + "/documents", params={"after": "a" * 256}, timeout=30).status_code == 200
+
+
+def test_derived_titles_and_sources_are_cut_not_refused(server):
+    """A title or source the gateway derives (a Markdown heading, an uploaded file's name) is cut
+    to its limit: the upload is not the client's field, so it is not refused for it."""
+    files = {"file": ("n" * 2000 + ".md", b"# " + b"H" * 5000 + b"\n\nVaro has a harbour.")}
+    r = httpx.post(server.url + "/documents", headers=HEADERS, files=files, data={"id": "long-heading"}, timeout=30)
+    assert r.status_code == 201, r.text[:300]
+    doc = httpx.get(server.url + "/documents/long-heading", timeout=30).json()
+    assert (len(doc["title"]), len(doc["source"])) == (512, 1024) and doc["title"].endswith("…")
+    listing = httpx.get(server.url + "/documents", params={"limit": 1000}, timeout=30).json()["data"]
+    assert max(len(d["title"]) for d in listing) <= 512 and max(len(d["source"]) for d in listing) <= 1024
+
+
 # --- a client leaving mid-body ------------------------------------------------------------
 def requests_by_status(server, route: str) -> dict[str, float]:
     text = httpx.get(f"{server.url}/metrics").text
