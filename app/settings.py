@@ -172,6 +172,8 @@ class Settings(BaseSettings):
     ray_replica_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per gateway replica.")
     ray_replica_gpus: float | None = Field(None, ge=0, description="GPUs per replica; unset: 1 when device is cuda, else 0.")
     ray_ingress_replicas: int = Field(1, ge=1, description="Ingress replicas (each keeps its own chunk directory).")
+    ray_health_check_s: float = Field(10.0, gt=0, description="How often Serve checks each replica; one whose model failed "
+                                      "to load (with exit_on_load_failure) or whose engine thread died is replaced.")
     ray_max_ongoing_requests: int | None = Field(None, ge=1, description="Requests Ray sends one replica at once; "
                                                  "unset: max_running + max_queue. More wait in the ingress.")
 
