@@ -24,7 +24,7 @@ import pytest
 from app.testing import LiveServer, single_torch_thread, tiny_gateway
 
 CORPUS = [{"id": "city-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."}]
-LIMITS = dict(max_text_bytes=20_000, max_messages=50, max_segments=8, max_stop_strings=4, max_stop_bytes=64)
+LIMITS = dict(max_text_bytes=20_000, max_messages=50, max_segments=8, max_stop_strings=4, max_stop_bytes=64, max_document_ids=16)
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +117,17 @@ BIG = "Varo is a city. " * 1300  # 20,800 bytes: past max_text_bytes (20,000) al
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": "é" * 33}, "stop", "too_many_items"),  # 66 bytes
     ("/query", {"question": BIG}, "question", "text_too_long"),
     ("/search", {"query": BIG}, "query", "text_too_long"),
+    ("/search", {"query": "Varo", "document_ids": ["city-varo"] * 17}, "document_ids", "too_many_items"),
+    ("/query", {"question": "Varo?", "document_ids": ["city-varo"] * 100_000}, "document_ids", "too_many_items"),
+    ("/v1/chat/completions", chat(rag={"document_ids": ["city-varo"] * 17}), "rag.document_ids", "too_many_items"),
 ], ids=["prompt", "prompt-list", "segments-total", "chat", "messages-total", "chat-part", "chat-segments", "50000-messages",
-        "segment-count", "stop-count", "stop-bytes", "stop-string-bytes", "question", "search"])
+        "segment-count", "stop-count", "stop-bytes", "stop-string-bytes", "question", "search",
+        "search-document-ids", "query-100000-document-ids", "chat-rag-document-ids"])
 def test_too_much_is_a_400_naming_the_field(server, path, body, param, code):
     """Before: each was tokenized first (the prompt ones then failed the context check, after
     ~0.6 s per MB on the event loop; 50,000 empty messages took 8.9 s), or accepted (stop
-    strings: 1,000 of them made an answer 2.6x slower, 10,000 took 131 s)."""
+    strings: 1,000 of them made an answer 2.6x slower, 10,000 took 131 s; document_ids: 500,000
+    of them, 3 MB, took 2.7 s of retrieval)."""
     started = time.monotonic()
     refused(httpx.post(server.url + path, json=body, timeout=60), param, code)
     assert time.monotonic() - started < 5
@@ -133,7 +138,8 @@ def test_limits_are_inclusive(server):
     ok = [("/v1/chat/completions", chat(stop=["a", "b", "c", "d"], segments=["s"] * 8)),
           ("/v1/chat/completions", {**chat(), "messages": [{"role": "user", "content": "hi"}] * 50}),
           ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stop": ["x" * 32, "y" * 32]}),
-          ("/search", {"query": "Varo " * 4000})]  # 20,000 bytes
+          ("/search", {"query": "Varo " * 4000}),  # 20,000 bytes
+          ("/search", {"query": "Varo", "document_ids": ["city-varo"] * 16})]
     for path, body in ok:
         r = httpx.post(server.url + path, json=body, timeout=60)
         assert r.status_code == 200, (path, r.text[:300])
@@ -223,5 +229,6 @@ def test_the_limits_are_in_the_settings_table():
     from pathlib import Path
 
     table = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
-    for name in ("MAX_TEXT_BYTES", "MAX_MESSAGES", "MAX_SEGMENTS", "MAX_STOP_STRINGS", "MAX_STOP_BYTES", "BODY_DEADLINE_S"):
+    for name in ("MAX_TEXT_BYTES", "MAX_MESSAGES", "MAX_SEGMENTS", "MAX_DOCUMENT_IDS", "MAX_STOP_STRINGS", "MAX_STOP_BYTES",
+                 "BODY_DEADLINE_S"):
         assert f"`HYPIC_{name}`" in table, name
