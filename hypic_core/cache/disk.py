@@ -172,10 +172,13 @@ class DiskTier:
         pages = max(1, (reserve - _SHM) // (2 * _PAGE))  # a transaction past the checkpoint may add as many again
         # cull_limit=1: a write evicts one least-recently-used value when over the limit (diskcache's
         # default evicts ten at once); `put` culls further in the rare case one was not enough.
-        # The sqlite_ settings are pragmas diskcache sets on every connection.
+        # The sqlite_ settings are pragmas diskcache sets on every connection. mmap_size=0: diskcache
+        # maps 64 MB of cache.db by default, and a read through the map of a file cut short under
+        # it (truncated by hand, a full disk's repair) is a SIGBUS that kills the process; read()
+        # calls see a short file and SQLite reports it as damage instead (a counted miss).
         return diskcache.Cache(self.directory, timeout=timeout, disk=BytesDisk, size_limit=max(0, size_limit - reserve),
                                eviction_policy="least-recently-used", cull_limit=1, statistics=False,
-                               sqlite_wal_autocheckpoint=pages, sqlite_journal_size_limit=pages * _PAGE)
+                               sqlite_wal_autocheckpoint=pages, sqlite_journal_size_limit=pages * _PAGE, sqlite_mmap_size=0)
 
     def _move_aside(self, error: BaseException) -> bool:
         """Rename the damaged directory to `<directory>.damaged-<time>-<pid>`, removing an older
