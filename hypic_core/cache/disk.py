@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 
 _IO_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 CHECK_MAX_BYTES = 1 << 30  # a larger index is not integrity-checked at open (startup time)
-_PAGE = 4096 + 24  # one WAL frame: an SQLite page (diskcache keeps the 4 KiB default) and its header
-_SHM = 32 << 10  # the -shm file of a WAL that stays under a few thousand frames
 _STOP = object()
 
 
@@ -131,7 +129,7 @@ class BytesDisk(diskcache.Disk):
 
 @dataclass
 class DiskStats:
-    bytes: int = 0  # on-disk volume: values, the SQLite index and its -wal and -shm files
+    bytes: int = 0  # on-disk volume: values plus the SQLite index
     writes: int = 0
     dropped_writes: int = 0  # queue full, or write failed
     errors: int = 0  # I/O failures (each kind logged once)
@@ -323,6 +321,10 @@ class DiskTier:
         if first:
             log.warning("disk cache %s failed in %s (%s: %s); serving from memory tiers, further %s errors not logged",
                         op, self.directory, type(error).__name__, error, kind)
+
+
+_PAGE = 4096 + 24  # one WAL frame: an SQLite page (diskcache keeps the 4 KiB default) and its header
+_SHM = 32 << 10  # the -shm file of a WAL that stays under a few thousand frames
 
 
 def journal_reserve(size_limit: int) -> int:
