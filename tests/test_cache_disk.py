@@ -16,6 +16,8 @@ import time
 
 import diskcache
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hypic_core.cache import CorruptEntry, DiskTier, MemoryTier, TieredSegmentStore, build_store
 from hypic_core.cache.disk import journal_reserve
@@ -225,6 +227,26 @@ def test_disk_full_degrades_to_memory(tmp_path):
     p.join(10)
     assert p.exitcode == 0
     assert out == {"warm": True, "cold": True, "dropped": 3, "errors": 3, "corrupt": 0}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(budget=st.integers(1 << 20, 4 << 20), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 39), st.integers(100, 300_000)),
+                                                           min_size=20, max_size=80))
+def test_no_mix_of_writes_and_reads_passes_the_budget(tmp_path_factory, budget, ops):
+    """Values of any size from 100 bytes (in cache.db) to 300 KB (value files), written and read
+    in any order: the directory never holds more than the budget."""
+    directory = tmp_path_factory.mktemp("budget")
+    d = DiskTier(directory, size_limit=budget)
+    try:
+        for write, key, size in ops:
+            if write:
+                d.put(f"k{key}-{size}", os.urandom(size))
+                assert files_bytes(directory) <= budget
+            else:
+                d.get(f"k{key}-{size}")
+    finally:
+        d.close()
+    assert files_bytes(directory) <= budget
 
 
 def _cut_while_open(directory: str, size: str, conn) -> None:
