@@ -19,7 +19,9 @@ A document whose id exists is replaced. The whole body is read and validated bef
 is chunked, so a bad item changes nothing (400 naming the item and field: `body[2].text`,
 `file[1]`); chunking and embedding run on a thread. Ids are kept in Unicode NFC and are at most
 256 characters (`retrieval.document.normalize_document_id`); ids in paths, `after` and
-`document_ids` are normalised the same way, so either spelling of `café` finds it. Without an
+`document_ids` are normalised the same way, so either spelling of `café` finds it. A title
+is at most 512 characters and a source 1024 (`retrieval.document.LIMITS`): longer ones a client
+sends are a 400 naming the field, derived ones (a heading, a file name) are cut. Without an
 API key a `text/plain` body also needs `X-Requested-With` (`middleware.OriginCheck`).
 
 The `{document_id:path}` routes match ids with slashes (`notes/readme.md`); no other route may
@@ -37,7 +39,7 @@ from pydantic_core import PydanticCustomError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from retrieval.document import Document
+from retrieval.document import MAX_DOCUMENT_ID_CHARS, Document, field_problem
 from retrieval.errors import DocumentNotFoundError, IndexLockedError, MalformedItemError, RetrievalError
 from retrieval.formats import parse_json, parse_jsonl, read_documents
 from retrieval.index import DocumentInfo
@@ -103,6 +105,8 @@ async def list_documents(request: Request,
                          limit: int = Query(100, ge=1, le=1000, description="Documents per page."),
                          after: str | None = Query(None, description="Return documents whose id sorts after this one (the previous page's last_id).")) -> dict:
     rt = _runtime(request)
+    if after is not None and len(after) > MAX_DOCUMENT_ID_CHARS:  # no id sorts between a longer `after` and its prefix
+        raise APIError.invalid("after", f"must be at most {MAX_DOCUMENT_ID_CHARS} characters (a document id), got {len(after)}")
     after = None if after is None else unicodedata.normalize("NFC", after)  # ids are kept in NFC
     # One extra row says whether another page follows.
     docs = await anyio.to_thread.run_sync(lambda: rt.index.list_documents(after=after, limit=limit + 1))
@@ -157,6 +161,8 @@ def _body_documents(body: bytes, content_type: str, id: str | None, title: str) 
             return parse_jsonl(body)
         if id is None or not id.strip():
             raise APIError.invalid("id", "a text body needs ?id=<document id>")
+        if field_problem("title", title):
+            raise APIError.invalid("title", field_problem("title", title))
         return [document_from_text(body, pipeline.document_id(id, "id"), title)]
     except MalformedItemError as exc:
         item = "" if exc.item is None else f"[{exc.item}]"
@@ -195,6 +201,8 @@ async def _read_form(form: FormData, max_bytes: int) -> list[Document]:
             raise APIError.invalid(field, f"names one document, but {len(files)} files were sent")
         if value is not None and lone_surrogate(value) >= 0:  # a multipart body may declare charset=utf-7
             raise APIError.invalid(field, "contains a lone UTF-16 surrogate, which is not valid Unicode text")
+        if field == "title" and value is not None and field_problem("title", value):
+            raise APIError.invalid(field, field_problem("title", value))
     if names["id"] is not None:
         names["id"] = pipeline.document_id(names["id"], "id")
     documents: list[Document] = []

@@ -59,11 +59,12 @@ class Retrieval:
 
 async def retrieve(rt: Runtime, query: str, top_k: int, document_ids: Sequence[str] | None, prefix: str = "") -> Retrieval:
     """The `top_k` chunks closest to `query` (only from `document_ids` when given), searched on a
-    thread. Raises 400 for top_k above `max_top_k`, an unknown or invalid document id, or bad
-    retrieval input."""
+    thread. Raises 400 for top_k above `max_top_k`, more than `max_document_ids` document ids,
+    an unknown or invalid one, or bad retrieval input."""
     if top_k > rt.settings.max_top_k:
         raise APIError.invalid(f"{prefix}top_k", f"must be <= {rt.settings.max_top_k}, got {top_k}")
     if document_ids is not None:
+        check_count(f"{prefix}document_ids", document_ids, rt.settings.max_document_ids, "HYPIC_MAX_DOCUMENT_IDS")
         document_ids = [document_id(d, f"{prefix}document_ids") for d in document_ids]
     started = time.perf_counter()
     try:

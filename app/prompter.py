@@ -1,7 +1,9 @@
 """Turn requests into token-id segments: [system prefix, one per document, question].
 
 Each document is its own segment, tokenized alone, so the same document always gives the same
-token ids (and the same cache entry) wherever it lands in a later prompt. Chunks are ordered by
+token ids (and the same cache entry) wherever it lands in a later prompt. A segment's end is
+tokenized as if the next document followed it (`SafeEncoder.encode(..., followed_by)`), so the
+segments join as the whole prompt text is tokenized wherever the tokenizer allows it. Chunks are ordered by
 ascending score, so the best match sits next to the question.
 
 Two prompt formats (`PromptLayout.format`):
@@ -103,15 +105,27 @@ class SafeEncoder:
         names = sorted(specials, key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, names))) if names else None
 
-    def encode(self, parts: Sequence[Part]) -> Tokens:
+    def encode(self, parts: Sequence[Part], followed_by: str | None = None) -> Tokens:
+        """The ids of `parts`, their text ending as it is tokenized when `followed_by` (trusted
+        text: what comes next in the prompt) follows it; None: at the end of the text.
+
+        A byte-level BPE splits a run of whitespace by what follows it (`"a.\n\n"` alone ends in
+        one `\n\n` token, followed by `Document` in two `\n`), so the text is tokenized with the
+        first word of `followed_by` after it and that word's ids are cut off again, when they come
+        out as that word alone does; otherwise (the word merged with the end: `"a. "` +
+        `Document` is ` Document`) the text is tokenized alone. Either way the ids spell exactly
+        the text of `parts` and depend on `followed_by` only through its first word."""
         ids: list[int] = []
         run: list[str] = []
+        probe = self._probe(followed_by)
 
-        def flush() -> None:
+        def flush(last: bool = False) -> None:
             text = "".join(run)
             run.clear()
-            if text:
-                ids.extend(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+            if text and last and probe:
+                ids.extend(self._before(text, probe))
+            elif text:
+                ids.extend(self._plain(text))
 
         for text, trusted in parts:
             if not trusted or self._pattern is None:
@@ -124,8 +138,30 @@ class SafeEncoder:
                 ids.append(self._special_ids[match.group()])
                 pos = match.end()
             run.append(text[pos:])
-        flush()
+        flush(last=True)
         return tuple(ids)
+
+    def _plain(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    def _probe(self, followed_by: str | None) -> str:
+        """What stands for `followed_by` at a join: its leading whitespace and first word (up to
+        16 characters, stopping at a special token, after which the text ends as at its end)."""
+        if not followed_by:
+            return ""
+        word = re.match(r"\s*\S{0,16}", followed_by).group()
+        if self._pattern is not None:
+            special = self._pattern.search(word)
+            word = word[: special.start()] if special else word
+        return word
+
+    def _before(self, text: str, probe: str) -> list[int]:
+        together, alone = self._plain(text + probe), self._plain(probe)
+        head = together[: len(together) - len(alone)]
+        # The cut-off ids are the word's own and spell exactly it, so `head` spells exactly `text`.
+        if head and together[len(head):] == alone and self.tokenizer.decode(alone, clean_up_tokenization_spaces=False) == probe:
+            return head
+        return self._plain(text)
 
     def text(self, text: str) -> Tokens:
         """Untrusted text alone."""
@@ -153,6 +189,8 @@ class Prompter:
         self.layout = layout
         self.context = context
         self.encoder = SafeEncoder(tokenizer)
+        # What follows a segment before the question: the next document, as the template writes it.
+        self._next = "".join(text for text, _ in fill(layout.document_template, text="Document", title="Document"))
         if layout.format == "chat" and not getattr(tokenizer, "chat_template", None):
             raise ValueError("prompt format 'chat' needs a tokenizer with a chat template; use the raw format")
 
@@ -175,7 +213,7 @@ class Prompter:
                                                    "system message), or use /v1/completions")
             convo[-1]["content"] = fill(self.layout.question_template, question=str(messages[-1]["content"]))
         head, tail = self._frame(convo, "messages")
-        kept = [self.encoder.encode([(s.rstrip() + "\n", False)]) for s in segments]
+        kept = [self.encoder.encode([(s.rstrip() + "\n", False)], self._next) for s in segments]
         return self._fit(head, kept, hits, tail, reserve, "messages")
 
     def completion(self, prompt: str, hits: Sequence[SearchHit], segments: Sequence[str], reserve: int) -> Prompt:
@@ -184,12 +222,12 @@ class Prompter:
         question = self.encoder.text(prompt)
         if not question:
             raise APIError.invalid("prompt", "must not be empty")
-        kept = [ids for ids in map(self.encoder.text, segments) if ids]
+        kept = [ids for ids in (self.encoder.encode([(s, False)], self._next) for s in segments) if ids]
         return self._fit([], kept, hits, [question], reserve, "prompt")
 
     def document(self, text: str, title: str = "") -> Tokens:
         """The segment of one document, as retrieved chunks are written."""
-        return self.encoder.encode(fill(self.layout.document_template, text=text.strip(), title=title))
+        return self.encoder.encode(fill(self.layout.document_template, text=text.strip(), title=title), self._next)
 
     # --- internals -------------------------------------------------------------------------
     def _frame(self, messages: list[dict], field: str) -> tuple[list[Tokens], list[Tokens]]:
@@ -198,7 +236,7 @@ class Prompter:
         layout = self.layout
         if layout.format == "raw":
             system = ["".join(text for text, _ in m["content"]) for m in messages if m["role"] in ("system", "developer")]
-            head = self.encoder.encode([(system[-1], False)] if system else [(layout.system_prompt, True)])
+            head = self.encoder.encode([(system[-1], False)] if system else [(layout.system_prompt, True)], self._next)
             tail = self.encoder.encode([*messages[-1]["content"], (layout.answer_prefix, True)])
             return [head] if head else [], [tail]
         if not any(m["role"] == "system" for m in messages) and layout.system_prompt:
@@ -224,7 +262,9 @@ class Prompter:
             else:
                 groups.append([*current, *contents[int(piece)]])
                 current = []
-        head = [ids for ids in map(self.encoder.encode, groups) if ids]
+        # Each group ends as the text after it begins: the next group's template text, else a document.
+        follows = [next((text for text, _ in later if text), None) for later in groups[1:]] + [self._next]
+        head = [ids for ids in (self.encoder.encode(g, f or self._next) for g, f in zip(groups, follows)) if ids]
         return head, [self.encoder.encode([*(tail or []), (layout.answer_prefix, True)])]
 
     def _fit(self, head: list[Tokens], kept: list[Tokens], hits: Sequence[SearchHit], tail: list[Tokens],

@@ -156,6 +156,11 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name="hypic-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (it only stops on `close`, or on a bug that escaped it)."""
+        return self._thread.is_alive()
+
     def has_room(self) -> bool:
         """Whether `submit` would admit a request now (a hint: it checks again)."""
         with self._lock:
@@ -260,7 +265,10 @@ class Worker:
             outbox.push(stream, out)
             self.metrics.e2e.labels(route.route).observe(now - stream.started)
         else:
-            log.warning("generation failed", extra={"error": repr(out.error)})
+            # With its traceback: a failure seen once (a stream error in 80 requests under Ray's pow2
+            # routing) is explained by the log it left, not by a rerun that may not reproduce it.
+            log.warning("generation failed", extra={"error": repr(out.error), "request_id": out.request_id},
+                        exc_info=(type(out.error), out.error, out.error.__traceback__) if out.error is not None else None)
         self._end(out.request_id, outbox, error=out.error if out.finish_reason == "error" else None)
         self.metrics.finished.labels(out.finish_reason).inc()
 

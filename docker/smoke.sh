@@ -16,7 +16,7 @@
 #   HYPIC_SMOKE_PORT  host port of the gateway (default 18080)
 #   HYPIC_SMOKE_NETWORK=host  run the containers on the host's network instead of Compose's bridge (for
 #                     daemons whose bridge cannot publish ports); the smoke test then uses 127.0.0.1 ports
-#   HYPIC_SMOKE_KEEP=1  leave the stack running (no `down -v`)
+#   HYPIC_SMOKE_KEEP=1  leave the stack running (no `down -v`) and the classic builder's untagged deps stage
 # A torch CPU wheel in docker/wheels/ is used for the image; when there is none, one is fetched with this
 # machine's pip (its configured indexes and find-links), else the image downloads torch from the torch index.
 set -euo pipefail
@@ -69,6 +69,8 @@ cleanup() {
     else
         compose down -v --remove-orphans >/dev/null 2>&1 || true
         log "stack removed (down -v)"
+        # The classic builder leaves docker/Dockerfile's deps stage as an untagged image; BuildKit leaves none.
+        docker image prune -f --filter label=org.hypic-gateway.stage=deps >/dev/null 2>&1 || true
     fi
     rm -rf "$WORK"
     exit "$rc"

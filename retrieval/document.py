@@ -15,11 +15,29 @@ from retrieval.errors import EmptyInputError, InvalidInputError
 from retrieval.strict_json import lone_surrogate
 
 MAX_DOCUMENT_ID_CHARS = 256
+# Every listing of documents and every search hit repeats a document's title and source.
+MAX_TITLE_CHARS = 512
+MAX_SOURCE_CHARS = 1024
+LIMITS = {"title": MAX_TITLE_CHARS, "source": MAX_SOURCE_CHARS}
 
 
 def chunk_id_for(text: str) -> str:
     """Return the stable id of a chunk text: the hex SHA-256 of its UTF-8 bytes."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def clip(value: str, field: str) -> str:
+    """A derived `title` or `source` (a Markdown heading, an HTML <title>, an uploaded file's
+    name) cut to its limit (`LIMITS`) with a trailing "…"; one a client sets is refused instead."""
+    limit = LIMITS[field]
+    return value if len(value) <= limit else value[: limit - 1] + "…"
+
+
+def field_problem(field: str, value: str) -> str | None:
+    """Why a client's `title` or `source` cannot be stored, or None: longer than its limit."""
+    if len(value) > LIMITS[field]:
+        return f"{field} must be at most {LIMITS[field]} characters, got {len(value)}"
+    return None
 
 
 def normalize_document_id(value: str) -> str:
@@ -44,8 +62,8 @@ class Document:
     `document_id` names it in the index (normalised by `normalize_document_id`): ingesting
     another document with the same id replaces it. `title` defaults to the id; `source` says
     where it came from (a path, "<request>"). Raises `InvalidInputError` for an id
-    `normalize_document_id` refuses or a field holding a lone surrogate, and `EmptyInputError`
-    for blank text.
+    `normalize_document_id` refuses, a field holding a lone surrogate or a title or source
+    longer than `MAX_TITLE_CHARS` / `MAX_SOURCE_CHARS`, and `EmptyInputError` for blank text.
     """
 
     document_id: str
@@ -62,6 +80,10 @@ class Document:
             if at >= 0:
                 raise InvalidInputError(f"document {self.document_id!r}: {field} has a lone UTF-16 surrogate at character {at}, "
                                         "which is not valid Unicode text")
+        for field in LIMITS:
+            problem = field_problem(field, getattr(self, field))
+            if problem:
+                raise InvalidInputError(f"document {self.document_id!r}: {problem}")
         if not self.title:
             object.__setattr__(self, "title", self.document_id)
 

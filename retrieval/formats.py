@@ -23,7 +23,7 @@ import zlib
 from html.parser import HTMLParser
 
 from retrieval import strict_json
-from retrieval.document import Document, normalize_document_id
+from retrieval.document import Document, clip, field_problem, normalize_document_id
 from retrieval.errors import BinaryInputError, EmptyInputError, InvalidInputError, MalformedItemError, MalformedLineError, UnsupportedFormatError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".html", ".htm")
@@ -80,7 +80,7 @@ def read_documents(data: bytes, name: str, document_id: str, source: str, max_by
         if not text.strip():
             raise EmptyInputError(f"{source}: no text outside the HTML markup")
     stem = name.rsplit("/", 1)[-1][: -len(suffix + (GZIP_SUFFIX if gzipped else ""))]
-    return [Document(document_id, text, title or stem, source)]
+    return [Document(document_id, text, clip(title or stem, "title"), clip(source, "source"))]
 
 
 def gunzip(data: bytes, source: str, max_bytes: int | None = None) -> bytes:
@@ -214,6 +214,9 @@ def record_problem(record: object) -> tuple[str | None, str] | None:
     for field in ("title", "source"):
         if not isinstance(record.get(field, ""), str):
             return field, f"field {field!r} must be a string"
+        problem = field_problem(field, record.get(field, ""))
+        if problem:
+            return field, problem
     try:
         normalize_document_id(record["id"])
     except InvalidInputError as exc:
@@ -223,7 +226,7 @@ def record_problem(record: object) -> tuple[str | None, str] | None:
 
 def document_from_record(record: dict, source: str) -> Document:
     """The document of a record that `record_problem` accepts."""
-    return Document(record["id"], record["text"], record.get("title", ""), record.get("source") or source)
+    return Document(record["id"], record["text"], record.get("title", ""), record.get("source") or clip(source, "source"))
 
 
 def markdown_title(text: str) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from retrieval.chunker import Chunker
-from retrieval.document import Document
+from retrieval.document import Document, clip
 from retrieval.errors import EmptyInputError, InputNotFoundError, InvalidInputError, RetrievalError
 from retrieval.formats import SUPPORTED_DESCRIPTION, decode_text, is_supported, markdown_title, parse_jsonl, read_documents, require_format
 from retrieval.index import VectorIndex
@@ -44,7 +44,7 @@ class IngestSummary:
 def document_from_text(body: str | bytes, document_id: str, title: str = "", source: str = "<request>") -> Document:
     """One document from a text or Markdown body (the title defaults to a leading `# heading`)."""
     text = decode_text(body, source)
-    return Document(document_id, text, title or markdown_title(text), source)
+    return Document(document_id, text, title or clip(markdown_title(text), "title"), source)
 
 
 def load_documents(paths: Iterable[str | Path]) -> tuple[list[Document], tuple[str, ...]]:

@@ -16,8 +16,11 @@ import time
 
 import diskcache
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hypic_core.cache import CorruptEntry, DiskTier, MemoryTier, TieredSegmentStore, build_store
+from hypic_core.cache.disk import journal_reserve
 from test_cache_serde import make_entry, tensors_equal
 from test_cache_tiered import key_of
 
@@ -86,15 +89,39 @@ def test_least_recently_used_values_leave_first_under_size_limit(tmp_path):
     d = DiskTier(tmp_path / "c", size_limit=1 << 30)
     index = d.stats().bytes
     d.close()
-    value = b"v" * 100_000
-    d = DiskTier(tmp_path / "c", size_limit=index + 350_000)
+    value = b"v" * 1_000_000
+    limit = index + journal_reserve(index + 3_500_000) + 3_500_000  # room for three values, not four
+    d = DiskTier(tmp_path / "c", size_limit=limit)
     for k in "abc":
         assert d.put(k, value)
         time.sleep(0.01)
     assert d.get("a") == value  # a is now more recent than b
     assert d.put("d", value)
     assert "b" not in d and all(k in d for k in "acd")
-    assert d.stats().bytes <= index + 350_000
+    assert d.stats().bytes <= limit
+    d.close()
+
+
+def files_bytes(directory) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(directory) for f in files)
+
+
+@pytest.mark.parametrize("value_bytes", [1_000, 20_000, 100_000], ids=["small-in-index", "in-index", "value-files"])
+def test_the_budget_holds_every_file_including_sqlites_log(tmp_path, value_bytes):
+    """Before: SQLite's write-ahead log (cache.db-wal) was outside the budget and grew to 4 MB
+    (a 3 MB budget held 6.8 MB). Now every file in the directory, the log included, stays under
+    it while writing, and `stats().bytes` counts them all."""
+    budget = 3 << 20
+    d = DiskTier(tmp_path / "c", size_limit=budget)
+    most = 0
+    for i in range(3 * budget // value_bytes):
+        assert d.put(f"k{i}", os.urandom(value_bytes))
+        if i % 7 == 0:
+            most = max(most, files_bytes(tmp_path / "c"))
+    on_disk = files_bytes(tmp_path / "c")
+    assert max(most, on_disk) <= budget, f"{max(most, on_disk)} bytes on disk, budget {budget}"
+    assert d.stats().bytes == on_disk
+    assert f"k{3 * budget // value_bytes - 1}" in d  # the newest values are kept, not everything culled
     d.close()
 
 
@@ -202,6 +229,65 @@ def test_disk_full_degrades_to_memory(tmp_path):
     assert out == {"warm": True, "cold": True, "dropped": 3, "errors": 3, "corrupt": 0}
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(budget=st.integers(1 << 20, 4 << 20), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 39), st.integers(100, 300_000)),
+                                                           min_size=20, max_size=80))
+def test_no_mix_of_writes_and_reads_passes_the_budget(tmp_path_factory, budget, ops):
+    """Values of any size from 100 bytes (in cache.db) to 300 KB (value files), written and read
+    in any order: the directory never holds more than the budget."""
+    directory = tmp_path_factory.mktemp("budget")
+    d = DiskTier(directory, size_limit=budget)
+    try:
+        for write, key, size in ops:
+            if write:
+                d.put(f"k{key}-{size}", os.urandom(size))
+                assert files_bytes(directory) <= budget
+            else:
+                d.get(f"k{key}-{size}")
+    finally:
+        d.close()
+    assert files_bytes(directory) <= budget
+
+
+def _cut_while_open(directory: str, size: str, conn) -> None:
+    """Child process: a store in use whose cache.db is cut short under it, then read and written."""
+    store = build_store(1 << 26, directory=directory)
+    entries = [make_entry(n=200, width=64, seed=i) for i in range(12)]
+    for e in entries:
+        store.insert(key_of(e), e)
+    store.flush()
+    index = os.path.join(directory, "cache.db")
+    os.truncate(index, 0 if size == "0" else os.path.getsize(index) // 2)
+    found = [store.lookup(key_of(e), e.token_ids) is not None for e in entries]
+    late = make_entry(n=200, width=64, seed=99)
+    store.insert(key_of(late), late)
+    store.flush()
+    s = store.stats()
+    conn.send({"found": sum(found), "errors": s.disk_errors})
+    store.close()
+
+
+@pytest.mark.parametrize("size", ["0", "half"])
+def test_an_index_cut_short_while_open_is_no_crash(tmp_path, size):
+    """Before: diskcache maps 64 MB of cache.db into memory, so the first read after the file
+    was cut short under a running tier was a SIGBUS that killed the whole process (the gateway).
+    Now the tier reads with read() calls: reads and writes go on (from SQLite's log and cache,
+    or as counted errors), and the next open moves the damaged directory aside."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_cut_while_open, args=(str(tmp_path / "c"), size, child))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0, f"the process died (exit code {p.exitcode}; -7 is SIGBUS)"
+    assert parent.poll(1)
+    out = parent.recv()
+    assert 0 <= out["found"] <= 12 and out["errors"] >= 0
+    reopened = build_store(1 << 26, directory=tmp_path / "c")
+    s = reopened.stats()
+    assert s.disk_errors == 0  # damage found at open is moved aside (or the cut left SQLite a valid file)
+    reopened.close()
+
+
 def _filled_cache(directory) -> None:
     """A disk tier holding entries as a gateway's does (values over 32 KB are files beside the
     index, one small row each in cache.db) and one small entry (its value in cache.db), closed."""
@@ -213,6 +299,9 @@ def _filled_cache(directory) -> None:
 
 def _damage(path, how: str) -> bytes:
     """Overwrite 8 random runs of up to 64 bytes ("bytes-<seed>") or cut the file ("cut-<bytes>")."""
+    if how == "deleted":
+        path.unlink()
+        return b""
     data = bytearray(path.read_bytes())
     kind, arg = how.split("-")
     if kind == "cut":
@@ -240,7 +329,7 @@ def _open_damaged(tmp_path, how: str, caplog) -> tuple[TieredSegmentStore, bool]
     aside = list(d.parent.glob("cache.damaged-*"))
     moved = store.stats().disk_damaged == 1
     if moved:
-        assert len(aside) == 1 and (aside[0] / "cache.db").read_bytes() == damaged  # kept for inspection
+        assert len(aside) == 1 and ((aside[0] / "cache.db").read_bytes() if damaged else b"") == damaged  # kept for inspection
         assert [r.levelname for r in caplog.records if "is damaged" in r.message] == ["ERROR"]
     else:  # the damage missed every page SQLite reads (bytes of a value, free space): the tier is kept
         assert not aside
@@ -255,11 +344,12 @@ def _open_damaged(tmp_path, how: str, caplog) -> tuple[TieredSegmentStore, bool]
     return store, moved
 
 
-@pytest.mark.parametrize("how", ["cut-half", "cut-100", "cut-0"])
+@pytest.mark.parametrize("how", ["cut-half", "cut-100", "cut-0", "deleted"])
 def test_truncated_index_is_moved_aside_and_the_tier_starts_empty(tmp_path, how, caplog):
-    """cut-0: cache.db emptied. Before, SQLite opened it as a new, empty index and the value files
-    it had named stayed in the directory for good, uncounted by the disk budget; now the
-    directory is moved aside like any damaged one, so none are left behind."""
+    """cut-0: cache.db emptied; deleted: cache.db gone. Before, SQLite opened either as a new,
+    empty index and the value files it had named stayed in the directory for good, uncounted by
+    the disk budget; now the directory is moved aside like any damaged one, so none are left
+    behind."""
     _, moved = _open_damaged(tmp_path, how, caplog)
     assert moved
     assert len(list((tmp_path / how / "cache").rglob("*.val"))) == 1  # the one entry written since

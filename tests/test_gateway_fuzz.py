@@ -196,6 +196,11 @@ PROBES = {
     "chat-1000-stops": ("POST", "/v1/chat/completions", {**CHAT, "stop": [f"s{i}" for i in range(1000)]}, None),
     "query-2-mb-question": ("POST", "/query", {"question": "who? " * 400_000}, None),
     "search-2-mb-query": ("POST", "/search", {"query": "who? " * 400_000}, None),
+    "documents-1-mb-title": ("POST", "/documents", {"id": "t", "text": "x", "title": "T" * (1 << 20)}, None),
+    "documents-1-mb-source": ("POST", "/documents", [{"id": "s", "text": "x", "source": "s" * (1 << 20)}], None),
+    "documents-jsonl-long-title": ("POST", "/documents", ("application/jsonl", json.dumps({"id": "j", "text": "x", "title": "T" * 600})),
+                                   None),
+    "documents-list-8-kb-after": ("GET", "/documents?after=" + "a" * 8000, ("application/json", ""), None),  # a longer URL: 431/400 from the server
     "query-deep-json": ("POST", "/query", ("application/json", DEEP), None),
     "chat-deep-json-field": ("POST", "/v1/chat/completions", ("application/json", json.dumps(CHAT)[:-1] + ', "x": ' + DEEP + "}"),
                              None),

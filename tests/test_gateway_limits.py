@@ -24,7 +24,7 @@ import pytest
 from app.testing import LiveServer, single_torch_thread, tiny_gateway
 
 CORPUS = [{"id": "city-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."}]
-LIMITS = dict(max_text_bytes=20_000, max_messages=50, max_segments=8, max_stop_strings=4, max_stop_bytes=64)
+LIMITS = dict(max_text_bytes=20_000, max_messages=50, max_segments=8, max_stop_strings=4, max_stop_bytes=64, max_document_ids=16)
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +117,17 @@ BIG = "Varo is a city. " * 1300  # 20,800 bytes: past max_text_bytes (20,000) al
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": "é" * 33}, "stop", "too_many_items"),  # 66 bytes
     ("/query", {"question": BIG}, "question", "text_too_long"),
     ("/search", {"query": BIG}, "query", "text_too_long"),
+    ("/search", {"query": "Varo", "document_ids": ["city-varo"] * 17}, "document_ids", "too_many_items"),
+    ("/query", {"question": "Varo?", "document_ids": ["city-varo"] * 100_000}, "document_ids", "too_many_items"),
+    ("/v1/chat/completions", chat(rag={"document_ids": ["city-varo"] * 17}), "rag.document_ids", "too_many_items"),
 ], ids=["prompt", "prompt-list", "segments-total", "chat", "messages-total", "chat-part", "chat-segments", "50000-messages",
-        "segment-count", "stop-count", "stop-bytes", "stop-string-bytes", "question", "search"])
+        "segment-count", "stop-count", "stop-bytes", "stop-string-bytes", "question", "search",
+        "search-document-ids", "query-100000-document-ids", "chat-rag-document-ids"])
 def test_too_much_is_a_400_naming_the_field(server, path, body, param, code):
     """Before: each was tokenized first (the prompt ones then failed the context check, after
     ~0.6 s per MB on the event loop; 50,000 empty messages took 8.9 s), or accepted (stop
-    strings: 1,000 of them made an answer 2.6x slower, 10,000 took 131 s)."""
+    strings: 1,000 of them made an answer 2.6x slower, 10,000 took 131 s; document_ids: 500,000
+    of them, 3 MB, took 2.7 s of retrieval)."""
     started = time.monotonic()
     refused(httpx.post(server.url + path, json=body, timeout=60), param, code)
     assert time.monotonic() - started < 5
@@ -133,10 +138,48 @@ def test_limits_are_inclusive(server):
     ok = [("/v1/chat/completions", chat(stop=["a", "b", "c", "d"], segments=["s"] * 8)),
           ("/v1/chat/completions", {**chat(), "messages": [{"role": "user", "content": "hi"}] * 50}),
           ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stop": ["x" * 32, "y" * 32]}),
-          ("/search", {"query": "Varo " * 4000})]  # 20,000 bytes
+          ("/search", {"query": "Varo " * 4000}),  # 20,000 bytes
+          ("/search", {"query": "Varo", "document_ids": ["city-varo"] * 16})]
     for path, body in ok:
         r = httpx.post(server.url + path, json=body, timeout=60)
         assert r.status_code == 200, (path, r.text[:300])
+
+
+# --- document fields echoed in every listing ------------------------------------------------
+HEADERS = {"X-Requested-With": "test"}
+
+
+@pytest.mark.parametrize("method,path,kwargs,param", [
+    ("POST", "/documents", dict(json={"id": "long-title", "text": "t", "title": "T" * 513}), "body.title"),
+    ("POST", "/documents", dict(json=[{"id": "a", "text": "t"}, {"id": "b", "text": "t", "source": "s" * 1025}]), "body[1].source"),
+    ("POST", "/documents?id=plain&title=" + "T" * 513, dict(content=b"some text", headers={"Content-Type": "text/plain"}), "title"),
+    ("POST", "/documents", dict(files={"file": ("a.txt", b"some text")}, data={"title": "T" * 513}), "title"),
+    ("GET", "/documents?after=" + "a" * 257, {}, "after"),
+], ids=["json-title", "json-source", "text-title", "form-title", "after"])
+def test_document_fields_are_bounded(server, method, path, kwargs, param):
+    """Before: title, source and ?after= took any length (a 1 MB title was stored and echoed in
+    every listing and search hit; a 1 MB `after` was accepted). Now a client's title past 512
+    characters, source past 1024 or `after` past 256 (the longest id) is a 400 naming it."""
+    headers = HEADERS | kwargs.pop("headers", {})
+    r = httpx.request(method, server.url + path, headers=headers, timeout=30, **kwargs)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: ") and len(r.content) < 1000, error
+    at_limit = {"POST": dict(json={"id": "at-limit", "text": "t", "title": "T" * 512, "source": "s" * 1024})}
+    assert httpx.post(server.url + "/documents", headers=HEADERS, timeout=30, **at_limit["POST"]).status_code == 201
+    assert httpx.get(server.url + "/documents", params={"after": "a" * 256}, timeout=30).status_code == 200
+
+
+def test_derived_titles_and_sources_are_cut_not_refused(server):
+    """A title or source the gateway derives (a Markdown heading, an uploaded file's name) is cut
+    to its limit: the upload is not the client's field, so it is not refused for it."""
+    files = {"file": ("n" * 2000 + ".md", b"# " + b"H" * 5000 + b"\n\nVaro has a harbour.")}
+    r = httpx.post(server.url + "/documents", headers=HEADERS, files=files, data={"id": "long-heading"}, timeout=30)
+    assert r.status_code == 201, r.text[:300]
+    doc = httpx.get(server.url + "/documents/long-heading", timeout=30).json()
+    assert (len(doc["title"]), len(doc["source"])) == (512, 1024) and doc["title"].endswith("…")
+    listing = httpx.get(server.url + "/documents", params={"limit": 1000}, timeout=30).json()["data"]
+    assert max(len(d["title"]) for d in listing) <= 512 and max(len(d["source"]) for d in listing) <= 1024
 
 
 # --- a client leaving mid-body ------------------------------------------------------------
@@ -186,5 +229,6 @@ def test_the_limits_are_in_the_settings_table():
     from pathlib import Path
 
     table = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
-    for name in ("MAX_TEXT_BYTES", "MAX_MESSAGES", "MAX_SEGMENTS", "MAX_STOP_STRINGS", "MAX_STOP_BYTES", "BODY_DEADLINE_S"):
+    for name in ("MAX_TEXT_BYTES", "MAX_MESSAGES", "MAX_SEGMENTS", "MAX_DOCUMENT_IDS", "MAX_STOP_STRINGS", "MAX_STOP_BYTES",
+                 "BODY_DEADLINE_S"):
         assert f"`HYPIC_{name}`" in table, name

@@ -56,6 +56,17 @@ class GatewayReplica:
         self._lifespan = self.gateway.router.lifespan_context(self.gateway)
         await self._lifespan.__aenter__()
 
+    def check_health(self) -> None:
+        """Serve calls this every `ray_health_check_s`; raising marks the replica unhealthy, and
+        Serve stops it and starts another. So a replica whose model or index failed to load (with
+        `exit_on_load_failure`, the default: `hypic serve` would exit) or whose engine thread has
+        died is replaced instead of answering 503 for good. One still loading is healthy."""
+        runtime = self.gateway.state.runtime
+        if runtime.load_error is not None and self.settings.exit_on_load_failure:
+            raise RuntimeError(f"this replica cannot serve: {runtime.load_error}")
+        if not runtime.worker.alive:
+            raise RuntimeError("this replica's engine thread has stopped")
+
     async def __del__(self) -> None:
         lifespan, self._lifespan = getattr(self, "_lifespan", None), None
         if lifespan is not None:
@@ -126,7 +137,10 @@ class Ingress:
                 return await _send_json(send, error.status, error.body())
         finally:
             if not finished:
-                parts.cancel()  # the client went away (or the replica failed): stop the generation
+                try:
+                    parts.cancel()  # the client went away (or the replica failed): stop the generation
+                except Exception:  # noqa: BLE001 - a call that never reached a replica re-raises its failure here
+                    pass
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _search(self, query: str, top_k: int, document_ids) -> list[str]:
@@ -195,7 +209,8 @@ def build_application(settings: Settings):
     gateway = serve.deployment(GatewayReplica, name="gateway").options(
         num_replicas=settings.ray_replicas, max_ongoing_requests=max_ongoing, request_router_config=router,
         ray_actor_options={"num_cpus": settings.ray_replica_cpus, "num_gpus": gpus},
-        health_check_period_s=10, graceful_shutdown_timeout_s=10, logging_config=logging)
+        health_check_period_s=settings.ray_health_check_s, health_check_timeout_s=max(30.0, settings.ray_health_check_s),
+        graceful_shutdown_timeout_s=10, logging_config=logging)
     ingress = serve.deployment(Ingress, name="ingress").options(
         num_replicas=settings.ray_ingress_replicas, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0},
         logging_config=logging)

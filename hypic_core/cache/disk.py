@@ -18,9 +18,15 @@ A damaged index (`cache.db`) is found when the tier opens: SQLite's `integrity_c
 diskcache itself fails to open it (with `sqlite3.DatabaseError`, but also `UnicodeDecodeError`
 or `AttributeError` from a mangled Settings table). The directory is then renamed to
 `<directory>.damaged-<time>-<pid>` (kept for inspection, one such copy at a time; an index
-emptied to 0 bytes beside value files counts as damaged, so those files are not orphaned), logged,
+emptied to 0 bytes or deleted beside value files counts as damaged, so those files are not orphaned), logged,
 counted in `DiskStats.damaged`, and the tier starts empty. Failures of the environment (no
 permission, disk full, a lock held too long) are not damage: the constructor raises them.
+
+The budget covers every file in the directory: value files, `cache.db` and SQLite's `-wal` and
+`-shm` files beside it. The write-ahead log grows between checkpoints (SQLite's default lets it
+reach 4 MB and never shrinks it, so a 3 MB budget once held 6.8 MB), so the tier checkpoints it
+every few pages, truncates it after each checkpoint, and keeps `journal_reserve(size_limit)` of
+the budget for it: values and index get the rest.
 
 Several threads and several processes may share one directory: diskcache keeps its index
 in SQLite (transactions, WAL) and writes each value to a fresh file before the row that
@@ -160,10 +166,17 @@ class DiskTier:
         os.chmod(self.directory, 0o700)  # makedirs honours the umask; an existing dir keeps its mode otherwise
         self._inode = os.stat(self.directory).st_ino
         _check_index(os.path.join(self.directory, "cache.db"), timeout)
+        reserve = journal_reserve(size_limit)
+        pages = max(1, (reserve - _SHM) // (2 * _PAGE))  # a transaction past the checkpoint may add as many again
         # cull_limit=1: a write evicts one least-recently-used value when over the limit (diskcache's
         # default evicts ten at once); `put` culls further in the rare case one was not enough.
-        return diskcache.Cache(self.directory, timeout=timeout, disk=BytesDisk, size_limit=size_limit,
-                               eviction_policy="least-recently-used", cull_limit=1, statistics=False)
+        # The sqlite_ settings are pragmas diskcache sets on every connection. mmap_size=0: diskcache
+        # maps 64 MB of cache.db by default, and a read through the map of a file cut short under
+        # it (truncated by hand, a full disk's repair) is a SIGBUS that kills the process; read()
+        # calls see a short file and SQLite reports it as damage instead (a counted miss).
+        return diskcache.Cache(self.directory, timeout=timeout, disk=BytesDisk, size_limit=max(0, size_limit - reserve),
+                               eviction_policy="least-recently-used", cull_limit=1, statistics=False,
+                               sqlite_wal_autocheckpoint=pages, sqlite_journal_size_limit=pages * _PAGE, sqlite_mmap_size=0)
 
     def _move_aside(self, error: BaseException) -> bool:
         """Rename the damaged directory to `<directory>.damaged-<time>-<pid>`, removing an older
@@ -291,7 +304,7 @@ class DiskTier:
     # --- accounting -----------------------------------------------------------------------
     def stats(self) -> DiskStats:
         try:
-            volume = self._cache.volume()
+            volume = self._cache.volume() + sum(_size(os.path.join(self.directory, f"cache.db-{s}")) for s in ("wal", "shm"))
         except _IO_ERRORS as e:
             self._failed("read", e)
             volume = 0
@@ -308,6 +321,23 @@ class DiskTier:
         if first:
             log.warning("disk cache %s failed in %s (%s: %s); serving from memory tiers, further %s errors not logged",
                         op, self.directory, type(error).__name__, error, kind)
+
+
+_PAGE = 4096 + 24  # one WAL frame: an SQLite page (diskcache keeps the 4 KiB default) and its header
+_SHM = 32 << 10  # the -shm file of a WAL that stays under a few thousand frames
+
+
+def journal_reserve(size_limit: int) -> int:
+    """Bytes of a `size_limit` budget kept for SQLite's -wal and -shm files: a sixteenth, at
+    least room for 8 pages between checkpoints, at most what SQLite's default (1000) would use."""
+    return min(max(size_limit // 16, 16 * _PAGE + _SHM), 2000 * _PAGE + _SHM)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
 
 
 # SQLite errors that say the environment is in the way (permissions, space, another process's
@@ -332,12 +362,13 @@ def _check_index(path: str, timeout: float) -> None:
     for 200 MB of small values stored in it, measured warm). `quick_check` is not enough: it
     misses damaged index b-trees, which make every later read fail. A missing file or one over
     CHECK_MAX_BYTES is not checked, nor one a lock keeps from being read: diskcache's open decides."""
-    if not os.path.exists(path) or os.path.getsize(path) > CHECK_MAX_BYTES:
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    if size == 0 and glob.glob(os.path.join(glob.escape(os.path.dirname(path)), "*", "*", "*.val")):
+        # An emptied (truncated to 0 bytes) or deleted index opens as a new one: the value files
+        # it named would stay, orphaned and outside the budget, for good.
+        raise _Damaged(f"cache.db is {'empty' if os.path.exists(path) else 'missing'} but value files are present")
+    if size == 0 or size > CHECK_MAX_BYTES:
         return
-    if os.path.getsize(path) == 0 and glob.glob(os.path.join(glob.escape(os.path.dirname(path)), "*", "*", "*.val")):
-        # An emptied index (truncated to 0 bytes) opens as a new one: the value files it named
-        # would stay, orphaned and outside the budget, for good.
-        raise _Damaged("cache.db is empty but value files are present")
     try:
         db = sqlite3.connect(f"{Path(os.path.abspath(path)).as_uri()}?mode=ro", uri=True, timeout=timeout)
         try:
