@@ -250,7 +250,10 @@ def run_check(engine: Engine, check: ShadowCheck, greedy_tokens: int) -> list[Ch
     full_tokens = _greedy_tokens(engine, full, greedy_tokens) if check.greedy else None
     results = []
     for choice in check.choices:
-        served = engine.prefill(GenerationRequest(check.segments, choice.mode, choice.seam, exact_prefix=check.exact_prefix))
+        # exact_runs=False: the check judges composition, so a run the served request may have
+        # reused exactly (a repeat) is composed here, and the check records no sighting of it.
+        served = engine.prefill(GenerationRequest(check.segments, choice.mode, choice.seam, exact_prefix=check.exact_prefix,
+                                                  exact_runs=False))
         logq = served.logits.log_softmax(-1)
         kl = max(0.0, float((reference.exp() * (reference - logq)).sum()))
         top1 = int(served.logits.argmax()) == int(full.logits.argmax())

@@ -53,9 +53,8 @@ def build_store(settings: Settings) -> SegmentStore:
 def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engine:
     """`settings.model` (resolved here unless given) with the configured seam, mode, budgets, dtype and store."""
     model = model or resolve_model(settings.model, settings.models_dir)
-    config = EngineConfig(seam=settings.seam, default_mode=settings.default_mode,
-                          memory_budget_bytes=settings.cache_memory_bytes, prefix_budget_bytes=settings.prefix_cache_bytes,
-                          model_id=settings.served_model_name)
+    config = EngineConfig(seam=settings.seam, memory_budget_bytes=settings.cache_memory_bytes,
+                          prefix_budget_bytes=settings.prefix_cache_bytes, exact_repeats=settings.exact_repeats)
     return Engine.from_pretrained(model.path, config, build_store(settings), dtype=settings.dtype, device=settings.device,
                                   model_id=settings.served_model_name, prefill_workers=settings.prefill_workers,
                                   prefill_backend=settings.prefill_backend, prefill_threads=settings.prefill_worker_threads,

@@ -91,20 +91,25 @@ class SamplingParams:
 class EngineConfig:
     """Engine-wide settings.
 
-    memory_budget_bytes bounds the in-memory segment store; prefix_budget_bytes bounds the
-    snapshots kept for `prefix` mode; max_running, max_step_tokens and running_budget_bytes
-    bound the scheduler (hypic_core/scheduler.py).
+    memory_budget_bytes bounds the in-memory segment store (when the engine builds it);
+    prefix_budget_bytes bounds the exact snapshots of leading segment runs (hypic_core/prefix_cache.py);
+    max_running, max_step_tokens and running_budget_bytes bound the scheduler (hypic_core/scheduler.py).
+    Pic modes always restore the longest run of leading context segments an exact snapshot holds
+    (an exact prefix, a `prefix`-mode request's context). exact_repeats: also compute exactly (in
+    context) and snapshot a run of leading segments an earlier request had in the same order, so a
+    repeat equals full prefill there from its second sighting on (the gateway turns it on); off, the
+    same request always gets the same answer whatever the cache holds, as benchmarks comparing
+    modes on one engine need.
     """
 
     seam: int = DEFAULT_SEAM
-    default_mode: Mode = Mode.HYPIC
     memory_budget_bytes: int = 2 << 30
     prefix_budget_bytes: int = 512 << 20
     max_cold_batch_tokens: int = 16384
-    model_id: str = "model"
     max_running: int = 8  # sequences prefilling or decoding at once (one batched decode forward)
     max_step_tokens: int = 512  # model tokens per engine step: decode tokens + a chunk of prefill
     running_budget_bytes: int = 4 << 30  # attention K/V + linear state of the running sequences
+    exact_repeats: bool = False
 
     def __post_init__(self) -> None:
         if self.seam < 0:
@@ -114,7 +119,6 @@ class EngineConfig:
         for name in ("max_cold_batch_tokens", "max_running", "max_step_tokens", "running_budget_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(name, f"must be >= 1, got {getattr(self, name)}")
-        object.__setattr__(self, "default_mode", Mode.parse(self.default_mode))
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,10 @@ class GenerationRequest:
     # hypic / pic-naive: the first `exact_prefix` context segments (system prompt, earlier turns)
     # are computed exactly, or restored from an exact prefix snapshot; only the ones after are stitched.
     exact_prefix: int = 0
+    # pic modes: reuse (and make) exact snapshots of longer leading runs than `exact_prefix`
+    # (EngineConfig.exact_repeats). False: segments after `exact_prefix` always compose (the
+    # accuracy guard measures composition with it).
+    exact_runs: bool = True
 
     def __post_init__(self) -> None:
         if not self.segments:

@@ -108,13 +108,13 @@ class PrefillPlan:
     boundaries: list[int] = field(default_factory=list)
     linear: list = field(default_factory=list)
     reused: int = 0  # leading segments restored from a snapshot
-    start: int = 0  # pic modes: where the stitched segments begin (after the exact prefix)
+    exact: int = 0  # leading context segments done exactly (restored or run); pic modes stitch the rest
+    start: int = 0  # pic modes: where the stitched segments begin (after the exact run)
     logits: torch.Tensor | None = None
 
     def tokens_left(self, seq: Sequence) -> int:
         cold = sum(cw.left for cw, _ in self.cold)
-        exact = seq.request.exact_prefix
-        stitch = (sum(min(seq.seam, len(s)) for s in seq.request.context[exact:]) + len(seq.request.question)
+        stitch = (sum(min(seq.seam, len(s)) for s in seq.request.context[self.exact:]) + len(seq.request.question)
                   if self.stitch_pending else 0)
         return cold + stitch + sum(len(r.ids) - r.done for r in self.runs)
 
@@ -317,11 +317,11 @@ class Engine:
         if request.mode is Mode.FULL:
             plan.runs.append(Run(tuple(t for s in request.segments for t in s), 0))
         elif request.mode is Mode.PREFIX:
-            pos = self._exact_prefix(seq, plan, len(request.context))
+            pos = self._exact_run(seq, plan, len(request.context))
             plan.runs.append(Run(request.question, pos))
         else:
-            exact = request.exact_prefix
-            plan.start = self._exact_prefix(seq, plan, exact) if exact else 0
+            plan.start = self._exact_run(seq, plan, request.exact_prefix)
+            exact = plan.exact
             plan.entries = [None] * len(request.context)
             wanted: dict[str, tuple[ColdWork, list[int]]] = {}
             for i, seg in enumerate(request.context):
@@ -350,14 +350,23 @@ class Engine:
         seq.plan = plan
         seq.prefill_left = plan.tokens_left(seq)
 
-    def _exact_prefix(self, seq: Sequence, plan: "PrefillPlan", n_exact: int) -> int:
-        """Lay out the first `n_exact` context segments exactly: the longest run of them an exact
-        prefix snapshot holds is restored, the rest become runs (snapshotted at the end). Returns
-        the position after them."""
+    def _exact_run(self, seq: Sequence, plan: "PrefillPlan", n_exact: int) -> int:
+        """Lay out the leading context segments done exactly: at least the first `n_exact`, and in pic
+        modes (unless the request opts out) as many as a snapshot holds or an earlier request had in
+        this order (`EngineConfig.exact_repeats`). The longest run a snapshot holds is restored, the
+        rest become runs (snapshotted at the end). Sets `plan.exact`; returns the position after them."""
         request, stats = seq.request, seq.stats
-        digests = [SegmentKey.of(self.fingerprint, 0, s).tokens for s in request.context[:n_exact]]
-        plan.chain = chain_hashes(digests)
-        snap, n = self.prefix_cache.longest(plan.chain)
+        longer = request.mode is not Mode.PREFIX and request.exact_runs
+        considered = request.context if longer else request.context[:n_exact]
+        if not considered:
+            return 0
+        chain = chain_hashes([SegmentKey.of(self.fingerprint, 0, s).tokens for s in considered])
+        snap, n, seen = self.prefix_cache.longest(chain)
+        if longer:
+            self.prefix_cache.see(chain)
+            repeat = seen if self.config.exact_repeats and self.prefix_cache.budget_bytes > 0 else 0
+            n_exact = max(n_exact, n, repeat)
+        plan.chain, plan.exact = chain[:n_exact], n_exact
         pos = 0
         if snap is not None:
             pos = self.runner.restore_prefix(plan.cache, snap, n)
@@ -500,13 +509,13 @@ class Engine:
             return
         budget = self._run_runs(seq, budget)
         if plan.stitch_pending and not plan.runs and budget > 0:
-            if plan.reused < request.exact_prefix:  # a newly computed exact prefix: keep it for later requests
+            if plan.reused < plan.exact:  # a newly computed exact run: keep it for later requests
                 self.prefix_cache.insert(plan.chain, runner.prefix_snapshot(plan.cache, plan.boundaries, plan.linear))
             t = time.perf_counter()
             seams = stats.seam_tokens
             head = max(1, min(len(request.question), budget - seams))
-            context = request.context[request.exact_prefix:]
-            logits = runner.stitch(plan.cache, context, plan.entries[request.exact_prefix:], request.question[:head],
+            context = request.context[plan.exact:]
+            logits = runner.stitch(plan.cache, context, plan.entries[plan.exact:], request.question[:head],
                                    request.mode, start=plan.start)
             plan.stitch_pending = False
             stats.computed_tokens += seams + head
