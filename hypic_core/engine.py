@@ -36,13 +36,12 @@ import torch
 
 from .adapters import adapter_for
 from .config import EngineConfig, GenerationRequest, Mode
-from .detokenizer import StreamDetokenizer
 from .entry import SegmentEntry
 from .errors import InvalidRequestError, PromptTooLongError
 from .keys import SegmentKey, model_fingerprint
 from .model_runner import ModelRunner, PartialEntry
+from .output import OutputProcessor
 from .prefix_cache import PrefixCache, chain_hashes
-from .sampling import Sampler
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import AbortHandle, PrefillStats, Sequence, Status, StepOutput
 from .store import MemorySegmentStore, SegmentStore
@@ -136,6 +135,7 @@ class Engine:
         self.fingerprint = model_fingerprint(model, model_id, tokenizer)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.output = OutputProcessor(tokenizer)
         self.kv_bytes_per_token, self.state_bytes = self._footprint()
         self._cold: dict[str, ColdWork] = {}
         self._lock = threading.RLock()  # one step (one set of model calls) at a time
@@ -229,7 +229,7 @@ class Engine:
         seam = self.config.seam if request.seam is None else request.seam
         max_new = min(request.sampling.max_tokens, self.max_positions - request.prompt_tokens)
         reserved = (request.prompt_tokens + max_new) * self.kv_bytes_per_token + self.state_bytes
-        return Sequence(request, seam, Sampler(request.sampling), StreamDetokenizer(self.tokenizer, request.sampling.stop),
+        return Sequence(request, seam, self.output.sampler(request.sampling), self.output.detokenizer(request.sampling.stop),
                         self.eos_ids, max_new, reserved, abort=abort or AbortHandle(), collect=collect)
 
     def set_limits(self, max_running: int, max_step_tokens: int, running_budget_bytes: int) -> None:
@@ -587,38 +587,18 @@ class Engine:
             outputs.append(self._sample(s, logits[s]))
         return outputs
 
-    # --- postprocess ---------------------------------------------------------------------
+    # --- update ------------------------------------------------------------------------
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        """Pick `seq`'s next token and decide whether it ends here (EOS, stop string, length)."""
-        params = seq.request.sampling
-        history = seq.history if params.repetition_penalty != 1.0 else ()
-        choice = seq.sampler(logits, history, seq.banned_tokens())
-        index = seq.num_generated
-        seq.output_ids.append(choice.token_id)
-        stats = seq.stats if index == 0 else None
-        detok = seq.detokenizer
-        if choice.token_id in seq.eos_ids and not params.ignore_eos:
-            return self._emit(seq, index, choice, detok.flush(), "stop", stats)
-        text = detok.push(choice.token_id)
-        if detok.stopped:
-            return self._emit(seq, index, choice, text, "stop", stats)
-        if seq.num_generated >= seq.max_new_tokens:
-            return self._emit(seq, index, choice, text + detok.flush(), "length", stats)
-        return self._emit(seq, index, choice, text, None, stats)
-
-    def _emit(self, seq: Sequence, index: int, choice, text: str, finish: str | None, stats) -> StepOutput:
-        out = StepOutput(seq.request_id, index, choice.token_id, text, choice.logprob, choice.top_logprobs, finish, stats)
-        if finish is not None:
-            self._release(seq, finish)
-        if seq.collect:
-            seq.outbox.append(out)
-        return out
+        """`seq`'s next token (hypic_core/output.py); a sequence that ends here is released."""
+        return self._emit(seq, self.output.next_token(seq, logits))
 
     def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> StepOutput:
         """End `seq` without a new token ("abort" or "error")."""
-        out = StepOutput(seq.request_id, seq.num_generated, None, seq.detokenizer.flush(), finish_reason=reason,
-                         stats=seq.stats if seq.num_generated == 0 else None, error=error)
-        self._release(seq, reason)
+        return self._emit(seq, self.output.ended(seq, reason, error))
+
+    def _emit(self, seq: Sequence, out: StepOutput) -> StepOutput:
+        if out.finish_reason is not None:
+            self._release(seq, out.finish_reason)
         if seq.collect:
             seq.outbox.append(out)
         return out

@@ -44,10 +44,6 @@ class ScheduledStep:
     prefills: list[tuple[Sequence, int]]  # (sequence, prefill tokens it may run this step)
     decodes: list[Sequence]  # running sequences: one token each
 
-    @property
-    def empty(self) -> bool:
-        return not (self.aborted or self.prefills or self.decodes)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .config import GenerationRequest, Mode
-from .detokenizer import StreamDetokenizer
+from .detokenizer import IncrementalDetokenizer, StreamDetokenizer
 from .sampling import Sampler
 
 _ids = itertools.count()
@@ -108,7 +108,7 @@ class Sequence:
     request: GenerationRequest
     seam: int
     sampler: Sampler
-    detokenizer: StreamDetokenizer
+    detokenizer: IncrementalDetokenizer | StreamDetokenizer
     eos_ids: frozenset[int]
     max_new_tokens: int  # max_tokens, capped by what is left of the model's context
     reserved_bytes: int  # attention K/V + linear state this sequence holds at most (scheduler's memory budget)
