@@ -110,6 +110,7 @@ class EngineConfig:
     max_step_tokens: int = 512  # model tokens per engine step: decode tokens + a chunk of prefill
     running_budget_bytes: int = 4 << 30  # attention K/V + linear state of the running sequences
     exact_repeats: bool = False
+    scheduling: str = "fcfs"  # the waiting queue's policy: "fcfs" or "priority" (hypic_core/request_queue.py)
 
     def __post_init__(self) -> None:
         if self.seam < 0:
@@ -119,6 +120,8 @@ class EngineConfig:
         for name in ("max_cold_batch_tokens", "max_running", "max_step_tokens", "running_budget_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.scheduling not in ("fcfs", "priority"):
+            raise InvalidRequestError("scheduling", f"must be 'fcfs' or 'priority', got {self.scheduling!r}")
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,7 @@ class GenerationRequest:
     # (EngineConfig.exact_repeats). False: segments after `exact_prefix` always compose (the
     # accuracy guard measures composition with it).
     exact_runs: bool = True
+    priority: int = 0  # with EngineConfig.scheduling "priority": lower is admitted first
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -153,6 +157,8 @@ class GenerationRequest:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
         if self.seam is not None and self.seam < 0:
             raise InvalidRequestError("seam", f"must be >= 0, got {self.seam}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise InvalidRequestError("priority", f"must be an integer, got {self.priority!r}")
         if not 0 <= self.exact_prefix <= len(self.segments) - 1:
             raise InvalidRequestError("exact_prefix", f"must be in [0, {len(self.segments) - 1}] (the context segments), "
                                                       f"got {self.exact_prefix}")
