@@ -39,7 +39,7 @@ EngineSource = Union[Engine, Callable[[], Engine], None]
 IndexSource = Union[VectorIndex, Callable[[], VectorIndex], None]
 
 
-def build_store(settings: Settings) -> SegmentStore:
+def store_from_settings(settings: Settings) -> SegmentStore:
     """A hot tier on the model's device (GPU), host memory, a disk tier in `cache_dir` when set, and
     a Redis tier shared with other gateways when `redis_url` is set."""
     redis_url = settings.redis_url.get_secret_value() if settings.redis_url is not None else None
@@ -54,8 +54,9 @@ def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engin
     """`settings.model` (resolved here unless given) with the configured seam, mode, budgets, dtype and store."""
     model = model or resolve_model(settings.model, settings.models_dir)
     config = EngineConfig(seam=settings.seam, memory_budget_bytes=settings.cache_memory_bytes,
-                          prefix_budget_bytes=settings.prefix_cache_bytes, exact_repeats=settings.exact_repeats)
-    return Engine.from_pretrained(model.path, config, build_store(settings), dtype=settings.dtype, device=settings.device,
+                          prefix_budget_bytes=settings.prefix_cache_bytes, exact_repeats=settings.exact_repeats,
+                          scheduling=settings.scheduling)
+    return Engine.from_pretrained(model.path, config, store_from_settings(settings), dtype=settings.dtype, device=settings.device,
                                   model_id=settings.served_model_name, prefill_workers=settings.prefill_workers,
                                   prefill_backend=settings.prefill_backend, prefill_threads=settings.prefill_worker_threads,
                                   ray_address=settings.ray_address, prefill_split_tokens=settings.prefill_split_tokens)

@@ -76,6 +76,8 @@ class Settings(BaseSettings):
     exact_repeats: bool = Field(True, description="Documents an earlier request had in the same order (after the system "
                                 "prompt) are computed exactly once and then reused exactly (counted in cached_tokens); "
                                 "false: they always compose.")
+    scheduling: Literal["fcfs", "priority"] = Field("fcfs", description="Order in which waiting requests are admitted: "
+                                                    "fcfs (arrival) or priority (a request's priority, then arrival).")
     prefill_workers: int = Field(0, ge=0, description="Model replicas computing cold chunks' cache entries in parallel "
                                  "(each loads the model); 0: the engine computes them itself.")
     prefill_backend: Literal["processes", "ray"] = Field("processes", description="Where prefill workers run: local "

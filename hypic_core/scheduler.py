@@ -9,7 +9,7 @@ the queue's order. As it admits one it asks the context-cache manager to lay out
 over several steps while the running streams keep producing a token per step (chunked
 prefill). Admission is bounded by a count (`max_running`) and by memory: the bytes of
 attention K/V and linear state each sequence can hold at most (`Sequence.reserved_bytes`)
-must fit in `memory_budget_bytes` together; a sequence that does not fit now waits.
+must fit in `running_budget_bytes` together; a sequence that does not fit now waits.
 
 Thread-safety: `add` and `abort` may be called from any thread; everything else from the
 engine thread.
@@ -30,10 +30,10 @@ from .sequence import Sequence, Status
 class SchedulerConfig:
     max_running: int = 8  # sequences prefilling or decoding at once
     max_step_tokens: int = 512  # tokens of model work per step (decode tokens + prefill chunk)
-    memory_budget_bytes: int = 4 << 30  # K/V + linear state of the active sequences
+    running_budget_bytes: int = 4 << 30  # K/V + linear state of the active sequences
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_step_tokens", "memory_budget_bytes"):
+        for name in ("max_running", "max_step_tokens", "running_budget_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -64,7 +64,7 @@ class Scheduler:
     # --- any thread ------------------------------------------------------------------------
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` fits the memory budget on its own (else it would wait forever)."""
-        return seq.reserved_bytes <= self.config.memory_budget_bytes
+        return seq.reserved_bytes <= self.config.running_budget_bytes
 
     def add(self, seq: Sequence) -> None:
         """Queue `seq` (status WAITING) for admission."""
@@ -115,7 +115,7 @@ class Scheduler:
             reserved = self.reserved_bytes
             while self.waiting and budget > 0 and len(self.active) < cfg.max_running:
                 s = self.waiting.peek()
-                if reserved + s.reserved_bytes > cfg.memory_budget_bytes:
+                if reserved + s.reserved_bytes > cfg.running_budget_bytes:
                     break  # in the queue's order: later ones do not overtake it
                 self.waiting.pop()
                 self.active.append(s)

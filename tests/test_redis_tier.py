@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 
 from app.metrics import Metrics
-from app.runtime import build_store as build_store_from_settings
+from app.runtime import store_from_settings as build_store_from_settings
 from app.settings import Settings
 from app.testing import LiveServer, single_torch_thread
 from conftest import RedisServer, random_segments

@@ -61,7 +61,7 @@ def test_the_priority_policy_admits_lower_priority_values_first_and_keeps_arriva
 
 
 def test_admission_limits_count_and_memory_first_come_first_served():
-    s = Scheduler(SchedulerConfig(max_running=2, max_step_tokens=1000, memory_budget_bytes=100))
+    s = Scheduler(SchedulerConfig(max_running=2, max_step_tokens=1000, running_budget_bytes=100))
     big, small1, small2 = seq(5, reserved=80), seq(5, reserved=30), seq(5, reserved=10)
     for x in (big, small1, small2):
         s.add(x)
