@@ -172,7 +172,8 @@ class Runtime:
                 self.model_name = self.settings.model_name or engine.model_id
                 self.metrics.model_name = self.model_name
             self.metrics.watch_store(engine.store)
-            self.guard = Guard.for_engine(self.settings, engine, self.model_name, self.metrics.registry, wake=self.worker.wake)
+            self.guard = Guard.for_engine(self.settings, engine, self.model_name, self.metrics.registry, wake=self.worker.wake,
+                                          submit=lambda request, deliver: self.worker.submit_internal(engine, request, deliver))
             self.worker.run_when_idle(self.guard)
             self._ready.set()
             log.info("ready", extra={"model": self.model_name, "chunks": len(index), "seconds": round(time.perf_counter() - started, 3)})

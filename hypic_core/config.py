@@ -143,6 +143,7 @@ class GenerationRequest:
     # accuracy guard measures composition with it).
     exact_runs: bool = True
     priority: int = 0  # with EngineConfig.scheduling "priority": lower is admitted first
+    keep_logits: bool = False  # the first output carries the first-token logits (the accuracy guard compares them)
 
     def __post_init__(self) -> None:
         if not self.segments:

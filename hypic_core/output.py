@@ -43,8 +43,9 @@ class OutputProcessor:
                 finish = "stop"
             elif seq.num_generated >= seq.max_new_tokens:
                 finish, text = "length", text + detok.flush()
+        first = index == 0
         return StepOutput(seq.request_id, index, choice.token_id, text, choice.logprob, choice.top_logprobs, finish,
-                          seq.stats if index == 0 else None)
+                          seq.stats if first else None, logits=logits if first and seq.request.keep_logits else None)
 
     def ended(self, seq: Sequence, reason: str, error: BaseException | None = None) -> StepOutput:
         """`seq`'s last output when it ends without a new token ("abort" or "error")."""

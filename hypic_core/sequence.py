@@ -137,7 +137,8 @@ class StepOutput:
     `text` is the newly safe text (may be empty). The last output of a sequence has
     `finish_reason` ("stop", "length", "abort" or "error", with `error` set); `token_id` is None
     when the sequence ended without producing a token in that step. The first output of a
-    sequence carries its `stats`.
+    sequence carries its `stats`, and its first-token `logits` (fp32) when the request asked
+    (`keep_logits`).
     """
 
     request_id: str
@@ -149,6 +150,7 @@ class StepOutput:
     finish_reason: str | None = None
     stats: PrefillStats | None = None
     error: BaseException | None = None
+    logits: torch.Tensor | None = None
 
 
 @dataclass(eq=False)  # compared by identity
