@@ -36,7 +36,7 @@ class DecodeBatch:
         self.cache = None  # the transformers cache the forward runs on (linear rows; attention points at the buffers)
         self._k: list[torch.Tensor] = []  # per attention layer [row capacity, H, column capacity, D]
         self._v: list[torch.Tensor] = []
-        self._cols: torch.Tensor | None = None  # lengths as a tensor, during a forward
+        self._step: tuple | None = None  # during a forward: (rows, columns to write, read width, one column for all)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -91,16 +91,18 @@ class DecodeBatch:
         dev = self.model.device
         width = max(self.lengths) + 1
         self.reserve(len(self.keys), width)
-        self._cols = torch.tensor(self.lengths, dtype=torch.long, device=dev)
+        cols = torch.tensor(self.lengths, dtype=torch.long, device=dev)
+        same = self.lengths[0] if min(self.lengths) == width - 1 else None  # every row writes the same column
+        self._step = (torch.arange(len(self.keys), device=dev), cols, width, same)
         self._point(width - 1)
-        mask = (torch.arange(width, device=dev)[None, :] <= self._cols[:, None])[:, None, None, :]  # [B, 1, 1, width]
+        mask = (torch.arange(width, device=dev)[None, :] <= cols[:, None])[:, None, None, :]  # [B, 1, 1, width]
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=dev)[:, None]
         pos = torch.tensor(list(positions), dtype=torch.long, device=dev)[:, None]
         try:
             out = self.model(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True,
                              attention_mask=self.adapter.mask_argument(mask), logits_to_keep=1)
         finally:
-            self._cols = None
+            self._step = None
         self.lengths = [n + 1 for n in self.lengths]
         self._point(width)
         return out.logits[:, -1].float()
@@ -109,11 +111,14 @@ class DecodeBatch:
     def _write(self, j: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """Attention layer j's cache update during a forward: each row's new column in place; returns
         the columns attention reads."""
-        b = len(self.keys)
-        rows = torch.arange(b, device=key_states.device)
-        self._k[j][rows, :, self._cols] = key_states[:, :, 0]
-        self._v[j][rows, :, self._cols] = value_states[:, :, 0]
-        width = int(max(self.lengths)) + 1
+        rows, cols, width, same = self._step
+        b = len(rows)
+        if same is not None:
+            self._k[j][:b, :, same:same + 1] = key_states
+            self._v[j][:b, :, same:same + 1] = value_states
+        else:
+            self._k[j][rows, :, cols] = key_states[:, :, 0]
+            self._v[j][rows, :, cols] = value_states[:, :, 0]
         return self._k[j][:b, :, :width], self._v[j][:b, :, :width]
 
     def _point(self, width: int) -> None:
@@ -156,8 +161,8 @@ class DecodeBatch:
         have_rows, have_cols = self.capacity
         if rows <= have_rows and cols <= have_cols:
             return
-        new_rows, new_cols = max(rows, 2 * have_rows if rows > have_rows else have_rows), \
-            max(cols, 2 * have_cols if cols > have_cols else have_cols)
+        new_rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
+        new_cols = max(cols, min(2 * have_cols, self.adapter.max_positions)) if cols > have_cols else have_cols
         b = len(self.keys)
         n = max(self.lengths, default=0)
         for bufs in (self._k, self._v):

@@ -94,12 +94,12 @@ class EngineConfig:
     memory_budget_bytes bounds the in-memory segment store (when the engine builds it);
     prefix_budget_bytes bounds the exact snapshots of leading segment runs (hypic_core/prefix_cache.py);
     max_running, max_step_tokens and running_budget_bytes bound the scheduler (hypic_core/scheduler.py).
-    Pic modes always restore the longest run of leading context segments an exact snapshot holds
-    (an exact prefix, a `prefix`-mode request's context). exact_repeats: also compute exactly (in
-    context) and snapshot a run of leading segments an earlier request had in the same order, so a
-    repeat equals full prefill there from its second sighting on (the gateway turns it on); off, the
-    same request always gets the same answer whatever the cache holds, as benchmarks comparing
-    modes on one engine need.
+    exact_repeats (pic modes): past `GenerationRequest.exact_prefix`, restore the longest run of
+    leading context segments an exact snapshot holds (a `prefix`-mode request's context, an earlier
+    repeat), and compute exactly (in context) and snapshot a run an earlier request had in the same
+    order, so a repeat equals full prefill there from its second sighting on. The gateway turns it
+    on; off (the default here), only the exact prefix is exact and the same request always gets the
+    same answer whatever the cache holds, as benchmarks comparing modes on one engine need.
     """
 
     seam: int = DEFAULT_SEAM
@@ -138,9 +138,9 @@ class GenerationRequest:
     # hypic / pic-naive: the first `exact_prefix` context segments (system prompt, earlier turns)
     # are computed exactly, or restored from an exact prefix snapshot; only the ones after are stitched.
     exact_prefix: int = 0
-    # pic modes: reuse (and make) exact snapshots of longer leading runs than `exact_prefix`
-    # (EngineConfig.exact_repeats). False: segments after `exact_prefix` always compose (the
-    # accuracy guard measures composition with it).
+    # pic modes with EngineConfig.exact_repeats: reuse (and make) exact snapshots of longer leading
+    # runs than `exact_prefix`. False: segments after `exact_prefix` always compose (the accuracy
+    # guard measures composition with it).
     exact_runs: bool = True
     priority: int = 0  # with EngineConfig.scheduling "priority": lower is admitted first
     keep_logits: bool = False  # the first output carries the first-token logits (the accuracy guard compares them)

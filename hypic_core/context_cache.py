@@ -76,8 +76,7 @@ class ContextCacheManager:
     # --- lookups the strategies make ----------------------------------------------------------
     def exact_run(self, seq: Sequence, progress: PrefillProgress, n_exact: int, longer: bool) -> int:
         """Lay out the leading context segments done exactly: at least the first `n_exact`; with
-        `longer`, as many as a snapshot holds or (`EngineConfig.exact_repeats`) an earlier request
-        had in this order. The longest run a snapshot holds is restored, the rest become runs
+        `longer`, as many as a snapshot holds or an earlier request had in this order. The longest run a snapshot holds is restored, the rest become runs
         (kept by `keep_exact_run` once computed). Sets `progress.exact`; returns the position after them."""
         request, stats = seq.request, seq.stats
         considered = request.context if longer else request.context[:n_exact]
@@ -87,7 +86,7 @@ class ContextCacheManager:
         snap, n, seen = self.prefix_cache.longest(chain)
         if longer:
             self.prefix_cache.see(chain)
-            repeat = seen if self.config.exact_repeats and self.prefix_cache.budget_bytes > 0 else 0
+            repeat = seen if self.prefix_cache.budget_bytes > 0 else 0
             n_exact = max(n_exact, n, repeat)
         progress.chain, progress.exact = chain[:n_exact], n_exact
         pos = 0

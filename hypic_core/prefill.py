@@ -44,7 +44,8 @@ class StitchedPrefill:
 
     def plan(self, context, seq: Sequence, progress: PrefillProgress) -> None:
         request = seq.request
-        progress.start = context.exact_run(seq, progress, request.exact_prefix, longer=request.exact_runs)
+        longer = request.exact_runs and context.config.exact_repeats
+        progress.start = context.exact_run(seq, progress, request.exact_prefix, longer=longer)
         context.entries(seq, progress, progress.exact)
         progress.stitch_pending = True
         seq.stats.seam_tokens = sum(min(seq.seam, len(s)) for s in request.context[progress.exact:])

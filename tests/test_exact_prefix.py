@@ -85,9 +85,12 @@ def test_prefix_mode_snapshots_serve_pic_requests(engine):
     segs = random_segments(LENGTHS, seed=15)
     engine.prefill(req(segs, "prefix"))
     out = engine.prefill(req(segs, exact_prefix=2))
-    assert out.stats.exact_tokens == sum(LENGTHS[:-1])  # the snapshot holds every document: all restored
-    out = engine.prefill(req(segs, exact_prefix=2, exact_runs=False))
     assert out.stats.exact_tokens == LENGTHS[0] + LENGTHS[1]
+    # with exact repeats the snapshot's documents are restored too
+    repeats = Engine(engine.model, config=EngineConfig(seam=8, exact_repeats=True))
+    repeats.prefill(req(segs, "prefix"))
+    assert repeats.prefill(req(segs, exact_prefix=2)).stats.exact_tokens == sum(LENGTHS[:-1])
+    assert repeats.prefill(req(segs, exact_prefix=2, exact_runs=False)).stats.exact_tokens == LENGTHS[0] + LENGTHS[1]
 
 
 def test_accounting_partitions_the_prompt(engine):
@@ -101,10 +104,7 @@ def test_accounting_partitions_the_prompt(engine):
             assert s.cached_tokens == 0
         if mode == "prefix":
             assert s.composed_tokens == 0 and s.seam_tokens == 0
-    restored = engine.prefill(req(segs, exact_prefix=2)).stats  # the prefix requests' snapshot holds every document
-    assert restored.exact_tokens == sum(LENGTHS[:-1]) and restored.fresh_tokens == LENGTHS[-1]
-    engine.prefill(req(segs, exact_prefix=2, exact_runs=False))  # the chunks' entries (never needed above)
-    warm = engine.prefill(req(segs, exact_prefix=2, exact_runs=False)).stats
+    warm = engine.prefill(req(segs, exact_prefix=2)).stats
     assert warm.exact_tokens == LENGTHS[0] + LENGTHS[1]
     assert warm.composed_tokens == sum(n - 8 for n in LENGTHS[2:-1])  # every chunk body from the cache
     assert warm.seam_tokens == 8 * 3 and warm.fresh_tokens == LENGTHS[-1]
