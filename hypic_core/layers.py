@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .adapters import ModelAdapter
 from .config import Mode
@@ -101,3 +102,8 @@ class LinearLayers:
         for p, (conv, state) in enumerate(rows):
             self.adapter.put_linear_rows(cache, p, conv, state)
 
+
+def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad dim -2 (sequence) of `t` on the left with zeros up to `width` columns."""
+    missing = width - t.shape[-2]
+    return t if missing == 0 else F.pad(t, (0, 0, missing, 0))

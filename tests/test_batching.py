@@ -228,29 +228,3 @@ def test_one_forward_per_sequence_fallback_matches_the_batch(engine):
     assert len(alone.runner.batch) == 0
     for i in batched:
         assert [o.token_id for o in serial[i]] == [o.token_id for o in batched[i]]
-
-
-def test_decode_steps_joins_and_leaves_keep_the_buffers_in_place():
-    """With room reserved, steps write K/V in place, a join copies only its own rows in and a leave
-    moves one row: the buffers are never reallocated or re-concatenated (and the logits still match,
-    test_batched_decode_equals_one_at_a_time)."""
-    engine = Engine(tiny_model("qwen3_5"), config=EngineConfig(seam=3))
-    batch = engine.runner.batch
-    seqs = prefilled(engine)
-    with torch.inference_mode():
-        batch.sync([0, 1, 2], {i: seqs[i][0] for i in range(3)})
-        batch.reserve(8, 256)
-        ptrs = [t.data_ptr() for t in (*batch._k, *batch._v)]
-        pos = {i: seqs[i][1] for i in range(6)}
-        for step in range(4):
-            if step == 1:
-                batch.sync([0, 1, 2, 3, 4], {i: seqs[i][0] for i in (3, 4)})
-            if step == 2:
-                batch.sync([0, 2, 3, 4], {})
-            batch.forward([1] * len(batch), [pos[k] for k in batch.keys])
-            for k in batch.keys:
-                pos[k] += 1
-        assert [t.data_ptr() for t in (*batch._k, *batch._v)] == ptrs and batch.capacity == (8, 256)
-        assert sorted(batch.keys) == [0, 2, 3, 4] and batch.lengths == [pos[k] for k in batch.keys]
-        batch.sync([], {})
-        assert batch.capacity == (0, 0)  # nothing running: nothing held
