@@ -2,11 +2,13 @@
 policy that widens the seam or falls back to exact reuse when agreement drops.
 
 A sampled request is queued (bounded; a full queue drops its oldest check) once admitted. The
-worker's engine thread runs one queued check at a time, and only while the engine holds no
-request: it prefills the request's segments with `full` and with each approximate
-configuration under watch, and compares the first-token distributions (KL(full || served),
-top-1 agreement); a sampled share of checks also compares the first `greedy_tokens` greedy
-tokens. Results go into a rolling window per (mode, seam).
+worker's engine thread starts one queued check at a time, and only while the engine holds no
+request: a check is requests like any other, at the lowest priority, stepped by the same
+`Engine.step()` as served ones: the request's segments in `full` and in each approximate
+configuration under watch, greedy, keeping their first-token logits. It compares the
+first-token distributions (KL(full || served), top-1 agreement); a sampled share of checks
+also compares the first `greedy_tokens` greedy tokens. Results go into a rolling window per
+(mode, seam). A request that arrives while a check runs shares its steps (no second model path).
 
 `GuardPolicy` (pure: results in, decisions out) watches the configured default (the "base"):
 when its rolling top-1 agreement over at least `min_checks` checks falls below
@@ -29,16 +31,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from hypic_core.config import GenerationRequest, Mode
-from hypic_core.engine import Engine, PrefillResult
+from hypic_core.config import GenerationRequest, Mode, SamplingParams
+from hypic_core.engine import Engine
 from hypic_core.errors import InvalidRequestError
+from hypic_core.sequence import StepOutput
 
 log = logging.getLogger("hypic.guard")
 
 EXACT_MODES = frozenset({Mode.FULL, Mode.PREFIX})
+CHECK_PRIORITY = 1 << 20  # after every served request (priority 0) when the engine schedules by priority
 _KL_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 
@@ -241,42 +244,58 @@ class ShadowCheck:
     exact_prefix: int = 0  # leading segments the served request reused exactly (checked as served)
 
 
-def run_check(engine: Engine, check: ShadowCheck, greedy_tokens: int) -> list[CheckResult]:
-    """Compare each of `check.choices` with full prefill of the same segments (engine thread only,
-    between steps: `Engine.prefill` runs outside the scheduler). Mutates only the caches: the
-    served configuration's entries are usually there already; others are computed and stored."""
-    full = engine.prefill(GenerationRequest(check.segments, Mode.FULL))
-    reference = full.logits.log_softmax(-1)
-    full_tokens = _greedy_tokens(engine, full, greedy_tokens) if check.greedy else None
+def check_requests(check: ShadowCheck, greedy_tokens: int) -> list[GenerationRequest]:
+    """A check as requests: `full` first, then one per configuration in `check.choices`; greedy, the
+    first-token logits kept, `greedy_tokens` tokens (to the first EOS, inclusive) when the check
+    compares them. exact_runs=False: the check judges composition, so a run the served request may
+    have reused exactly (a repeat) is composed here, and the check records no sighting of it."""
+    sampling = SamplingParams(max_tokens=greedy_tokens if check.greedy else 1)
+    full = GenerationRequest(check.segments, Mode.FULL, sampling=sampling, keep_logits=True, priority=CHECK_PRIORITY)
+    return [full] + [GenerationRequest(check.segments, c.mode, c.seam, sampling, exact_prefix=check.exact_prefix,
+                                       exact_runs=False, keep_logits=True, priority=CHECK_PRIORITY)
+                     for c in check.choices]
+
+
+def compare(check: ShadowCheck, outputs: list[list[StepOutput]]) -> list[CheckResult]:
+    """Each configuration's outputs against full prefill's (`outputs` in `check_requests` order).
+    Raises RuntimeError when a request of the check failed."""
+    for outs in outputs:
+        if not outs or outs[-1].finish_reason == "error" or outs[0].logits is None:
+            error = outs[-1].error if outs else None
+            raise RuntimeError(f"a shadow-check request failed: {error!r}") from error
+    full, *served = outputs
+    reference = full[0].logits.log_softmax(-1)
+    full_tokens = [o.token_id for o in full if o.token_id is not None]
     results = []
-    for choice in check.choices:
-        served = engine.prefill(GenerationRequest(check.segments, choice.mode, choice.seam, exact_prefix=check.exact_prefix))
-        logq = served.logits.log_softmax(-1)
+    for choice, outs in zip(check.choices, served):
+        logits = outs[0].logits
+        logq = logits.log_softmax(-1)
         kl = max(0.0, float((reference.exp() * (reference - logq)).sum()))
-        top1 = int(served.logits.argmax()) == int(full.logits.argmax())
-        greedy = _greedy_tokens(engine, served, greedy_tokens) == full_tokens if check.greedy else None
+        top1 = int(logits.argmax()) == int(full[0].logits.argmax())
+        greedy = [o.token_id for o in outs if o.token_id is not None] == full_tokens if check.greedy else None
         results.append(CheckResult(choice, kl, top1, greedy))
     return results
 
 
-def _greedy_tokens(engine: Engine, prefilled: PrefillResult, n: int) -> list[int]:
-    """Up to `n` greedy tokens decoded from `prefilled` (to the first EOS, inclusive).
+def run_check(engine: Engine, check: ShadowCheck, greedy_tokens: int) -> list[CheckResult]:
+    """Run `check` at once through `engine.step()` (tests, benchmarks; the gateway's checks go through
+    the worker's step loop instead). Call only while no other caller steps the engine."""
+    seqs = [engine.add_request(r, collect=True) for r in check_requests(check, greedy_tokens)]
+    outputs: list[list[StepOutput]] = [[] for _ in seqs]
+    while not all(s.finished for s in seqs):
+        engine.step()
+    for outs, seq in zip(outputs, seqs):
+        outs.extend(seq.outbox)
+    return compare(check, outputs)
 
-    Decodes on the check's own cache through the runner rather than `Engine.generate`: that
-    steps every sequence in the engine, and the outputs of a request admitted while the check
-    runs would be consumed here instead of reaching its client.
-    """
-    logits, position, tokens = prefilled.logits, prefilled.position, []
-    limit = min(n, engine.max_positions - position)
-    with torch.inference_mode():
-        while len(tokens) < limit:
-            token = int(logits.argmax())
-            tokens.append(token)
-            if token in engine.eos_ids or len(tokens) == limit:
-                break
-            logits = engine.runner.forward([token], position, prefilled.cache, logits=True)
-            position += 1
-    return tokens
+
+class _InFlight:
+    """A check whose requests the worker's step loop is running."""
+
+    def __init__(self, check: ShadowCheck, n: int) -> None:
+        self.check = check
+        self.outputs: list[list[StepOutput]] = [[] for _ in range(n)]
+        self.left = n
 
 
 class _GuardMetrics:
@@ -318,11 +337,14 @@ class Guard:
     `offer` and `health` run on the event loop, `pending` and `run_one` on the engine thread.
 
     `wake` is called (without the guard's lock) after a check is queued, so an idle engine
-    thread looks again.
+    thread looks again. `submit(request, deliver)` hands a check's request to the step loop
+    (the worker's `submit_internal`), which calls `deliver(output)` on the engine thread for each
+    of its outputs; without it `run_one` runs the check at once (`run_check`).
     """
 
     def __init__(self, config: GuardConfig, engine: Engine, model: str, base: Choice, registry: CollectorRegistry,
-                 wake: Callable[[], None] = lambda: None, rng: random.Random | None = None) -> None:
+                 wake: Callable[[], None] = lambda: None, rng: random.Random | None = None,
+                 submit: Callable[[GenerationRequest, Callable[[StepOutput], None]], object] | None = None) -> None:
         self.config = config
         self.engine = engine
         self.model = model
@@ -331,16 +353,18 @@ class Guard:
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._queue: deque[ShadowCheck] = deque()
+        self._submit = submit
+        self._in_flight: _InFlight | None = None
         self._checks = self._dropped = self._errors = 0
         self._metrics = _GuardMetrics(registry, model)
         self._metrics.serving(self.policy.state, base)
 
     @classmethod
     def for_engine(cls, settings, engine: Engine, model: str, registry: CollectorRegistry,
-                   wake: Callable[[], None] = lambda: None) -> "Guard":
+                   wake: Callable[[], None] = lambda: None, submit=None) -> "Guard":
         """A guard over `settings.default_mode` at the engine's seam (what a request naming neither gets)."""
         base = Choice(Mode.parse(settings.default_mode), engine.config.seam)
-        return cls(GuardConfig.from_settings(settings), engine, model, base, registry, wake)
+        return cls(GuardConfig.from_settings(settings), engine, model, base, registry, wake, submit=submit)
 
     # --- event loop ----------------------------------------------------------------------
     def serving(self) -> Choice:
@@ -390,24 +414,61 @@ class Guard:
 
     # --- engine thread -------------------------------------------------------------------
     def pending(self) -> bool:
+        """Whether a queued check can start (one runs at a time)."""
         with self._lock:
-            return bool(self._queue)
+            return bool(self._queue) and self._in_flight is None
 
     def run_one(self) -> None:
-        """Run the oldest queued check (call only while the engine holds no request)."""
+        """Start the oldest queued check (call only while the engine holds no request): its requests go
+        to the step loop, and the results are recorded as its last output arrives."""
         with self._lock:
-            if not self._queue:
+            if not self._queue or self._in_flight is not None:
                 return
             check = self._queue.popleft()
             self._metrics.pending.set(len(self._queue))
+        if self._submit is None:
+            try:
+                results = run_check(self.engine, check, self.config.greedy_tokens)
+            except Exception:
+                return self._failed()
+            return self._record(results)
+        requests = check_requests(check, self.config.greedy_tokens)
+        flight = _InFlight(check, len(requests))
+        with self._lock:
+            self._in_flight = flight
         try:
-            results = run_check(self.engine, check, self.config.greedy_tokens)
+            for i, request in enumerate(requests):
+                self._submit(request, lambda out, i=i: self._deliver(flight, i, out))
         except Exception:
-            log.exception("shadow check failed", extra={"model": self.model})
             with self._lock:
-                self._errors += 1
-            self._metrics.errors.inc()
+                self._in_flight = None
+            self._failed()
+
+    def _deliver(self, flight: _InFlight, i: int, out: StepOutput) -> None:
+        """One output of a check's request (engine thread)."""
+        flight.outputs[i].append(out)
+        if out.finish_reason is None:
             return
+        flight.left -= 1
+        if flight.left:
+            return
+        with self._lock:
+            self._in_flight = None
+        try:
+            results = compare(flight.check, flight.outputs)
+        except Exception:
+            self._failed()
+        else:
+            self._record(results)
+        self._wake()  # the next queued check may start
+
+    def _failed(self) -> None:
+        log.exception("shadow check failed", extra={"model": self.model})
+        with self._lock:
+            self._errors += 1
+        self._metrics.errors.inc()
+
+    def _record(self, results: list[CheckResult]) -> None:
         with self._lock:
             self._checks += 1
             for result in results:
@@ -423,4 +484,3 @@ class Guard:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
-

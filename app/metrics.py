@@ -106,6 +106,16 @@ class _StoreCollector:
                        stats.tier_misses)
         yield _by_tier(CounterMetricFamily, "hypic_cache_load_seconds", "Time spent serving hits, by tier.", stats.load_seconds)
         yield CounterMetricFamily("hypic_cache_misses", "Segment-store lookups no tier answered.", value=stats.misses)
+        stored = stats.tiers
+        yield _by_tier(CounterMetricFamily, "hypic_cache_tier_writes", "Values written by each stored tier.",
+                       {t: s.writes for t, s in stored.items()})
+        yield _by_tier(CounterMetricFamily, "hypic_cache_tier_dropped_writes", "Stored-tier writes skipped (queue full, "
+                       "tier down or the write failed).", {t: s.dropped_writes for t, s in stored.items()})
+        yield _by_tier(CounterMetricFamily, "hypic_cache_tier_errors", "Stored-tier I/O or network failures.",
+                       {t: s.errors for t, s in stored.items()})
+        yield _by_tier(GaugeMetricFamily, "hypic_cache_tier_connected", "1 while a networked tier reaches its server, "
+                       "0 while it is skipped.", {t: int(s.connected) for t, s in stored.items() if s.connected is not None})
+        # The per-tier series above supersede these (kept for existing dashboards).
         yield CounterMetricFamily("hypic_cache_dropped_writes", "Disk writes skipped (queue full or I/O error).", value=stats.dropped_writes)
         yield CounterMetricFamily("hypic_cache_disk_errors", "Disk-tier I/O failures.", value=stats.disk_errors)
         yield CounterMetricFamily("hypic_cache_disk_damaged", "Disk-tier directories found damaged at startup, moved aside "

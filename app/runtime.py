@@ -39,7 +39,7 @@ EngineSource = Union[Engine, Callable[[], Engine], None]
 IndexSource = Union[VectorIndex, Callable[[], VectorIndex], None]
 
 
-def build_store(settings: Settings) -> SegmentStore:
+def store_from_settings(settings: Settings) -> SegmentStore:
     """A hot tier on the model's device (GPU), host memory, a disk tier in `cache_dir` when set, and
     a Redis tier shared with other gateways when `redis_url` is set."""
     redis_url = settings.redis_url.get_secret_value() if settings.redis_url is not None else None
@@ -53,10 +53,10 @@ def build_store(settings: Settings) -> SegmentStore:
 def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engine:
     """`settings.model` (resolved here unless given) with the configured seam, mode, budgets, dtype and store."""
     model = model or resolve_model(settings.model, settings.models_dir)
-    config = EngineConfig(seam=settings.seam, default_mode=settings.default_mode,
-                          memory_budget_bytes=settings.cache_memory_bytes, prefix_budget_bytes=settings.prefix_cache_bytes,
-                          model_id=settings.served_model_name)
-    return Engine.from_pretrained(model.path, config, build_store(settings), dtype=settings.dtype, device=settings.device,
+    config = EngineConfig(seam=settings.seam, memory_budget_bytes=settings.cache_memory_bytes,
+                          prefix_budget_bytes=settings.prefix_cache_bytes, exact_repeats=settings.exact_repeats,
+                          scheduling=settings.scheduling)
+    return Engine.from_pretrained(model.path, config, store_from_settings(settings), dtype=settings.dtype, device=settings.device,
                                   model_id=settings.served_model_name, prefill_workers=settings.prefill_workers,
                                   prefill_backend=settings.prefill_backend, prefill_threads=settings.prefill_worker_threads,
                                   ray_address=settings.ray_address, prefill_split_tokens=settings.prefill_split_tokens)
@@ -172,7 +172,8 @@ class Runtime:
                 self.model_name = self.settings.model_name or engine.model_id
                 self.metrics.model_name = self.model_name
             self.metrics.watch_store(engine.store)
-            self.guard = Guard.for_engine(self.settings, engine, self.model_name, self.metrics.registry, wake=self.worker.wake)
+            self.guard = Guard.for_engine(self.settings, engine, self.model_name, self.metrics.registry, wake=self.worker.wake,
+                                          submit=lambda request, deliver: self.worker.submit_internal(engine, request, deliver))
             self.worker.run_when_idle(self.guard)
             self._ready.set()
             log.info("ready", extra={"model": self.model_name, "chunks": len(index), "seconds": round(time.perf_counter() - started, 3)})

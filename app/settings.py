@@ -71,7 +71,13 @@ class Settings(BaseSettings):
     cache_disk_bytes: int = Field(16 << 30, ge=0)
     cache_storage_dtype: str = Field("auto", description="Disk-tier entries: auto (as computed: K/V in the model's dtype, "
                                      "T and E fp32) or bf16 (narrowed); fp32, a former name of auto, is still read.")
-    prefix_cache_bytes: int = Field(512 << 20, ge=0)
+    prefix_cache_bytes: int = Field(512 << 20, ge=0, description="Exact snapshots of leading segment runs (system "
+                                    "prompt, earlier turns, repeated documents, prefix mode).")
+    exact_repeats: bool = Field(True, description="Documents an earlier request had in the same order (after the system "
+                                "prompt) are computed exactly once and then reused exactly (counted in cached_tokens); "
+                                "false: they always compose.")
+    scheduling: Literal["fcfs", "priority"] = Field("fcfs", description="Order in which waiting requests are admitted: "
+                                                    "fcfs (arrival) or priority (a request's priority, then arrival).")
     prefill_workers: int = Field(0, ge=0, description="Model replicas computing cold chunks' cache entries in parallel "
                                  "(each loads the model); 0: the engine computes them itself.")
     prefill_backend: Literal["processes", "ray"] = Field("processes", description="Where prefill workers run: local "

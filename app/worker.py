@@ -10,9 +10,11 @@ batching and chunked prefill all live in the engine (hypic_core/scheduler.py).
 Closing a stream early (client disconnect, cancelled task) fires its `AbortHandle`: the engine
 drops the request at its next step and frees its slot.
 
-Idle work (`run_when_idle`, the accuracy guard's shadow checks) runs on the engine thread one
-task at a time, only while no request is admitted and the engine has nothing unfinished; a
-request admitted meanwhile waits for that one task at most.
+Idle work (`run_when_idle`, the accuracy guard) starts on the engine thread only while no
+request is admitted and the engine has nothing unfinished. The guard's shadow checks are
+requests too (`submit_internal`: not counted against `capacity`, their outputs handed to a
+callback on the engine thread), stepped by the same loop, so a request admitted while one runs
+shares its steps.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from hypic_core.config import GenerationRequest
 from hypic_core.engine import Engine
@@ -150,6 +152,7 @@ class Worker:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._routes: dict[str, _Route] = {}
+        self._internal: dict[str, tuple[AbortHandle, Callable[[StepOutput], None]]] = {}  # shadow checks
         self._engine: Engine | None = None
         self._idle: IdleTask | None = None
         self._closed = False
@@ -185,6 +188,16 @@ class Worker:
             self._wake.notify()
         return stream
 
+    def submit_internal(self, engine: Engine, request: GenerationRequest, deliver: Callable[[StepOutput], None]) -> None:
+        """Add `request` for the gateway itself (the guard's checks): stepped like any other, outside
+        `capacity`; `deliver(output)` is called on the engine thread for each of its outputs."""
+        abort = AbortHandle()
+        with self._lock:
+            seq = engine.add_request(request, abort=abort)
+            self._engine = engine
+            self._internal[seq.request_id] = (abort, deliver)
+            self._wake.notify()
+
     def run_when_idle(self, task: IdleTask) -> None:
         """Run `task` whenever the engine is idle (see the module docstring); replaces any earlier one."""
         with self._lock:
@@ -202,6 +215,8 @@ class Worker:
             self._closed = True
             for r in self._routes.values():
                 r.stream.abort.abort()
+            for abort, _ in self._internal.values():
+                abort.abort()
             self._wake.notify()
         self._thread.join(timeout=10)
 
@@ -209,11 +224,11 @@ class Worker:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and not self._routes and not self._idle_work():
+                while not self._closed and not self._routes and not self._internal and not self._idle_work():
                     self._wake.wait()
-                if self._closed and not self._routes:
+                if self._closed and not self._routes and not self._internal:
                     return
-                engine, idle = self._engine, None if self._routes else self._idle
+                engine, idle = self._engine, None if self._routes or self._internal else self._idle
             if idle is not None:  # one task, then look again: a request may have arrived meanwhile
                 try:
                     idle.run_one()
@@ -228,13 +243,24 @@ class Worker:
                 outputs = []
                 with self._lock:
                     failed = list(self._routes)
+                    internal = list(self._internal)
                 for rid in failed:
                     self._end(rid, outbox, error=RuntimeError("engine step failed"))
+                outputs = [StepOutput(rid, 0, None, "", finish_reason="error", error=RuntimeError("engine step failed"))
+                           for rid in internal]
             for out in outputs:
                 with self._lock:
                     route = self._routes.get(out.request_id)
+                    internal = self._internal.get(out.request_id) if route is None else None
+                    if internal is not None and out.finish_reason is not None:
+                        del self._internal[out.request_id]
                 if route is not None:
                     route.context.run(self._deliver, route, out, outbox)
+                elif internal is not None:
+                    try:
+                        internal[1](out)
+                    except Exception:
+                        log.exception("internal request's output handler failed")
             outbox.flush()
             with self._lock:
                 self._publish()
@@ -242,7 +268,8 @@ class Worker:
     def _idle_work(self) -> bool:
         """Whether an idle task is waiting and the engine is idle (call under `_lock`)."""
         engine = self._engine
-        return self._idle is not None and (engine is None or not engine.has_unfinished()) and self._idle.pending()
+        return (self._idle is not None and not self._internal and (engine is None or not engine.has_unfinished())
+                and self._idle.pending())
 
     def _deliver(self, route: _Route, out: StepOutput, outbox: _Outbox) -> None:
         stream, now = route.stream, time.perf_counter()

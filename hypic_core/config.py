@@ -91,20 +91,26 @@ class SamplingParams:
 class EngineConfig:
     """Engine-wide settings.
 
-    memory_budget_bytes bounds the in-memory segment store; prefix_budget_bytes bounds the
-    snapshots kept for `prefix` mode; max_running, max_step_tokens and running_budget_bytes
-    bound the scheduler (hypic_core/scheduler.py).
+    memory_budget_bytes bounds the in-memory segment store (when the engine builds it);
+    prefix_budget_bytes bounds the exact snapshots of leading segment runs (hypic_core/prefix_cache.py);
+    max_running, max_step_tokens and running_budget_bytes bound the scheduler (hypic_core/scheduler.py).
+    exact_repeats (pic modes): past `GenerationRequest.exact_prefix`, restore the longest run of
+    leading context segments an exact snapshot holds (a `prefix`-mode request's context, an earlier
+    repeat), and compute exactly (in context) and snapshot a run an earlier request had in the same
+    order, so a repeat equals full prefill there from its second sighting on. The gateway turns it
+    on; off (the default here), only the exact prefix is exact and the same request always gets the
+    same answer whatever the cache holds, as benchmarks comparing modes on one engine need.
     """
 
     seam: int = DEFAULT_SEAM
-    default_mode: Mode = Mode.HYPIC
     memory_budget_bytes: int = 2 << 30
     prefix_budget_bytes: int = 512 << 20
     max_cold_batch_tokens: int = 16384
-    model_id: str = "model"
     max_running: int = 8  # sequences prefilling or decoding at once (one batched decode forward)
     max_step_tokens: int = 512  # model tokens per engine step: decode tokens + a chunk of prefill
     running_budget_bytes: int = 4 << 30  # attention K/V + linear state of the running sequences
+    exact_repeats: bool = False
+    scheduling: str = "fcfs"  # the waiting queue's policy: "fcfs" or "priority" (hypic_core/request_queue.py)
 
     def __post_init__(self) -> None:
         if self.seam < 0:
@@ -114,7 +120,8 @@ class EngineConfig:
         for name in ("max_cold_batch_tokens", "max_running", "max_step_tokens", "running_budget_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(name, f"must be >= 1, got {getattr(self, name)}")
-        object.__setattr__(self, "default_mode", Mode.parse(self.default_mode))
+        if self.scheduling not in ("fcfs", "priority"):
+            raise InvalidRequestError("scheduling", f"must be 'fcfs' or 'priority', got {self.scheduling!r}")
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,12 @@ class GenerationRequest:
     # hypic / pic-naive: the first `exact_prefix` context segments (system prompt, earlier turns)
     # are computed exactly, or restored from an exact prefix snapshot; only the ones after are stitched.
     exact_prefix: int = 0
+    # pic modes with EngineConfig.exact_repeats: reuse (and make) exact snapshots of longer leading
+    # runs than `exact_prefix`. False: segments after `exact_prefix` always compose (the accuracy
+    # guard measures composition with it).
+    exact_runs: bool = True
+    priority: int = 0  # with EngineConfig.scheduling "priority": lower is admitted first
+    keep_logits: bool = False  # the first output carries the first-token logits (the accuracy guard compares them)
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -145,6 +158,8 @@ class GenerationRequest:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
         if self.seam is not None and self.seam < 0:
             raise InvalidRequestError("seam", f"must be >= 0, got {self.seam}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise InvalidRequestError("priority", f"must be an integer, got {self.priority!r}")
         if not 0 <= self.exact_prefix <= len(self.segments) - 1:
             raise InvalidRequestError("exact_prefix", f"must be in [0, {len(self.segments) - 1}] (the context segments), "
                                                       f"got {self.exact_prefix}")

@@ -1,15 +1,75 @@
 """Incremental detokenization with stop strings, for streaming.
 
 `push(token)` returns the text that is safe to emit now: never half of a multi-byte
-character, never a prefix of a stop string that the next tokens might complete.
+character, never a prefix of a stop string that the next tokens might complete; `flush()` the
+rest; `stopped` is set once a stop string appeared (the text ends before it).
+
+`IncrementalDetokenizer` is the fast path: `tokenizers`' `DecodeStream` decodes each new token
+from a short window of ids, so a token costs the same whatever came before. `StreamDetokenizer`
+is the plain reference it is tested against: it decodes the whole output on every token.
+`detokenizer_for` picks the fast one when the tokenizer has a `tokenizers` backend.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
+
+
+def detokenizer_for(tokenizer, stop: Sequence[str] = ()):
+    """An `IncrementalDetokenizer` when `tokenizer` has a `tokenizers` backend, else a `StreamDetokenizer`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and DecodeStream is not None:
+        return IncrementalDetokenizer(backend, stop)
+    return StreamDetokenizer(tokenizer, stop)
+
+
+class IncrementalDetokenizer:
+    """`push` / `flush` / `stopped` as `StreamDetokenizer`, on a `tokenizers.Tokenizer` (`backend`), with
+    special tokens skipped. Only the text not yet emitted is kept: a stop string cannot start in
+    emitted text, because any suffix that could begin one is held back."""
+
+    def __init__(self, backend, stop: Sequence[str] = ()):
+        self.backend = backend
+        self.stop = tuple(stop)
+        self.stopped = False
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._held = ""  # decoded, not yet emitted
+        self._undecoded: list[int] = []  # ids the stream holds (an incomplete character)
+
+    def push(self, token_id: int) -> str:
+        """Add a token; return newly safe text. Sets `stopped` when a stop string appears."""
+        piece = self._stream.step(self.backend, token_id)
+        if piece is None:
+            self._undecoded.append(token_id)
+        else:
+            self._undecoded = []
+            self._held += piece
+        for s in self.stop:
+            at = self._held.find(s)
+            if at != -1:
+                self.stopped = True
+                out, self._held = self._held[:at], ""
+                return out
+        safe = len(self._held) - _stop_prefix_len(self._held, self.stop)
+        out, self._held = self._held[:safe], self._held[safe:]
+        return out
+
+    def flush(self) -> str:
+        """Everything not yet emitted (call when generation ends); an incomplete character as U+FFFD."""
+        if self._undecoded and not self.stopped:
+            self._held += self.backend.decode(self._undecoded, skip_special_tokens=True)
+        out, self._held, self._undecoded = self._held, "", []
+        return out
+
 
 class StreamDetokenizer:
+    """The reference: decodes every token id so far on each `push`."""
+
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
@@ -45,11 +105,15 @@ class StreamDetokenizer:
         return out
 
     def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+        return _stop_prefix_len(text, self.stop)
+
+
+def _stop_prefix_len(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

@@ -1,20 +1,20 @@
 """The engine: requests in, a stream of `StepOutput`s out, one `step()` at a time.
 
 `add_request` validates a request once and queues it as a `Sequence`; `step()` is
-schedule -> run -> postprocess:
+schedule -> execute -> update:
 
-1. The scheduler picks this step's work: one decode token for every running sequence, and a
-   token budget of prefill work for sequences being admitted or part-way through their prefill.
-2. Prefill work runs by mode (docs/architecture.md): `full` is one forward over the prompt;
-   `prefix` restores the longest exact snapshot and runs the rest; `pic-naive` / `hypic` look
-   up every context segment's canonical entry, compute the misses (of every request in the
-   step together, a segment shared by several requests once), then stitch the seam heads and
-   the question. Every part is cut to the budget, so a long cold prompt spreads over steps.
-   With a prefill pool (hypic_core/workers) the misses are computed whole on its workers
-   instead, while the steps go on; a sequence stitches once all of its entries are back.
-3. All running sequences advance in ONE batched decode forward (`DecodeBatch`).
-4. Postprocess samples, detokenizes, applies EOS / stop strings / length limits, and emits one
-   `StepOutput` per sequence that produced a token or ended.
+1. **schedule** (hypic_core/scheduler.py): one decode token for every running sequence, and a
+   token budget of prefill work for sequences part-way through their prefill, then for waiting
+   ones it admits (the scheduler asks the context-cache manager, hypic_core/context_cache.py, to
+   lay out each one's prefill with the strategy of its mode, hypic_core/prefill.py).
+2. **execute**: the step's model work. Missing canonical entries of every sequence in the step
+   are computed together (a segment several sequences need, once); with a prefill pool
+   (hypic_core/workers) on its workers instead, while the steps go on. Then each sequence's
+   runs (an exact run of leading segments, the whole prompt in `full`) and stitch, cut to its
+   budget, so a long cold prompt spreads over steps; then all running sequences advance in ONE
+   batched decode forward (`DecodeBatch`). It leaves next-token logits per sequence.
+3. **update** (hypic_core/output.py): sample, detokenize, apply EOS / stop strings / length
+   limits; one `StepOutput` per sequence that produced a token or ended; finished ones leave.
 
 One thread should drive `step()` (the gateway's worker does); `generate()` drives it for a
 caller that has no such thread, and several callers may use it at once. Model calls are
@@ -27,7 +27,6 @@ import dataclasses
 import hashlib
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -35,16 +34,16 @@ from typing import Iterator, NamedTuple
 import torch
 
 from .adapters import adapter_for
-from .config import EngineConfig, GenerationRequest, Mode
-from .detokenizer import StreamDetokenizer
+from .config import EngineConfig, GenerationRequest
+from .context_cache import ColdWork, ContextCacheManager
 from .entry import SegmentEntry
 from .errors import InvalidRequestError, PromptTooLongError
 from .keys import SegmentKey, model_fingerprint
-from .model_runner import ModelRunner, PartialEntry
-from .prefix_cache import PrefixCache, chain_hashes
-from .sampling import Sampler
-from .scheduler import Scheduler, SchedulerConfig
-from .sequence import AbortHandle, PrefillStats, Sequence, Status, StepOutput
+from .model_runner import ModelRunner
+from .output import OutputProcessor
+from .prefix_cache import PrefixCache
+from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from .sequence import AbortHandle, PrefillProgress, PrefillStats, Run, Sequence, Status, StepOutput
 from .store import MemorySegmentStore, SegmentStore
 
 __all__ = ["AbortHandle", "Engine", "EntryLookup", "PrefillResult", "PrefillStats", "StepOutput"]
@@ -65,58 +64,12 @@ class PrefillResult:
     stats: PrefillStats
 
 
-@dataclass(eq=False)
-class ColdWork:
-    """A missing canonical entry being computed, shared by every sequence that needs it."""
-
-    key: SegmentKey
-    segment: tuple[int, ...]
-    seam: int
-    holders: int = 0  # plans waiting for it
-    part: PartialEntry | None = None  # set when computed piece by piece
-    entry: SegmentEntry | None = None
-    ticket: int | None = None  # set while a prefill pool computes it
-
-    @property
-    def left(self) -> int:
-        if self.entry is not None:
-            return 0
-        return self.part.left if self.part is not None else len(self.segment)
-
-
 @dataclass
-class Run:
-    """Tokens to run through all layers at positions start.. on the plan's cache."""
+class Executed:
+    """What a step's model work left: next-token logits per sequence, or the error that ended it."""
 
-    ids: tuple[int, ...]
-    start: int
-    boundary: bool = False  # the end of a context segment (`prefix`: snapshot the linear states there)
-    done: int = 0
-
-
-@dataclass(eq=False)
-class PrefillPlan:
-    """A sequence's prefill work in progress (engine thread only)."""
-
-    cache: object
-    entries: list[SegmentEntry | None] = field(default_factory=list)  # pic modes, one per context segment
-    cold: list[tuple[ColdWork, list[int]]] = field(default_factory=list)  # pic modes: (work, entry slots)
-    stitch_pending: bool = False
-    runs: deque[Run] = field(default_factory=deque)
-    # prefix mode
-    chain: list[str] = field(default_factory=list)
-    boundaries: list[int] = field(default_factory=list)
-    linear: list = field(default_factory=list)
-    reused: int = 0  # leading segments restored from a snapshot
-    start: int = 0  # pic modes: where the stitched segments begin (after the exact prefix)
-    logits: torch.Tensor | None = None
-
-    def tokens_left(self, seq: Sequence) -> int:
-        cold = sum(cw.left for cw, _ in self.cold)
-        exact = seq.request.exact_prefix
-        stitch = (sum(min(seq.seam, len(s)) for s in seq.request.context[exact:]) + len(seq.request.question)
-                  if self.stitch_pending else 0)
-        return cold + stitch + sum(len(r.ids) - r.done for r in self.runs)
+    logits: dict[Sequence, torch.Tensor] = field(default_factory=dict)
+    errors: dict[Sequence, BaseException] = field(default_factory=dict)
 
 
 class Engine:
@@ -128,24 +81,34 @@ class Engine:
         self.adapter = adapter_for(model)
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.runner = ModelRunner(model, self.adapter, pad_token_id=pad or 0)
-        self.store = store if store is not None else MemorySegmentStore(self.config.memory_budget_bytes)
-        self.prefix_cache = PrefixCache(self.config.prefix_budget_bytes)
-        self.scheduler = Scheduler(SchedulerConfig(self.config.max_running, self.config.max_step_tokens,
-                                                   self.config.running_budget_bytes))
         self.model_id = model_id
         self.fingerprint = model_fingerprint(model, model_id, tokenizer)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.output = OutputProcessor(tokenizer)
         self.kv_bytes_per_token, self.state_bytes = self._footprint()
-        self._cold: dict[str, ColdWork] = {}
         self._lock = threading.RLock()  # one step (one set of model calls) at a time
         # Parallel cold prefill (hypic_core/workers): cold entries computed by replicas on other
         # processes. None: computed here, in this thread, as part of each step's token budget.
-        self.pool = prefill_pool
+        if prefill_pool is not None and prefill_pool.split_tokens:  # its entries approximate the canonical ones
+            self.fingerprint = hashlib.sha256(f"{self.fingerprint}/split{prefill_pool.split_tokens}".encode()).hexdigest()
+        store = store if store is not None else MemorySegmentStore(self.config.memory_budget_bytes)
+        self.context = ContextCacheManager(self.runner, store, self.config, self.fingerprint)
+        self.scheduler = Scheduler(SchedulerConfig(self.config.max_running, self.config.max_step_tokens,
+                                                   self.config.running_budget_bytes), self.context, self.config.scheduling)
+        self.pool = self.context.pool = prefill_pool
         if prefill_pool is not None:
-            if prefill_pool.split_tokens:  # its entries approximate the canonical ones: never under their keys
-                self.fingerprint = hashlib.sha256(f"{self.fingerprint}/split{prefill_pool.split_tokens}".encode()).hexdigest()
             prefill_pool.bind(self.fingerprint, self.runner)
+
+    @property
+    def store(self) -> SegmentStore:
+        """The segment store of canonical entries (the context-cache manager's)."""
+        return self.context.store
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """The exact snapshots of leading segment runs (the context-cache manager's)."""
+        return self.context.prefix_cache
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, store: SegmentStore | None = None,
@@ -175,7 +138,7 @@ class Engine:
         """Stop the prefill pool's workers, if any (the engine computes cold entries itself afterwards)."""
         if self.pool is not None:
             self.pool.close()
-            self.pool = None
+            self.pool = self.context.pool = None
 
     @property
     def max_positions(self) -> int:
@@ -218,7 +181,7 @@ class Engine:
                 f"{seq.reserved_bytes / 2**20:.1f} MiB of cache; the engine holds at most "
                 f"{self.config.running_budget_bytes / 2**20:.1f} MiB")
         if prefilled is not None:
-            seq.plan = PrefillPlan(prefilled.cache, logits=prefilled.logits)
+            seq.prefill = PrefillProgress(prefilled.cache, logits=prefilled.logits)
             seq.stats, seq.prefill_left = prefilled.stats, 1
         self.scheduler.add(seq)
         return seq
@@ -229,7 +192,7 @@ class Engine:
         seam = self.config.seam if request.seam is None else request.seam
         max_new = min(request.sampling.max_tokens, self.max_positions - request.prompt_tokens)
         reserved = (request.prompt_tokens + max_new) * self.kv_bytes_per_token + self.state_bytes
-        return Sequence(request, seam, Sampler(request.sampling), StreamDetokenizer(self.tokenizer, request.sampling.stop),
+        return Sequence(request, seam, self.output.sampler(request.sampling), self.output.detokenizer(request.sampling.stop),
                         self.eos_ids, max_new, reserved, abort=abort or AbortHandle(), collect=collect)
 
     def set_limits(self, max_running: int, max_step_tokens: int, running_budget_bytes: int) -> None:
@@ -238,6 +201,7 @@ class Engine:
         self.config = dataclasses.replace(self.config, max_running=max_running, max_step_tokens=max_step_tokens,
                                           running_budget_bytes=running_budget_bytes)
         self.scheduler.config = SchedulerConfig(max_running, max_step_tokens, running_budget_bytes)
+        self.context.config = self.config
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -246,14 +210,9 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one step (see the module docstring); return what it produced, in no particular order."""
         with self._lock, torch.inference_mode():
-            sched = self.scheduler.schedule(prepare=self._prepare)
-            outputs = [self._finish(seq, "abort") for seq in sched.aborted]
-            if sched.prefills:
-                outputs += self._run_prefills(sched.prefills, wait=not sched.decodes)
-            if sched.decodes:
-                outputs += self._run_decode(sched.decodes)
-            self.runner.batch.sync([s for s in self.runner.batch.keys if not s.finished], {})
-        return outputs
+            scheduled = self.scheduler.schedule()
+            executed = self._execute(scheduled)
+            return self._update(scheduled, executed)
 
     def generate(self, request: GenerationRequest, abort: AbortHandle | None = None,
                  prefilled: PrefillResult | None = None) -> Iterator[StepOutput]:
@@ -281,16 +240,18 @@ class Engine:
         return [e.token_id for e in self.generate(request) if e.token_id is not None and e.token_id not in self.eos_ids]
 
     def prefill(self, request: GenerationRequest) -> PrefillResult:
-        """Prefill `request` alone, at once, with the same plan code as `step()` (tests, benchmarks)."""
+        """Prefill `request` alone, at once, with the same layout and execution as `step()` (tests, benchmarks)."""
         seq = self._sequence(request)
         with self._lock, torch.inference_mode():
             seq.first_scheduled = seq.arrival
-            self._plan(seq)
-            while seq.plan.logits is None:
+            self.context.plan(seq)
+            if seq.error is not None:
+                raise seq.error
+            while seq.prefill.logits is None:
                 budgets = {seq: 1 << 62}
                 self._run_cold(budgets)
                 self._advance(seq, budgets[seq])
-        return PrefillResult(seq.plan.cache, request.prompt_tokens, seq.plan.logits, seq.stats)
+        return PrefillResult(seq.prefill.cache, request.prompt_tokens, seq.prefill.logits, seq.stats)
 
     def segment_entries(self, segments: tuple[tuple[int, ...], ...], seam: int) -> EntryLookup:
         """Canonical entries for `segments` (misses computed together and stored), with hit flags."""
@@ -307,102 +268,39 @@ class Engine:
                     self.store.insert(k, computed[s])
         return EntryLookup(found, hits)  # type: ignore[arg-type]
 
-    # --- prefill -------------------------------------------------------------------------
-    def _plan(self, seq: Sequence) -> None:
-        """Look up what is cached and lay out the prefill work of `seq`."""
-        request, stats, runner = seq.request, seq.stats, self.runner
-        stats.timings_ms["queue"] = _ms(seq.arrival, seq.first_scheduled)
-        plan = PrefillPlan(runner.new_cache())
-        t = time.perf_counter()
-        if request.mode is Mode.FULL:
-            plan.runs.append(Run(tuple(t for s in request.segments for t in s), 0))
-        elif request.mode is Mode.PREFIX:
-            pos = self._exact_prefix(seq, plan, len(request.context))
-            plan.runs.append(Run(request.question, pos))
-        else:
-            exact = request.exact_prefix
-            plan.start = self._exact_prefix(seq, plan, exact) if exact else 0
-            plan.entries = [None] * len(request.context)
-            wanted: dict[str, tuple[ColdWork, list[int]]] = {}
-            for i, seg in enumerate(request.context):
-                if i < exact:
-                    continue
-                key = SegmentKey.of(self.fingerprint, seq.seam, seg)
-                entry = self.store.lookup(key, seg)
-                if entry is not None:
-                    plan.entries[i] = entry
-                    stats.segment_hits += 1
-                    stats.composed_tokens += entry.body_length
-                    continue
-                stats.segment_misses += 1
-                k = key.to_str()
-                if k not in wanted:
-                    cw = self._cold.get(k)
-                    if cw is None:
-                        cw = self._cold[k] = ColdWork(key, seg, seq.seam)
-                    cw.holders += 1
-                    wanted[k] = (cw, [])
-                wanted[k][1].append(i)
-            plan.cold = list(wanted.values())
-            plan.stitch_pending = True
-            stats.seam_tokens = sum(min(seq.seam, len(s)) for s in request.context[exact:])
-        stats.timings_ms["lookup"] = _ms(t)
-        seq.plan = plan
-        seq.prefill_left = plan.tokens_left(seq)
+    # --- execute -------------------------------------------------------------------------
+    def _execute(self, scheduled: ScheduledStep) -> Executed:
+        """The step's model work: cold entries, prefill runs and stitches within each grant, then one decode forward."""
+        done = Executed()
+        if scheduled.prefills:
+            self._run_prefills(scheduled.prefills, done, wait=not scheduled.decodes)
+        if scheduled.decodes:
+            self._run_decode(scheduled.decodes, done)
+        return done
 
-    def _exact_prefix(self, seq: Sequence, plan: "PrefillPlan", n_exact: int) -> int:
-        """Lay out the first `n_exact` context segments exactly: the longest run of them an exact
-        prefix snapshot holds is restored, the rest become runs (snapshotted at the end). Returns
-        the position after them."""
-        request, stats = seq.request, seq.stats
-        digests = [SegmentKey.of(self.fingerprint, 0, s).tokens for s in request.context[:n_exact]]
-        plan.chain = chain_hashes(digests)
-        snap, n = self.prefix_cache.longest(plan.chain)
-        pos = 0
-        if snap is not None:
-            pos = self.runner.restore_prefix(plan.cache, snap, n)
-            plan.boundaries, plan.linear = list(snap.boundaries[:n]), list(snap.linear[:n])
-            stats.exact_tokens, stats.segment_hits = pos, n
-        plan.reused = n
-        stats.segment_misses += n_exact - n
-        for seg in request.context[n:n_exact]:
-            plan.runs.append(Run(seg, pos, boundary=True))
-            pos += len(seg)
-        return pos
-
-    def _prepare(self, seq: Sequence) -> None:
-        """Plan `seq` as the scheduler admits it (a failure ends it with "error" in this step)."""
-        if seq.plan is not None:
-            return
-        try:
-            self._plan(seq)
-        except Exception as exc:
-            seq.error, seq.prefill_left = exc, 0
-
-    def _run_prefills(self, grants: list[tuple[Sequence, int]], wait: bool = True) -> list[StepOutput]:
+    def _run_prefills(self, grants: list[tuple[Sequence, int]], done: Executed, wait: bool = True) -> None:
         """Spend each granted budget on its sequence's prefill; cold entries of all of them are computed together
         (`wait`: with a prefill pool, block until some arrive when nothing else could advance)."""
-        outputs = []
         budgets: dict[Sequence, int] = {}
         for seq, grant in grants:
             if seq.error is not None:
-                outputs.append(self._finish(seq, "error", seq.error))
+                done.errors[seq] = seq.error
             else:
                 budgets[seq] = grant
         try:
             self._run_cold(budgets, wait)
         except Exception as exc:
-            return outputs + [self._finish(seq, "error", exc) for seq in budgets]
+            done.errors.update(dict.fromkeys(budgets, exc))
+            return
         for seq, budget in budgets.items():
             try:
                 seq.stats.prefill_steps += 1
                 self._advance(seq, budget)
-                seq.prefill_left = seq.plan.tokens_left(seq)
-                if seq.plan.logits is not None:
-                    outputs.append(self._start_decoding(seq))
+                seq.prefill_left = seq.prefill.tokens_left(seq)
+                if seq.prefill.logits is not None:
+                    done.logits[seq] = self._start_decoding(seq)
             except Exception as exc:
-                outputs.append(self._finish(seq, "error", exc))
-        return outputs
+                done.errors[seq] = exc
 
     def _run_cold(self, budgets: dict[Sequence, int], wait: bool = True) -> None:
         """Compute missing entries within the budgets (mutated): whole segments batched together
@@ -414,7 +312,7 @@ class Engine:
         chosen: set[int] = set()
         spent = 0  # prefill tokens given out in this step so far
         for seq, budget in budgets.items():
-            for cw, _ in seq.plan.cold:
+            for cw, _ in seq.prefill.cold:
                 if budget <= 0:
                     break
                 if cw.entry is not None or id(cw) in chosen:
@@ -442,11 +340,11 @@ class Engine:
             entries = self.runner.compute_entries([cw.segment for cw in works], seam, self.config.max_cold_batch_tokens)
             for cw, entry in zip(works, entries):
                 cw.entry = entry
-            holders = {seq for seq in budgets for cw, _ in seq.plan.cold if cw in works}
+            holders = {seq for seq in budgets for cw, _ in seq.prefill.cold if cw in works}
             for seq in holders:
-                seq.stats.computed_tokens += sum(len(cw.segment) for cw, _ in seq.plan.cold if cw in works)
+                seq.stats.computed_tokens += sum(len(cw.segment) for cw, _ in seq.prefill.cold if cw in works)
                 _add_ms(seq.stats, "cold", t)
-        self._hand_over(budgets)
+        self.context.hand_over(budgets)
 
     def _run_cold_pool(self, budgets: dict[Sequence, int], wait: bool) -> None:
         """Cold entries on the prefill pool: every new cold segment of the step's sequences goes to
@@ -456,14 +354,14 @@ class Engine:
         pool = self.pool
         new: dict[int, ColdWork] = {}
         for seq in budgets:
-            for cw, _ in seq.plan.cold:
+            for cw, _ in seq.prefill.cold:
                 if cw.entry is None and cw.ticket is None:
                     new[id(cw)] = cw
         for cw, ticket in zip(new.values(), pool.submit([(cw.segment, cw.seam) for cw in new.values()])):
             cw.ticket = ticket
-        pending = [cw for seq in budgets for cw, _ in seq.plan.cold if cw.entry is None]
+        pending = [cw for seq in budgets for cw, _ in seq.prefill.cold if cw.entry is None]
         t = time.perf_counter()
-        if wait and pending and all(any(cw.entry is None for cw, _ in seq.plan.cold) for seq in budgets):
+        if wait and pending and all(any(cw.entry is None for cw, _ in seq.prefill.cold) for seq in budgets):
             pool.wait_any([cw.ticket for cw in pending])
         else:
             pool.poll()
@@ -472,93 +370,76 @@ class Engine:
             if entry is not None:
                 cw.entry, cw.ticket = entry, None
         for seq in budgets:
-            if seq.plan.cold:
+            if seq.prefill.cold:
                 _add_ms(seq.stats, "cold", t)
-                seq.stats.computed_tokens += sum(len(cw.segment) for cw, _ in seq.plan.cold if cw.entry is not None)
-        self._hand_over(budgets)
-
-    def _hand_over(self, budgets: dict[Sequence, int]) -> None:
-        """Hand finished entries to their plans and the store."""
-        for seq in budgets:
-            still = []
-            for cw, slots in seq.plan.cold:
-                if cw.entry is None:
-                    still.append((cw, slots))
-                    continue
-                for i in slots:
-                    seq.plan.entries[i] = cw.entry
-                if self._cold.pop(cw.key.to_str(), None) is cw:
-                    self.store.insert(cw.key, cw.entry)
-            seq.plan.cold = still
+                seq.stats.computed_tokens += sum(len(cw.segment) for cw, _ in seq.prefill.cold if cw.entry is not None)
+        self.context.hand_over(budgets)
 
     def _advance(self, seq: Sequence, budget: int) -> None:
         """Run up to `budget` tokens of `seq`'s remaining prefill (cold work is done by `_run_cold`):
-        its exact runs (an exact prefix; the whole prompt in `full` / `prefix` mode), then the
-        stitch of the cached segments (pic modes), then what is left of the question."""
-        plan, request, runner, stats = seq.plan, seq.request, self.runner, seq.stats
-        if plan.logits is not None or plan.cold or budget <= 0:
+        its runs (an exact run; the whole prompt in `full`), then the stitch of the cached segments,
+        then what is left of the question."""
+        progress, request, runner, stats = seq.prefill, seq.request, self.runner, seq.stats
+        if progress.logits is not None or progress.cold or budget <= 0:
             return
         budget = self._run_runs(seq, budget)
-        if plan.stitch_pending and not plan.runs and budget > 0:
-            if plan.reused < request.exact_prefix:  # a newly computed exact prefix: keep it for later requests
-                self.prefix_cache.insert(plan.chain, runner.prefix_snapshot(plan.cache, plan.boundaries, plan.linear))
+        if progress.stitch_pending and not progress.runs and budget > 0:
             t = time.perf_counter()
             seams = stats.seam_tokens
             head = max(1, min(len(request.question), budget - seams))
-            context = request.context[request.exact_prefix:]
-            logits = runner.stitch(plan.cache, context, plan.entries[request.exact_prefix:], request.question[:head],
-                                   request.mode, start=plan.start)
-            plan.stitch_pending = False
+            context = request.context[progress.exact:]
+            logits = runner.stitch(progress.cache, context, progress.entries[progress.exact:], request.question[:head],
+                                   request.mode, start=progress.start)
+            progress.stitch_pending = False
             stats.computed_tokens += seams + head
             budget -= seams + head
             start = request.prompt_tokens - len(request.question) + head
             if head < len(request.question):
-                plan.runs.append(Run(request.question[head:], start))
+                progress.runs.append(Run(request.question[head:], start))
             else:
-                plan.logits = logits
+                progress.logits = logits
             _add_ms(stats, "stitch", t)
             self._run_runs(seq, budget)
 
     def _run_runs(self, seq: Sequence, budget: int) -> int:
-        """Run `seq`'s pending runs within `budget`; returns what is left of it. The last run of a
-        prefill (nothing else pending) yields the first-token logits."""
-        plan, request, runner, stats = seq.plan, seq.request, self.runner, seq.stats
-        while plan.runs and budget > 0:
+        """Run `seq`'s pending runs within `budget`; returns what is left of it. The last run of an
+        exact run keeps it (a snapshot); the last run of a prefill yields the first-token logits."""
+        progress, runner, stats = seq.prefill, self.runner, seq.stats
+        while progress.runs and budget > 0:
             t = time.perf_counter()
-            run = plan.runs[0]
+            run = progress.runs[0]
             n = min(budget, len(run.ids) - run.done)
-            last = len(plan.runs) == 1 and run.done + n == len(run.ids) and not plan.stitch_pending
-            logits = runner.forward(run.ids[run.done:run.done + n], run.start + run.done, plan.cache, logits=last)
+            last = len(progress.runs) == 1 and run.done + n == len(run.ids) and not progress.stitch_pending
+            logits = runner.forward(run.ids[run.done:run.done + n], run.start + run.done, progress.cache, logits=last)
             run.done += n
             budget -= n
             stats.computed_tokens += n
             if run.done == len(run.ids):
-                plan.runs.popleft()
+                progress.runs.popleft()
                 if run.boundary:
-                    plan.boundaries.append(run.start + len(run.ids))
-                    plan.linear.append(runner.linear_snapshot(plan.cache))
+                    progress.boundaries.append(run.start + len(run.ids))
+                    progress.linear.append(runner.linear_snapshot(progress.cache))
+                    if progress.snapshot_due and not any(r.boundary for r in progress.runs):
+                        self.context.keep_exact_run(progress)
             if last:
-                plan.logits = logits
-                if request.mode is Mode.PREFIX and plan.reused < len(request.context):
-                    self.prefix_cache.insert(plan.chain, runner.prefix_snapshot(plan.cache, plan.boundaries, plan.linear))
-            _add_ms(stats, "forward" if request.mode is Mode.FULL else "stitch", t)
+                progress.logits = logits
+            _add_ms(stats, progress.timing, t)
         return budget
 
-    def _start_decoding(self, seq: Sequence) -> StepOutput:
-        """Prefill done: sample the first token; the sequence decodes from the next step."""
-        plan = seq.plan
-        seq.cache, seq.logits, seq.position = plan.cache, plan.logits, seq.request.prompt_tokens
-        seq.plan, seq.status, seq.prefill_left = None, Status.RUNNING, 0
+    def _start_decoding(self, seq: Sequence) -> torch.Tensor:
+        """Prefill done: the sequence decodes from the next step; returns its first-token logits."""
+        progress = seq.prefill
+        seq.cache, seq.logits, seq.position = progress.cache, progress.logits, seq.request.prompt_tokens
+        seq.prefill, seq.status, seq.prefill_left = None, Status.RUNNING, 0
         if seq.first_scheduled is not None:
             seq.stats.timings_ms["prefill"] = _ms(seq.first_scheduled)
-        return self._sample(seq, seq.logits)
+        return seq.logits
 
-    # --- decode --------------------------------------------------------------------------
-    def _run_decode(self, seqs: list[Sequence]) -> list[StepOutput]:
-        """Feed every running sequence its last token in one batched forward; sample each."""
+    def _run_decode(self, seqs: list[Sequence], done: Executed) -> None:
+        """Feed every running sequence its last token in one batched forward."""
         live = [s for s in seqs if not s.finished]
         if not live:
-            return []
+            return
         try:
             if self.adapter.supports_batched_decode:
                 batch = self.runner.batch
@@ -571,59 +452,40 @@ class Engine:
                 logits = {s: self.runner.forward([s.output_ids[-1]], s.position, s.cache, logits=True) for s in live}
         except Exception as exc:
             self.runner.batch.sync([], {})
-            return [self._finish(s, "error", exc) for s in live]
-        outputs = []
+            done.errors.update(dict.fromkeys(live, exc))
+            return
         for s in live:
             s.position += 1
-            outputs.append(self._sample(s, logits[s]))
+            done.logits[s] = logits[s]
+
+    # --- update ------------------------------------------------------------------------
+    def _update(self, scheduled: ScheduledStep, executed: Executed) -> list[StepOutput]:
+        """Sample every sequence the step left logits for; end the aborted and the failed ones."""
+        outputs = [self._finish(seq, "abort") for seq in scheduled.aborted]
+        outputs += [self._finish(seq, "error", exc) for seq, exc in executed.errors.items()]
+        outputs += [self._sample(seq, logits) for seq, logits in executed.logits.items()]
+        self.runner.batch.sync([s for s in self.runner.batch.keys if not s.finished], {})
         return outputs
 
-    # --- postprocess ---------------------------------------------------------------------
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        """Pick `seq`'s next token and decide whether it ends here (EOS, stop string, length)."""
-        params = seq.request.sampling
-        history = seq.history if params.repetition_penalty != 1.0 else ()
-        choice = seq.sampler(logits, history, seq.banned_tokens())
-        index = seq.num_generated
-        seq.output_ids.append(choice.token_id)
-        stats = seq.stats if index == 0 else None
-        detok = seq.detokenizer
-        if choice.token_id in seq.eos_ids and not params.ignore_eos:
-            return self._emit(seq, index, choice, detok.flush(), "stop", stats)
-        text = detok.push(choice.token_id)
-        if detok.stopped:
-            return self._emit(seq, index, choice, text, "stop", stats)
-        if seq.num_generated >= seq.max_new_tokens:
-            return self._emit(seq, index, choice, text + detok.flush(), "length", stats)
-        return self._emit(seq, index, choice, text, None, stats)
-
-    def _emit(self, seq: Sequence, index: int, choice, text: str, finish: str | None, stats) -> StepOutput:
-        out = StepOutput(seq.request_id, index, choice.token_id, text, choice.logprob, choice.top_logprobs, finish, stats)
-        if finish is not None:
-            self._release(seq, finish)
-        if seq.collect:
-            seq.outbox.append(out)
-        return out
+        """`seq`'s next token (hypic_core/output.py); a sequence that ends here is released."""
+        return self._emit(seq, self.output.next_token(seq, logits))
 
     def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> StepOutput:
         """End `seq` without a new token ("abort" or "error")."""
-        out = StepOutput(seq.request_id, seq.num_generated, None, seq.detokenizer.flush(), finish_reason=reason,
-                         stats=seq.stats if seq.num_generated == 0 else None, error=error)
-        self._release(seq, reason)
+        return self._emit(seq, self.output.ended(seq, reason, error))
+
+    def _emit(self, seq: Sequence, out: StepOutput) -> StepOutput:
+        if out.finish_reason is not None:
+            self._release(seq, out.finish_reason)
         if seq.collect:
             seq.outbox.append(out)
         return out
 
     def _release(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
-        if seq.plan is not None:
-            for cw, _ in seq.plan.cold:
-                cw.holders -= 1
-                if cw.holders <= 0 and self._cold.get(cw.key.to_str()) is cw:
-                    del self._cold[cw.key.to_str()]
-                    if cw.ticket is not None and self.pool is not None:
-                        self.pool.cancel(cw.ticket)
-        seq.plan = seq.cache = seq.logits = None
+        self.context.release(seq)
+        seq.prefill = seq.cache = seq.logits = None
         self.scheduler.finish(seq)
 
 

@@ -22,7 +22,3 @@ class InvalidRequestError(HypicError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """The assembled prompt (plus requested generation) exceeds the model's context."""
-
-
-class RequestAborted(HypicError):
-    """Raised inside the engine when a request's abort handle fires."""

@@ -1,14 +1,24 @@
-"""Exact prefix reuse (`prefix` mode): what vLLM/SGLang offer for hybrid models.
+"""Exact reuse of runs of leading segments: a trie over segments, each node named by the chained hash
+of its path (vLLM's block hashes, at segment granularity).
 
-A snapshot holds a whole context's attention K/V plus every linear layer's state at each
-segment boundary. A later request reuses the longest run of leading segments it shares
-with a snapshot, exactly; everything after that is recomputed.
+A node stands for the first j segments of a context, in order: `h_j = sha256(h_{j-1} + digest_j)`.
+A snapshot holds a context's attention K/V plus every linear layer's state at each segment
+boundary, computed exactly (plain forwards in context, never composed); every boundary of it
+becomes a node pointing into it. A later request restores the longest run of leading segments
+it shares with a snapshot, exactly: identical to recomputing them.
+
+Nodes are also *seen*: `see(chain)` records that a request had these leading segments in this
+order. The engine computes a run exactly (and snapshots it) when an earlier request already had
+it (`EngineConfig.exact_repeats`), so a run repeated in the same order is reused exactly from
+its second sighting on, and a run seen once (a new order) is composed. Sightings are a bounded
+LRU of hashes (no tensors).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,6 +30,7 @@ from .lru import ByteLRU
 class PrefixMatch(NamedTuple):
     snapshot: "PrefixSnapshot | None"
     segments: int  # leading segments the snapshot covers (0: no match)
+    seen: int = 0  # leading segments an earlier request had in this order (>= segments)
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,7 @@ class PrefixSnapshot:
 
 
 def chain_hashes(segment_digests: list[str]) -> list[str]:
-    """h_j identifies the first j+1 segments in order."""
+    """h_j names the first j+1 segments in order (a path in the trie)."""
     out, h = [], b""
     for d in segment_digests:
         h = hashlib.sha256(h + d.encode()).digest()
@@ -45,27 +56,43 @@ def chain_hashes(segment_digests: list[str]) -> list[str]:
 
 
 class PrefixCache:
-    """A `ByteLRU` of snapshots, indexed by every boundary's chain hash. Thread-safe."""
+    """Snapshots in a `ByteLRU` (`budget_bytes`), every boundary of each indexed by its chain hash,
+    and the sightings of up to `max_seen` paths. Thread-safe."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, max_seen: int = 1 << 16):
         self.budget_bytes = budget_bytes
+        self.max_seen = max_seen
         self._snaps: ByteLRU[int, PrefixSnapshot] = ByteLRU(budget_bytes)
         self._chains: dict[int, list[str]] = {}
-        self._index: dict[str, tuple[int, int]] = {}
+        self._index: dict[str, tuple[int, int]] = {}  # chain hash -> (snapshot id, segments it covers)
+        self._seen: OrderedDict[str, None] = OrderedDict()
         self._next = 0
         self._lock = threading.Lock()
 
     def longest(self, chain: list[str]) -> PrefixMatch:
-        """The snapshot holding the longest matching run of leading segments (`segments` 0: none)."""
+        """The snapshot holding the longest matching run of leading segments (`segments` 0: none),
+        and how many leading segments of `chain` were seen before (not counting this call)."""
         with self._lock:
+            seen = next((j for j in range(len(chain), 0, -1) if chain[j - 1] in self._seen), 0)
             for j in range(len(chain), 0, -1):
                 hit = self._index.get(chain[j - 1])
                 if hit is not None:
                     sid, n = hit
-                    return PrefixMatch(self._snaps.get(sid), n)
-            return PrefixMatch(None, 0)
+                    return PrefixMatch(self._snaps.get(sid), n, max(seen, n))
+            return PrefixMatch(None, 0, seen)
+
+    def see(self, chain: list[str]) -> None:
+        """Record that a request had every leading run of `chain` (the least recently seen are forgotten)."""
+        with self._lock:
+            for h in chain:
+                self._seen[h] = None
+                self._seen.move_to_end(h)
+            while len(self._seen) > self.max_seen:
+                self._seen.popitem(last=False)
 
     def insert(self, chain: list[str], snap: PrefixSnapshot) -> None:
+        """Index `snap` (its boundaries are `chain`'s segments); it may push older snapshots out, or
+        be dropped itself when larger than the budget."""
         with self._lock:
             if snap.nbytes > self.budget_bytes or not chain:
                 return

@@ -1,13 +1,15 @@
 """The scheduler: which sequences prefill and which decode in the next engine step.
 
-It holds the waiting queue and the active set (prefilling + running) and never touches a
-tensor. Each step it hands every running sequence one decode token and gives prefill work a
-token budget (`max_step_tokens` minus the decode tokens), first to sequences already part-way
-through their prefill, then to waiting ones in arrival order. A long prefill therefore runs
+It holds the waiting queue (a policy object: hypic_core/request_queue.py) and the active set
+(prefilling + running) and never touches a tensor. Each step it hands every running sequence
+one decode token and gives prefill work a token budget (`max_step_tokens` minus the decode
+tokens), first to sequences already part-way through their prefill, then to waiting ones in
+the queue's order. As it admits one it asks the context-cache manager to lay out its prefill
+(hypic_core/context_cache.py), which says how many tokens it really has to run. A long prefill therefore runs
 over several steps while the running streams keep producing a token per step (chunked
 prefill). Admission is bounded by a count (`max_running`) and by memory: the bytes of
 attention K/V and linear state each sequence can hold at most (`Sequence.reserved_bytes`)
-must fit in `memory_budget_bytes` together; a sequence that does not fit now waits.
+must fit in `running_budget_bytes` together; a sequence that does not fit now waits.
 
 Thread-safety: `add` and `abort` may be called from any thread; everything else from the
 engine thread.
@@ -15,12 +17,12 @@ engine thread.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
+from .request_queue import queue_for
 from .sequence import Sequence, Status
 
 
@@ -28,12 +30,17 @@ from .sequence import Sequence, Status
 class SchedulerConfig:
     max_running: int = 8  # sequences prefilling or decoding at once
     max_step_tokens: int = 512  # tokens of model work per step (decode tokens + prefill chunk)
-    memory_budget_bytes: int = 4 << 30  # K/V + linear state of the active sequences
+    running_budget_bytes: int = 4 << 30  # K/V + linear state of the active sequences
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_step_tokens", "memory_budget_bytes"):
+        for name in ("max_running", "max_step_tokens", "running_budget_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class ContextCache(Protocol):
+    def plan(self, seq: Sequence) -> None:
+        """Lay out `seq.prefill` and set `seq.prefill_left` (or `seq.error`); never raises."""
 
 
 @dataclass(frozen=True)
@@ -44,27 +51,25 @@ class ScheduledStep:
     prefills: list[tuple[Sequence, int]]  # (sequence, prefill tokens it may run this step)
     decodes: list[Sequence]  # running sequences: one token each
 
-    @property
-    def empty(self) -> bool:
-        return not (self.aborted or self.prefills or self.decodes)
-
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, config: SchedulerConfig | None = None, context_cache: ContextCache | None = None,
+                 policy: str = "fcfs") -> None:
         self.config = config or SchedulerConfig()
-        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.context_cache = context_cache  # None: sequences are admitted as they are (tests)
+        self.waiting = queue_for(policy)
         self.active: list[Sequence] = []  # prefilling or running, in admission order
         self._lock = threading.Lock()  # guards `waiting` (add runs on other threads)
 
     # --- any thread ------------------------------------------------------------------------
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` fits the memory budget on its own (else it would wait forever)."""
-        return seq.reserved_bytes <= self.config.memory_budget_bytes
+        return seq.reserved_bytes <= self.config.running_budget_bytes
 
     def add(self, seq: Sequence) -> None:
         """Queue `seq` (status WAITING) for admission."""
         with self._lock:
-            self.waiting.append(seq)
+            self.waiting.add(seq)
 
     def __len__(self) -> int:
         """Sequences not finished: waiting or active."""
@@ -88,12 +93,11 @@ class Scheduler:
     def reserved_bytes(self) -> int:
         return sum(s.reserved_bytes for s in self.active)
 
-    def schedule(self, prepare: Callable[[Sequence], None] | None = None) -> ScheduledStep:
+    def schedule(self) -> ScheduledStep:
         """Pick this step's work (see the module docstring). Aborted sequences leave every queue.
 
-        `prepare(seq)` is called on each sequence as it is admitted, before its budget is
-        decided: the engine looks up its cached work there, which sets `seq.prefill_left` to
-        the tokens it really has to run (a warm request needs a small part of its prompt).
+        Each sequence admitted is laid out by the context cache before its budget is decided (a
+        warm request needs a small part of its prompt).
         """
         cfg = self.config
         with self._lock:
@@ -110,15 +114,15 @@ class Scheduler:
                     budget -= grant
             reserved = self.reserved_bytes
             while self.waiting and budget > 0 and len(self.active) < cfg.max_running:
-                s = self.waiting[0]
-                if reserved + s.reserved_bytes > cfg.memory_budget_bytes:
-                    break  # first come, first served: later arrivals do not overtake it
-                self.waiting.popleft()
+                s = self.waiting.peek()
+                if reserved + s.reserved_bytes > cfg.running_budget_bytes:
+                    break  # in the queue's order: later ones do not overtake it
+                self.waiting.pop()
                 self.active.append(s)
                 reserved += s.reserved_bytes
                 s.status, s.first_scheduled = Status.PREFILLING, time.perf_counter()
-                if prepare is not None:
-                    prepare(s)
+                if self.context_cache is not None:
+                    self.context_cache.plan(s)
                 grant = min(max(s.prefill_left, 1), budget)
                 prefills.append((s, grant))
                 budget -= grant
@@ -132,5 +136,5 @@ class Scheduler:
     def _remove(self, seq: Sequence) -> None:
         if seq in self.active:
             self.active.remove(seq)
-        elif seq in self.waiting:
+        else:
             self.waiting.remove(seq)

@@ -1,9 +1,10 @@
-"""One request's whole life in the engine: a `Sequence`, and what each engine step says of it.
+"""One request's whole life in the engine: a `Sequence`, its prefill progress, and what each engine step says of it.
 
 A sequence is created by `Engine.add_request` (validated once, there), waits in the scheduler,
-prefills over one or more steps (its `plan` holds the runner's work in progress), joins the
-decode batch, and finishes with a reason. The engine thread owns every field except `abort`,
-which any thread may set; the engine notices it at the start of the next step.
+prefills over one or more steps (its `prefill`, a `PrefillProgress` laid out by the context
+cache manager when the scheduler admits it, holds the work in progress), joins the decode
+batch, and finishes with a reason. The engine thread owns every field except `abort`, which any
+thread may set; the engine notices it at the start of the next step.
 """
 
 from __future__ import annotations
@@ -12,14 +13,19 @@ import enum
 import itertools
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .config import GenerationRequest, Mode
-from .detokenizer import StreamDetokenizer
+from .detokenizer import IncrementalDetokenizer, StreamDetokenizer
+from .entry import SegmentEntry
 from .sampling import Sampler
+
+if TYPE_CHECKING:
+    from .context_cache import ColdWork
 
 _ids = itertools.count()
 
@@ -71,8 +77,57 @@ class PrefillStats:
 
     @property
     def cached_tokens(self) -> int:
+        """Tokens reused exactly (restored from a snapshot): what `usage.cached_tokens` reports."""
+        return self.exact_tokens
+
+    @property
+    def reused_tokens(self) -> int:
         """Tokens whose work came from a cache, exact or composed (not those computed for this request)."""
         return self.exact_tokens + self.composed_tokens
+
+
+@dataclass
+class Run:
+    """Tokens to run through all layers at positions start.. on the sequence's cache."""
+
+    ids: tuple[int, ...]
+    start: int
+    boundary: bool = False  # the end of a context segment in an exact run: snapshot the linear states there
+    done: int = 0
+
+
+@dataclass(eq=False)
+class PrefillProgress:
+    """A sequence's prefill work in progress (engine thread only). What is left, in order: cold
+    entries (`cold`, shared with other sequences), `runs` (an exact run; the whole prompt in
+    `full`), the stitch of the cached segments after the exact run (`stitch_pending`), and the
+    question's runs; the last run leaves the first-token `logits`."""
+
+    cache: Any  # the sequence's own transformers cache
+    entries: list[SegmentEntry | None] = field(default_factory=list)  # stitched: one per context segment
+    cold: list[tuple["ColdWork", list[int]]] = field(default_factory=list)  # (shared work, entry slots it fills)
+    stitch_pending: bool = False
+    runs: deque[Run] = field(default_factory=deque)
+    # the exact run (snapshots: hypic_core/prefix_cache.py)
+    chain: list[str] = field(default_factory=list)  # chained hashes of its segments
+    boundaries: list[int] = field(default_factory=list)
+    linear: list = field(default_factory=list)  # linear states at each boundary
+    reused: int = 0  # leading segments restored from a snapshot
+    exact: int = 0  # leading context segments done exactly (restored or run); the rest are stitched
+    start: int = 0  # where the stitched segments begin (after the exact run)
+    timing: str = "stitch"  # the name runs' time is counted under in `PrefillStats.timings_ms`
+    logits: torch.Tensor | None = None
+
+    def tokens_left(self, seq: "Sequence") -> int:
+        cold = sum(cw.left for cw, _ in self.cold)
+        stitch = (sum(min(seq.seam, len(s)) for s in seq.request.context[self.exact:]) + len(seq.request.question)
+                  if self.stitch_pending else 0)
+        return cold + stitch + sum(len(r.ids) - r.done for r in self.runs)
+
+    @property
+    def snapshot_due(self) -> bool:
+        """Whether the exact run was (partly) computed here and is not yet kept."""
+        return self.reused < self.exact
 
 
 @dataclass(frozen=True)
@@ -82,7 +137,8 @@ class StepOutput:
     `text` is the newly safe text (may be empty). The last output of a sequence has
     `finish_reason` ("stop", "length", "abort" or "error", with `error` set); `token_id` is None
     when the sequence ended without producing a token in that step. The first output of a
-    sequence carries its `stats`.
+    sequence carries its `stats`, and its first-token `logits` (fp32) when the request asked
+    (`keep_logits`).
     """
 
     request_id: str
@@ -94,6 +150,7 @@ class StepOutput:
     finish_reason: str | None = None
     stats: PrefillStats | None = None
     error: BaseException | None = None
+    logits: torch.Tensor | None = None
 
 
 @dataclass(eq=False)  # compared by identity
@@ -103,7 +160,7 @@ class Sequence:
     request: GenerationRequest
     seam: int
     sampler: Sampler
-    detokenizer: StreamDetokenizer
+    detokenizer: IncrementalDetokenizer | StreamDetokenizer
     eos_ids: frozenset[int]
     max_new_tokens: int  # max_tokens, capped by what is left of the model's context
     reserved_bytes: int  # attention K/V + linear state this sequence holds at most (scheduler's memory budget)
@@ -114,13 +171,13 @@ class Sequence:
     first_scheduled: float | None = None
     stats: PrefillStats | None = None
     prefill_left: int = 0  # tokens of prefill work still to run (an upper bound until planned)
-    plan: Any = None  # the engine's prefill work in progress (hypic_core.engine.PrefillPlan)
+    prefill: PrefillProgress | None = None  # set when admitted, cleared when its decoding starts
     cache: Any = None  # the sequence's own cache between prefill and joining the decode batch
     logits: torch.Tensor | None = None  # next-token logits waiting to be sampled
     position: int = 0  # position of the next token fed to the model
     output_ids: list[int] = field(default_factory=list)  # generated tokens, EOS included
     finish_reason: str | None = None
-    error: BaseException | None = None  # why its prefill could not be planned
+    error: BaseException | None = None  # why its prefill could not be laid out
     collect: bool = False  # keep outputs in `outbox` (callers that drive the engine themselves)
     outbox: list[StepOutput] = field(default_factory=list)
 

@@ -9,15 +9,20 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .entry import SegmentEntry
 from .keys import SegmentKey
 from .lru import ByteLRU
 
+if TYPE_CHECKING:
+    from .cache.tier import TierStats
+
 
 @dataclass
 class StoreStats:
-    """Counters for metrics. `hits`, `bytes` and the per-tier maps are keyed by tier name."""
+    """Counters for metrics, keyed by tier name: `hits`, `bytes`, `tier_misses`, `load_seconds` over
+    every tier, and `tiers`, each stored tier's own counters (hypic_core/cache/tier.py `TierStats`)."""
 
     hits: dict[str, int] = field(default_factory=dict)
     misses: int = 0  # lookups no tier answered
@@ -26,12 +31,38 @@ class StoreStats:
     bytes: dict[str, int] = field(default_factory=dict)
     tier_misses: dict[str, int] = field(default_factory=dict)  # lookups that reached a tier and missed there
     load_seconds: dict[str, float] = field(default_factory=dict)  # total time spent serving hits, per tier
-    dropped_writes: int = 0  # disk writes skipped: queue full or I/O failure
-    disk_errors: int = 0  # disk I/O failures (the store kept serving from memory)
-    disk_damaged: int = 0  # disk-tier directories found damaged at open, moved aside and started empty
-    redis_dropped_writes: int = 0  # Redis writes skipped: queue full, server down or the write failed
-    redis_errors: int = 0  # failed Redis calls (the store kept serving from its local tiers)
-    redis_connected: int | None = None  # 1 while the Redis tier reaches its server, 0 while it is down; None: no Redis tier
+    tiers: dict[str, TierStats] = field(default_factory=dict)  # stored tiers (disk, redis, ...)
+
+    # The flat names the gateway's metrics had before the stored tiers were keyed.
+    @property
+    def dropped_writes(self) -> int:
+        return self._of("disk", "dropped_writes")
+
+    @property
+    def disk_errors(self) -> int:
+        return self._of("disk", "errors")
+
+    @property
+    def disk_damaged(self) -> int:
+        return self._of("disk", "damaged")
+
+    @property
+    def redis_dropped_writes(self) -> int:
+        return self._of("redis", "dropped_writes")
+
+    @property
+    def redis_errors(self) -> int:
+        return self._of("redis", "errors")
+
+    @property
+    def redis_connected(self) -> int | None:
+        """1 while the Redis tier reaches its server, 0 while it is down; None: no Redis tier."""
+        t = self.tiers.get("redis")
+        return None if t is None or t.connected is None else int(t.connected)
+
+    def _of(self, tier: str, name: str) -> int:
+        t = self.tiers.get(tier)
+        return 0 if t is None else getattr(t, name)
 
 
 class SegmentStore(ABC):

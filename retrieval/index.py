@@ -171,12 +171,6 @@ class VectorIndex:
             self._refresh()
             return int(self._faiss.ntotal)
 
-    def has_document(self, document_id: str) -> bool:
-        """Whether a document of this id is in the index."""
-        with self._lock:
-            self._refresh()
-            return self._has(document_id)
-
     def _has(self, document_id: str) -> bool:
         return self._db.execute("SELECT 1 FROM documents WHERE document_id = ?", (document_id,)).fetchone() is not None
 

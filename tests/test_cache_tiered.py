@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from hypic_core.cache import DiskTier, MemoryTier, TieredSegmentStore, encode
+from hypic_core.cache import DiskTier, MemoryTier, StoredTier, TieredSegmentStore, TierStats, WriteBehindTier, encode
 from hypic_core.keys import SCHEMA_VERSION, SegmentKey
 from test_cache_serde import MODEL, make_entry
 
@@ -195,3 +195,66 @@ def test_close_finishes_writes_and_keeps_memory_serving(tmp_path):
     reopened = DiskTier(tmp_path / "c", size_limit=1 << 30)
     assert store.disk_key(key_of(e)) in reopened and store.disk_key(key_of(later)) not in reopened
     reopened.close()
+
+
+class DictTier(WriteBehindTier):
+    """A stored tier in a dict: what a new tier is (one class against the protocol)."""
+
+    name = "dict"
+
+    def __init__(self, up: bool = True):
+        self.values: dict[str, bytes] = {}
+        self.up = up
+        self._stats = TierStats(connected=up)
+        self._start_writer(4)
+
+    @property
+    def available(self) -> bool:
+        return self.up
+
+    def get(self, key):
+        return self.values.get(key)
+
+    def put(self, key, value):
+        self.values[key] = value
+        self._stats.writes += 1
+        return True
+
+    def delete(self, key):
+        self.values.pop(key, None)
+
+    def stats(self):
+        return TierStats(sum(map(len, self.values.values())), self._stats.writes, self._stats.dropped_writes,
+                         connected=self.up)
+
+    def _count_dropped(self):
+        self._stats.dropped_writes += 1
+
+
+def test_a_new_stored_tier_is_one_class_and_one_argument(disk):
+    """Stored tiers are asked in order after memory; a later tier's hit is queued into the earlier ones;
+    stats are keyed by tier; a tier that is not available is skipped (no miss counted there)."""
+    assert isinstance(DictTier(), StoredTier) and isinstance(disk, StoredTier)
+    e, other = make_entry(seed=40), make_entry(seed=41)
+    extra = DictTier()
+    writer = TieredSegmentStore("cpu", [MemoryTier("host", "cpu", 0)], stored=[extra])
+    writer.insert(key_of(e), e)
+    writer.flush()
+    assert len(extra.values) == 1 and writer.stats().tiers["dict"].writes == 1
+    store = TieredSegmentStore("cpu", [MemoryTier("host", "cpu", 0)], disk, stored=[extra])
+    assert [t.name for t in store.stored] == ["disk", "dict"] and store.tier("dict") is extra
+    got = store.lookup(key_of(e), e.token_ids)
+    assert got is not None and torch.equal(got.keys[0], e.keys[0])
+    store.flush()
+    s = store.stats()
+    assert s.hits == {"host": 0, "disk": 0, "dict": 1} and s.tier_misses == {"host": 1, "disk": 1, "dict": 0}
+    assert s.tiers["disk"].writes == 1 and s.bytes["dict"] == s.tiers["dict"].bytes > 0  # the hit, now on disk too
+    assert store.lookup(key_of(e), e.token_ids) is not None and store.stats().hits["disk"] == 1
+    extra.up = False
+    assert store.lookup(key_of(other), other.token_ids) is None
+    s = store.stats()
+    assert s.tier_misses["dict"] == 0 and s.misses == 1 and s.tiers["dict"].connected is False
+    store.insert(key_of(other), other)
+    assert store.stats().tiers["dict"].dropped_writes == 1  # a tier that is down drops writes at once
+    store.close()
+    assert store.stored == [] and store.disk is None

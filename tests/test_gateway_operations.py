@@ -286,7 +286,8 @@ def test_loads_model_index_and_disk_cache_from_settings(engine, tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"id": "a", "text": "Varo lies on the Alna."}\n{"id": "b", "text": "Brill was founded by Tam Oke."}\n')
     settings = Settings(_env_file=None, torch_threads=None, model=str(model_dir), index_dir=tmp_path / "index",
-                        corpus_path=corpus, embedder="hashing-64", cache_dir=tmp_path / "cache", seam=2)
+                        corpus_path=corpus, embedder="hashing-64", cache_dir=tmp_path / "cache", seam=2,
+                        exact_repeats=False)  # the repeat composes from the segment cache (not an exact run)
     with LiveServer(create_app(settings)) as live:
         live.wait_ready()
         assert httpx.get(f"{live.url}/ready").json() == {"status": "ready", "model": "model", "chunks": 2}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.detokenizer import StreamDetokenizer
+from hypic_core.detokenizer import IncrementalDetokenizer, StreamDetokenizer, detokenizer_for
 from hypic_core.engine import AbortHandle, Engine
 from hypic_core.entry import SegmentEntry
 from hypic_core.keys import SegmentKey
@@ -60,9 +60,14 @@ def test_max_tokens_and_finish_reason(engine):
     assert len(events) <= 5 and events[-1].finish_reason is not None
 
 
-def test_stop_string_truncates_text(tiny_tokenizer):
+DETOKENIZERS = {"incremental": lambda tok, stop: IncrementalDetokenizer(tok.backend_tokenizer, stop),
+                "reference": StreamDetokenizer}
+
+
+@pytest.mark.parametrize("kind", DETOKENIZERS)
+def test_stop_string_truncates_text(tiny_tokenizer, kind):
     ids = tiny_tokenizer.encode("The river Alna flows through Varo.", add_special_tokens=False)
-    d = StreamDetokenizer(tiny_tokenizer, stop=("flows",))
+    d = DETOKENIZERS[kind](tiny_tokenizer, ("flows",))
     out = ""
     for t in ids:
         out += d.push(t)
@@ -71,12 +76,35 @@ def test_stop_string_truncates_text(tiny_tokenizer):
     assert d.stopped and out == "The river Alna "
 
 
-def test_detokenizer_never_emits_partial_characters(tiny_tokenizer):
+@pytest.mark.parametrize("kind", DETOKENIZERS)
+def test_detokenizer_never_emits_partial_characters(tiny_tokenizer, kind):
     text = "naïve émigrés — café"
     ids = tiny_tokenizer.encode(text, add_special_tokens=False)
-    d = StreamDetokenizer(tiny_tokenizer, stop=("xyz",))
+    d = DETOKENIZERS[kind](tiny_tokenizer, ("xyz",))
     pieces = [d.push(t) for t in ids] + [d.flush()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_incremental_detokenizer_equals_the_reference(tiny_tokenizer, seed):
+    """Random token streams (special tokens, characters split over tokens, invalid UTF-8, stop strings
+    that span tokens): the same text and the same stop, at the same token. (Invalid bytes may come out
+    as U+FFFD a few tokens later than the reference emits them.)"""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, len(tiny_tokenizer), (60,), generator=g).tolist()
+    text = tiny_tokenizer.decode(ids, skip_special_tokens=True)
+    at = int(torch.randint(0, max(1, len(text) - 3), (1,), generator=g))
+    picked = text[at:at + 3]
+    stop = (picked,) if seed % 2 and picked.strip() and "\ufffd" not in picked else ("\u00e9t", "zz")
+    fast, ref = IncrementalDetokenizer(tiny_tokenizer.backend_tokenizer, stop), StreamDetokenizer(tiny_tokenizer, stop)
+    out_fast = out_ref = ""
+    for t in ids:
+        out_fast, out_ref = out_fast + fast.push(t), out_ref + ref.push(t)
+        assert fast.stopped == ref.stopped
+        if ref.stopped:
+            break
+    assert out_fast + fast.flush() == out_ref + ref.flush()
+    assert isinstance(detokenizer_for(tiny_tokenizer), IncrementalDetokenizer)
 
 
 def test_abort_stops_generation(engine):

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from app.guard import (CheckResult, Choice, Guard, GuardConfig, GuardPolicy, GuardState, ShadowCheck, Window,
-                       exact_mode, run_check)
+from app.guard import (CHECK_PRIORITY, CheckResult, Choice, Guard, GuardConfig, GuardPolicy, GuardState, ShadowCheck,
+                       Window, exact_mode, run_check)
 from app.server import create_app
 from app.settings import Settings
 from app.testing import LiveServer, single_torch_thread, tiny_engine
@@ -195,7 +195,7 @@ def serve(engine, root, **overrides) -> LiveServer:
 
 
 class AddSpy:
-    """Wraps `engine.add_request` to keep every served `Sequence` (shadow checks never call it)."""
+    """Wraps `engine.add_request` to keep every served `Sequence` (not the shadow checks' requests)."""
 
     def __init__(self, engine) -> None:
         self.seqs = []
@@ -203,7 +203,8 @@ class AddSpy:
 
     def __call__(self, request, *args, **kwargs):
         seq = self._add(request, *args, **kwargs)
-        self.seqs.append(seq)
+        if request.priority != CHECK_PRIORITY:
+            self.seqs.append(seq)
         return seq
 
 
@@ -322,15 +323,15 @@ def test_checks_never_change_served_answers(endless_engine, tmp_path, monkeypatc
         expected = [complete(live.url, i, max_tokens=8).json()["choices"][0]["text"] for i in range(3)]
         assert guard_health(live.url)["enabled"] is False
     started, release = threading.Event(), threading.Event()
-    prefill = endless_engine.prefill
+    add = endless_engine.add_request
 
-    def slow_prefill(request):  # holds the first check inside the engine thread until released
-        if request.mode is Mode.FULL and not started.is_set():
+    def slow_add(request, *args, **kwargs):  # holds the first check on the engine thread until released
+        if request.priority == CHECK_PRIORITY and not started.is_set():
             started.set()
             release.wait(10)
-        return prefill(request)
+        return add(request, *args, **kwargs)
 
-    monkeypatch.setattr(endless_engine, "prefill", slow_prefill)
+    monkeypatch.setattr(endless_engine, "add_request", slow_add)
     with serve(endless_engine, tmp_path / "on", **INERT) as live:
         live.wait_ready()
         assert complete(live.url, 0, max_tokens=8).json()["choices"][0]["text"] == expected[0]
@@ -346,6 +347,31 @@ def test_checks_never_change_served_answers(endless_engine, tmp_path, monkeypatc
         for i in range(3):
             assert complete(live.url, i, max_tokens=8).json()["choices"][0]["text"] == expected[i]
         assert wait_checks(live.url, 5)["errors"] == 0
+
+
+def test_checks_are_low_priority_requests_through_the_step_loop(endless_engine, tmp_path, monkeypatch):
+    """No second model path: a check is a `full` request and one per configuration, added to the engine
+    at the lowest priority, keeping their first-token logits, and stepped by the worker's loop."""
+    added = []
+    add = endless_engine.add_request
+
+    def spy(request, *args, **kwargs):
+        added.append(request)
+        return add(request, *args, **kwargs)
+
+    def no_prefill(request):
+        raise AssertionError("a check outside the step loop")
+
+    monkeypatch.setattr(endless_engine, "add_request", spy)
+    monkeypatch.setattr(endless_engine, "prefill", no_prefill)
+    with serve(endless_engine, tmp_path, **INERT) as live:
+        live.wait_ready()
+        assert complete(live.url, 0).status_code == 200
+        g = wait_checks(live.url, 1)
+    checks = [r for r in added if r.priority == CHECK_PRIORITY]
+    assert g["checks"] == 1 and g["errors"] == 0
+    assert [r.mode for r in checks] == [Mode.FULL, Mode.HYPIC] and all(r.keep_logits for r in checks)
+    assert not checks[1].exact_runs and checks[0].segments == checks[1].segments == added[0].segments
 
 
 def test_exact_opt_out(endless_engine, tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 
 from app.metrics import Metrics
-from app.runtime import build_store as build_store_from_settings
+from app.runtime import store_from_settings as build_store_from_settings
 from app.settings import Settings
 from app.testing import LiveServer, single_torch_thread
 from conftest import RedisServer, random_segments
@@ -158,6 +158,9 @@ def test_a_hit_from_another_replica_is_exact_promoted_and_exported(server, tiers
     assert 'hypic_cache_hits_total{model_name="m",tier="redis"} 1.0' in text
     assert 'hypic_cache_lookups_total{model_name="m",tier="redis"} 1.0' in text
     assert 'hypic_cache_redis_connected{model_name="m"} 1.0' in text
+    assert 'hypic_cache_tier_connected{model_name="m",tier="redis"} 1.0' in text
+    assert 'hypic_cache_tier_writes_total{model_name="m",tier="disk"} 1.0' in text  # the Redis hit, written locally
+    assert 'hypic_cache_tier_errors_total{model_name="m",tier="redis"} 0.0' in text
     writer.close()
     reader.close()
 

@@ -27,20 +27,41 @@ def test_budget_goes_to_decodes_then_prefills_in_order():
     assert step.decodes == [a] and step.prefills == [(b, 20), (c, 10)]
 
 
-def test_prepare_sets_the_real_work_before_the_grant():
-    s = Scheduler(SchedulerConfig(max_running=4, max_step_tokens=100))
+def test_the_context_cache_lays_out_the_real_work_before_the_grant():
     warm, other = seq(500), seq(40)
+
+    class Context:
+        def plan(self, x):
+            x.prefill_left = 30 if x is warm else x.prefill_left
+
+    s = Scheduler(SchedulerConfig(max_running=4, max_step_tokens=100), Context())
     s.add(warm)
     s.add(other)
+    assert s.schedule().prefills == [(warm, 30), (other, 40)]
 
-    def prepare(x):
-        x.prefill_left = 30 if x is warm else x.prefill_left
 
-    assert s.schedule(prepare).prefills == [(warm, 30), (other, 40)]
+def test_the_priority_policy_admits_lower_priority_values_first_and_keeps_arrival_order_among_equals():
+    def pseq(prompt, priority):
+        return Sequence(GenerationRequest(((1,) * (prompt - 1), (2,)), priority=priority), 0, None, None, frozenset(), 8, 1)
+
+    late, urgent, low, also_urgent = pseq(10, 0), pseq(10, -1), pseq(10, 5), pseq(10, -1)
+    for policy, order in (("priority", [urgent, also_urgent, late, low]), ("fcfs", [late, urgent, low, also_urgent])):
+        s = Scheduler(SchedulerConfig(max_running=1, max_step_tokens=100), policy=policy)
+        for x in (late, urgent, low, also_urgent):
+            x.status = Status.WAITING
+            s.add(x)
+        admitted = []
+        while len(s):
+            (x, _), = s.schedule().prefills
+            admitted.append(x)
+            s.finish(x)
+        assert admitted == order, policy
+    with pytest.raises(ValueError, match="scheduling policy"):
+        Scheduler(policy="lifo")
 
 
 def test_admission_limits_count_and_memory_first_come_first_served():
-    s = Scheduler(SchedulerConfig(max_running=2, max_step_tokens=1000, memory_budget_bytes=100))
+    s = Scheduler(SchedulerConfig(max_running=2, max_step_tokens=1000, running_budget_bytes=100))
     big, small1, small2 = seq(5, reserved=80), seq(5, reserved=30), seq(5, reserved=10)
     for x in (big, small1, small2):
         s.add(x)

@@ -1,5 +1,5 @@
-"""Tiered segment cache: memory tiers (device, host), a disk tier and a shared Redis tier, with checked
-serialization.
+"""Tiered segment cache: memory tiers (device, host) and a list of stored tiers (a disk tier, a shared
+Redis tier) behind one protocol (`tier.py`), with checked serialization.
 
 `build_store` turns settings into a store; the engine only sees the `SegmentStore` interface.
 """
@@ -16,10 +16,12 @@ from .disk import BytesDisk, DiskStats, DiskTier
 from .lru import LRUTier, MemoryTier
 from .redis_tier import RedisStats, RedisTier
 from .serde import STORAGE_DTYPES, CorruptEntry, decode, encode
+from .tier import StoredTier, TierStats, WriteBehindTier
 from .tiered import TieredSegmentStore
 
 __all__ = ["BytesDisk", "CorruptEntry", "DiskStats", "DiskTier", "LRUTier", "MemoryTier", "RedisStats", "RedisTier",
-           "STORAGE_DTYPES", "TieredSegmentStore", "build_store", "decode", "encode", "DISK_MIN_TOKENS"]
+           "STORAGE_DTYPES", "StoredTier", "TierStats", "TieredSegmentStore", "WriteBehindTier", "build_store", "decode",
+           "encode", "DISK_MIN_TOKENS"]
 
 log = logging.getLogger(__name__)
 

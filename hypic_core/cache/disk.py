@@ -5,10 +5,10 @@ on read (CVE-2025-69872: whoever can write the directory can run code in the rea
 `Disk` subclass here refuses to write anything but str keys and bytes values and refuses to
 read anything stored in another mode, so no pickle is ever loaded.
 
-Writes run on one background thread behind a bounded queue: `put_later` never blocks and
-drops the value when the queue is full. Every I/O failure (disk full, read-only directory,
-lock timeout) is counted and logged once per kind; a read failure is a miss, a write
-failure drops that value. Nothing raises into the caller except `CorruptEntry` from `get`,
+Writes run on one background thread behind a bounded queue (`WriteBehindTier`, shared with the
+other stored tiers): `put_later` never blocks and drops the value when the queue is full. Every
+I/O failure (disk full, read-only directory, lock timeout) is counted and logged once per kind;
+a read failure is a miss, a write failure drops that value. Nothing raises into the caller except `CorruptEntry` from `get`,
 which also reports a row whose value file has gone (deleted by hand, lost in a crash) or whose
 value-file name is not a file inside the directory (a NUL byte, `../x`, an absolute path, a
 symbolic link out: `BytesDisk.owns`), so that the row is removed and the value written again.
@@ -39,24 +39,21 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import queue
 import shutil
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import diskcache
 
 from .serde import CorruptEntry
+from .tier import TierStats, WriteBehindTier
 
 log = logging.getLogger(__name__)
 
 _IO_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 CHECK_MAX_BYTES = 1 << 30  # a larger index is not integrity-checked at open (startup time)
-_STOP = object()
 
 
 class _RefusedValue(Exception):
@@ -127,16 +124,10 @@ class BytesDisk(diskcache.Disk):
             return False
 
 
-@dataclass
-class DiskStats:
-    bytes: int = 0  # on-disk volume: values plus the SQLite index
-    writes: int = 0
-    dropped_writes: int = 0  # queue full, or write failed
-    errors: int = 0  # I/O failures (each kind logged once)
-    damaged: int = 0  # 1 when the directory was found damaged at open, moved aside and started empty
+DiskStats = TierStats  # `bytes`: on-disk volume, values plus the SQLite index
 
 
-class DiskTier:
+class DiskTier(WriteBehindTier):
     """A least-recently-used diskcache directory of bytes values under `size_limit` bytes.
 
     A damaged directory is moved aside (`moved_aside` names where) and replaced by an empty
@@ -144,6 +135,8 @@ class DiskTier:
     reasons (OSError, sqlite3.Error; the caller degrades to memory tiers); no other method
     raises an I/O error. Thread-safe; several processes may open the same directory.
     """
+
+    name = "disk"
 
     def __init__(self, directory: str | os.PathLike, size_limit: int, write_queue: int = 64, timeout: float = 2.0):
         self.directory = os.fspath(directory)
@@ -154,12 +147,10 @@ class DiskTier:
             if not _is_damage(e) or not self._move_aside(e):
                 raise
             self._cache = self._open(size_limit, timeout)
-        self._queue: queue.Queue = queue.Queue(maxsize=write_queue)
-        self._stats = DiskStats(damaged=int(self.moved_aside is not None))
+        self._stats = TierStats(damaged=int(self.moved_aside is not None))
         self._lock = threading.Lock()
         self._logged: set[str] = set()
-        self._writer = threading.Thread(target=self._write_loop, name="hypic-disk-writer", daemon=True)
-        self._writer.start()
+        self._start_writer(write_queue)
 
     def _open(self, size_limit: int, timeout: float) -> diskcache.Cache:
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -252,24 +243,6 @@ class DiskTier:
                 self._stats.writes += 1
         return True
 
-    def put_later(self, key: str, make_value: Callable[[], bytes]) -> bool:
-        """Queue a write; `make_value` runs on the writer thread. Never blocks.
-
-        Returns False (and counts a dropped write) when the queue is full. Keys already on
-        disk are skipped without calling `make_value`.
-        """
-        try:
-            self._queue.put_nowait((key, make_value))
-            return True
-        except queue.Full:
-            with self._lock:
-                self._stats.dropped_writes += 1
-            return False
-
-    def flush(self) -> None:
-        """Block until every queued write has been attempted."""
-        self._queue.join()
-
     def delete(self, key: str) -> None:
         """Remove `key` if present; missing keys and I/O failures are ignored (logged once)."""
         try:
@@ -277,32 +250,26 @@ class DiskTier:
         except _IO_ERRORS as e:
             self._failed("delete", e)
 
-    def close(self) -> None:
-        """Finish queued writes, stop the writer thread and close the index. Idempotent."""
-        if self._writer.is_alive():
-            self._queue.put(_STOP)
-            self._writer.join()
+    # --- the writer thread's hooks (WriteBehindTier) ----------------------------------------
+    def _wants(self, key: str) -> bool:
+        return key not in self  # already on disk: `make_value` is never called
+
+    def _on_stop(self) -> None:
+        self._cache.close()  # the writer thread's connection (diskcache keeps one per thread)
+
+    def _close(self) -> None:
         self._cache.close()
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    self._cache.close()  # this thread's connection (diskcache keeps one per thread)
-                    return
-                key, make_value = item
-                if key not in self:
-                    self.put(key, make_value())
-            except Exception as e:  # noqa: BLE001 - the writer thread must outlive any one bad value
-                self._failed("encode", e)
-                with self._lock:
-                    self._stats.dropped_writes += 1
-            finally:
-                self._queue.task_done()
+    def _count_dropped(self) -> None:
+        with self._lock:
+            self._stats.dropped_writes += 1
+
+    def _write_failed(self, key: str, error: BaseException) -> None:
+        self._failed("encode", error)
+        self._count_dropped()
 
     # --- accounting -----------------------------------------------------------------------
-    def stats(self) -> DiskStats:
+    def stats(self) -> TierStats:
         try:
             volume = self._cache.volume() + sum(_size(os.path.join(self.directory, f"cache.db-{s}")) for s in ("wal", "shm"))
         except _IO_ERRORS as e:
@@ -310,7 +277,7 @@ class DiskTier:
             volume = 0
         with self._lock:
             s = self._stats
-            return DiskStats(volume, s.writes, s.dropped_writes, s.errors, s.damaged)
+            return TierStats(volume, s.writes, s.dropped_writes, s.errors, s.damaged)
 
     def _failed(self, op: str, error: BaseException) -> None:
         kind = f"{op}:{type(error).__name__}"

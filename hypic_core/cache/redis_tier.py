@@ -26,16 +26,14 @@ read can cost the caller.
 from __future__ import annotations
 
 import logging
-import queue
 import re
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable
+
+from .tier import TierStats, WriteBehindTier
 
 log = logging.getLogger(__name__)
 
-_STOP, _WAKE = object(), object()  # writer thread: finish; look at the schedule again (the tier went down)
 _STATS_EVERY_S = 10.0  # while up, the writer thread refreshes the shared byte count this often
 
 _FORGET = """
@@ -105,13 +103,7 @@ return tonumber(redis.call('GET', KEYS[3]) or '0')
 """
 
 
-@dataclass
-class RedisStats:
-    bytes: int = 0  # value bytes under the prefix, all writers together (last known)
-    writes: int = 0
-    dropped_writes: int = 0  # queue full, tier down, or the write failed
-    errors: int = 0  # failed calls (each outage is logged once)
-    connected: bool = False
+RedisStats = TierStats  # `bytes`: value bytes under the prefix, all writers together (last known)
 
 
 def redacted(url: str) -> str:
@@ -120,7 +112,7 @@ def redacted(url: str) -> str:
     return re.sub(r"([?&])password=[^&#]*", r"\1password=***", url)
 
 
-class RedisTier:
+class RedisTier(WriteBehindTier):
     """A Redis-backed map of `str` disk keys to `bytes` values within `max_bytes`, shared by every
     process using the same server and `prefix`.
 
@@ -133,6 +125,8 @@ class RedisTier:
     Raises ValueError for a malformed URL or bad numbers; never raises from a call afterwards:
     an unreachable server is logged once and skipped until it answers again. Thread-safe.
     """
+
+    name = "redis"
 
     def __init__(self, url: str, max_bytes: int, ttl_s: int = 0, prefix: str = "hypic:", timeout_s: float = 0.5,
                  write_queue: int = 64, retry_s: tuple[float, float] = (1.0, 30.0)):
@@ -164,15 +158,13 @@ class RedisTier:
         self._logged: set[str] = set()
         self._put, self._get, self._delete = (self._client.register_script(s) for s in (_PUT, _GET, _DELETE))
         self._lock = threading.Lock()
-        self._stats = RedisStats()
+        self._stats = TierStats()
         self._retry_first, self._retry_max = retry_s
         self._backoff = retry_s[0]
         self._down_until: float | None = None  # None: up; else when the writer thread probes next
         self._next_refresh = 0.0
-        self._queue: queue.Queue = queue.Queue(maxsize=write_queue)
+        self._start_writer(write_queue)
         self._probe()
-        self._writer = threading.Thread(target=self._write_loop, name="hypic-redis-writer", daemon=True)
-        self._writer.start()
 
     # --- calls ----------------------------------------------------------------------------
     @property
@@ -213,19 +205,6 @@ class RedisTier:
             self._stats.writes += int(stored) == 1
         return int(stored) >= 0
 
-    def put_later(self, key: str, make_value: Callable[[], bytes]) -> bool:
-        """Queue a write; `make_value` runs on the writer thread. Never blocks. False (a dropped
-        write, counted) when the queue is full or the tier is down."""
-        if not self.available:
-            self._count_dropped()
-            return False
-        try:
-            self._queue.put_nowait((key, make_value))
-            return True
-        except queue.Full:
-            self._count_dropped()
-            return False
-
     def delete(self, key: str) -> None:
         """Remove `key` and its account if present; failures are counted, not raised."""
         if not self.available:
@@ -238,50 +217,26 @@ class RedisTier:
         with self._lock:
             self._stats.bytes = int(held)
 
-    def flush(self) -> None:
-        """Block until every queued write has been attempted."""
-        self._queue.join()
-
-    def close(self) -> None:
-        """Finish queued writes, stop the writer thread and close the connections. Idempotent."""
-        if self._writer.is_alive():
-            self._queue.put(_STOP)
-            self._writer.join()
-        self._client.close()
-
-    def stats(self) -> RedisStats:
+    def stats(self) -> TierStats:
         """Counters of this process; `bytes` is the shared total as last seen (no network call)."""
         with self._lock:
             s = self._stats
-            return RedisStats(s.bytes, s.writes, s.dropped_writes, s.errors, self.available)
+            return TierStats(s.bytes, s.writes, s.dropped_writes, s.errors, connected=self.available)
 
     # --- the writer thread: queued writes, reconnection, the shared byte count ---------------
-    def _write_loop(self) -> None:
-        while True:
-            down_until = self._down_until
-            wait = _STATS_EVERY_S if down_until is None else max(0.0, down_until - time.monotonic())
-            try:
-                item = self._queue.get(timeout=wait)
-            except queue.Empty:
-                if self.available:
-                    self._refresh_bytes()
-                else:
-                    self._probe()
-                continue
-            try:
-                if item is _STOP:
-                    return
-                if item is _WAKE:
-                    continue
-                key, make_value = item
-                self.put(key, make_value())
-            except Exception as e:  # noqa: BLE001 - the writer thread must outlive any one bad value
-                log.warning("redis cache tier: encoding %s failed (%s: %s); not stored", item[0], type(e).__name__, e)
-                self._count_dropped()
-            finally:
-                self._queue.task_done()
-            if self.available and time.monotonic() >= self._next_refresh:
+    def _idle_timeout(self) -> float:
+        down_until = self._down_until
+        return _STATS_EVERY_S if down_until is None else max(0.0, down_until - time.monotonic())
+
+    def _on_idle(self) -> None:
+        if self.available:
+            if time.monotonic() >= self._next_refresh:
                 self._refresh_bytes()
+        elif time.monotonic() >= (self._down_until or 0.0):
+            self._probe()
+
+    def _close(self) -> None:
+        self._client.close()
 
     def _probe(self) -> None:
         """Ping the server: mark the tier up, or schedule the next attempt with a longer wait."""
@@ -331,10 +286,7 @@ class RedisTier:
             self._backoff = min(self._retry_max, wait * 2)
             self._down_until = time.monotonic() + wait
         if first:
-            try:
-                self._queue.put_nowait(_WAKE)  # the writer may be waiting for its next byte-count refresh
-            except queue.Full:
-                pass  # it has writes to attempt first, and will see the tier is down
+            self._wake_writer()  # it may be waiting for its next byte-count refresh
             log.warning("redis cache tier at %s unreachable (%s failed: %s: %s); skipping it, reconnecting in the "
                         "background (first retry in %gs, backoff up to %gs)", self.url, op, type(error).__name__, error,
                         wait, self._retry_max)

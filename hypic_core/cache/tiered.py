@@ -1,13 +1,14 @@
-"""TieredSegmentStore: memory tiers (device, host) in front of a disk tier and a shared Redis tier
-(docs/cache.md).
+"""TieredSegmentStore: memory tiers (device, host) in front of a list of stored tiers (disk, a
+shared Redis, ...: hypic_core/cache/tier.py) (docs/cache.md).
 
-Lookup walks the memory tiers in order, then disk, then Redis: the local tiers answer without
-a network round trip and without load on the server every replica shares, so Redis is asked
-only for what this process has never computed or loaded. A hit anywhere is promoted to the
-first (hot) tier, a Redis hit also to the disk tier; entries pushed out of a memory tier by
-its budget move down to the next one and fall out of the last. Memory tiers are exclusive (an
-entry lives in one of them); disk and Redis are write-through: `insert` serializes an entry
-once and queues the bytes for each tier's background writer.
+Lookup walks the memory tiers in order, then the stored tiers in order (disk before Redis: the
+local tier answers without a network round trip and without load on the server every replica
+shares, so Redis is asked only for what this process has never computed or loaded). A hit
+anywhere is promoted to the first (hot) tier, a stored tier's hit also queued for the stored
+tiers before it; entries pushed out of a memory tier by its budget move down to the next one
+and fall out of the last. Memory tiers are exclusive (an entry lives in one of them); stored
+tiers are write-through: `insert` serializes an entry once and queues the bytes for each
+tier's background writer.
 
 A damaged or foreign entry (bad checksum, truncated, other schema or model, token ids that
 differ from the lookup's, a value file gone from the disk tier) is a miss: counted in
@@ -27,44 +28,43 @@ import torch
 from ..entry import SegmentEntry
 from ..keys import SegmentKey
 from ..store import SegmentStore, StoreStats
-from .disk import DiskTier
 from .lru import LRUTier, MemoryTier
-from .redis_tier import RedisTier
 from .serde import STORAGE_DTYPES, CorruptEntry, decode, encode
+from .tier import StoredTier
 
 log = logging.getLogger(__name__)
 _COLLISION = object()  # a memory entry under the lookup's key holds other token ids
 
 
 class TieredSegmentStore(SegmentStore):
-    """Memory tiers plus an optional disk tier, behind the `SegmentStore` interface.
+    """Memory tiers plus stored tiers, behind the `SegmentStore` interface.
 
     - `device`: every entry returned by `lookup` lives here (the model's device).
     - `memory_tiers`: hot first, e.g. (device, host); at least one.
-    - `disk`: optional; only segments of at least `disk_min_tokens` tokens are written to
-      and read from it (below that, recomputing is cheaper than loading: docs/cache.md).
-    - `shared`: optional Redis tier (tier name "redis"), asked after disk, same bytes and keys
-      as the disk tier, same `disk_min_tokens`; skipped while its server is unreachable.
-    - `storage_dtype`: "auto" (as computed) or "bf16" precision of K/V and (T, E) on disk. It is part of
-      the disk key, so stores of different precision sharing a directory never mix entries.
+    - `stored`: `StoredTier`s asked in this order after the memory tiers (a tier that is not
+      `available` is skipped); `disk` and `shared` (a Redis tier) are shorthands that go first,
+      in that order. Only segments of at least `disk_min_tokens` tokens are written to and
+      read from them (below that, recomputing is cheaper than loading: docs/cache.md).
+    - `storage_dtype`: "auto" (as computed) or "bf16" precision of K/V and (T, E) in stored tiers. It is
+      part of their keys, so stores of different precision sharing a directory never mix entries.
 
-    Thread-safe: memory tiers are guarded by one lock; disk and Redis reads and decoding run
+    Thread-safe: memory tiers are guarded by one lock; stored tiers' reads and decoding run
     outside it. `lookup`, `insert` and `evict` never raise for I/O or network failures or
     damaged entries.
     """
 
-    def __init__(self, device: torch.device | str, memory_tiers: Sequence[MemoryTier], disk: DiskTier | None = None,
-                 storage_dtype: str = "auto", disk_min_tokens: int = 0, shared: RedisTier | None = None):
+    def __init__(self, device: torch.device | str, memory_tiers: Sequence[MemoryTier], disk: StoredTier | None = None,
+                 storage_dtype: str = "auto", disk_min_tokens: int = 0, shared: StoredTier | None = None,
+                 stored: Sequence[StoredTier] = ()):
         if not memory_tiers:
             raise ValueError("a TieredSegmentStore needs at least one memory tier")
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
-        names = [t.name for t in memory_tiers] + (["disk"] if disk is not None else []) + (["redis"] if shared is not None else [])
+        self.stored: list[StoredTier] = [t for t in (disk, shared, *stored) if t is not None]
+        names = [t.name for t in memory_tiers] + [t.name for t in self.stored]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be distinct, got {names}")
         self.device = torch.device(device)
-        self.disk = disk
-        self.shared = shared
         self.storage_dtype = storage_dtype
         self.disk_min_tokens = disk_min_tokens
         self._tiers = [LRUTier(spec) for spec in memory_tiers]
@@ -72,13 +72,26 @@ class TieredSegmentStore(SegmentStore):
         self._stats = StoreStats(hits=dict.fromkeys(names, 0), bytes=dict.fromkeys(names, 0),
                                  tier_misses=dict.fromkeys(names, 0), load_seconds=dict.fromkeys(names, 0.0))
 
+    def tier(self, name: str) -> StoredTier | None:
+        """The stored tier called `name`, if any."""
+        return next((t for t in self.stored if t.name == name), None)
+
+    @property
+    def disk(self) -> StoredTier | None:
+        return self.tier("disk")
+
+    @property
+    def shared(self) -> StoredTier | None:
+        return self.tier("redis")
+
     def disk_key(self, key: SegmentKey) -> str:
+        """The key of `key`'s bytes in every stored tier."""
         return f"{key.to_str()}/{self.storage_dtype}"
 
     # --- SegmentStore ---------------------------------------------------------------------
     def lookup(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None:
-        k, token_ids, t0, disk, shared = key.to_str(), tuple(token_ids), time.perf_counter(), self.disk, self.shared
-        stored = len(token_ids) >= self.disk_min_tokens and (disk is not None or shared is not None)
+        k, token_ids, t0, stored = key.to_str(), tuple(token_ids), time.perf_counter(), list(self.stored)
+        stored = stored if len(token_ids) >= self.disk_min_tokens else []
         with self._lock:
             found = self._lookup_memory(k, token_ids, t0)
             if found is None and not stored:
@@ -91,14 +104,18 @@ class TieredSegmentStore(SegmentStore):
         if found is not None:
             return found.to(self.device)
         # I/O, network and decoding run outside the lock.
-        entry = None if disk is None else self._lookup_disk(disk, key, token_ids, t0)
-        if entry is None and shared is not None:
-            entry = self._lookup_shared(shared, disk, key, token_ids, t0)
-        if entry is None:
-            with self._lock:
-                self._stats.misses += 1
-            return None
-        return entry.to(self.device)
+        dk = self.disk_key(key)
+        for i, tier in enumerate(stored):
+            if not tier.available:
+                continue  # down: not asked, no miss counted
+            entry, data = self._lookup_stored(tier, dk, key, token_ids, t0)
+            if entry is not None:
+                for earlier in stored[:i]:  # checked bytes: the next restart finds them nearer
+                    earlier.put_later(dk, lambda: data)
+                return entry.to(self.device)
+        with self._lock:
+            self._stats.misses += 1
+        return None
 
     def _lookup_memory(self, k: str, token_ids: tuple[int, ...], t0: float):
         """(Lock held.) The memory tiers' entry, promoted to the hot tier; None; or _COLLISION."""
@@ -119,39 +136,20 @@ class TieredSegmentStore(SegmentStore):
             return entry
         return None
 
-    def _lookup_disk(self, disk: DiskTier, key: SegmentKey, token_ids: tuple[int, ...], t0: float) -> SegmentEntry | None:
-        """The disk tier's entry, placed in the hot tier, or None (a disk miss, counted)."""
-        dk = self.disk_key(key)
+    def _lookup_stored(self, tier: StoredTier, dk: str, key: SegmentKey, token_ids: tuple[int, ...],
+                       t0: float) -> tuple[SegmentEntry | None, bytes | None]:
+        """A stored tier's entry, placed in the hot tier, and its bytes; or (None, None): a miss there,
+        counted (a damaged or foreign entry is deleted from the tier and counted as corrupt too)."""
         try:
-            data = disk.get(dk)
+            data = tier.get(dk)
             entry = None if data is None else decode(data, key, token_ids, self.storage_dtype)
         except CorruptEntry as e:
-            disk.delete(dk)
-            log.warning("segment %s on disk: %s; evicted, will recompute", dk, e)
-            entry = None
+            tier.delete(dk)
+            log.warning("segment %s in %s: %s; evicted, will recompute", dk, tier.name, e)
+            data = entry = None
             with self._lock:
                 self._stats.corrupt += 1
-        return self._found("disk", key, entry, t0)
-
-    def _lookup_shared(self, shared: RedisTier, disk: DiskTier | None, key: SegmentKey, token_ids: tuple[int, ...],
-                       t0: float) -> SegmentEntry | None:
-        """The Redis tier's entry, placed in the hot tier and queued for the disk tier, or None
-        (a Redis miss, counted unless the tier is down and was not asked)."""
-        if not shared.available:
-            return None
-        dk = self.disk_key(key)
-        data = shared.get(dk)
-        try:
-            entry = None if data is None else decode(data, key, token_ids, self.storage_dtype)
-        except CorruptEntry as e:
-            shared.delete(dk)
-            log.warning("segment %s in redis: %s; deleted, will recompute", dk, e)
-            entry = None
-            with self._lock:
-                self._stats.corrupt += 1
-        if entry is not None and disk is not None:
-            disk.put_later(dk, lambda: data)  # checked bytes: the next restart finds it locally
-        return self._found("redis", key, entry, t0)
+        return self._found(tier.name, key, entry, t0), data
 
     def _found(self, tier: str, key: SegmentKey, entry: SegmentEntry | None, t0: float) -> SegmentEntry | None:
         """Count a stored tier's answer; a hit goes to the hot tier (returned on its device)."""
@@ -164,61 +162,47 @@ class TieredSegmentStore(SegmentStore):
             return entry
 
     def insert(self, key: SegmentKey, entry: SegmentEntry) -> None:
-        """Hold `entry` in the hot tier and queue its disk and Redis copies (never blocks on I/O)."""
+        """Hold `entry` in the hot tier and queue its stored tiers' copies (never blocks on I/O)."""
         k = key.to_str()
         with self._lock:
             self._drop_memory(k)
             self._place(k, entry)
-        disk, shared = self.disk, self.shared
-        if (disk is not None or shared is not None) and entry.length >= self.disk_min_tokens:
+        stored = list(self.stored)
+        if stored and entry.length >= self.disk_min_tokens:
             value, dk = _Encoded(entry, key, self.storage_dtype), self.disk_key(key)
-            for tier in (disk, shared):
-                if tier is not None:
-                    tier.put_later(dk, value)
+            for tier in stored:
+                tier.put_later(dk, value)
 
     def evict(self, key: SegmentKey) -> None:
-        """Remove `key` from every tier, Redis included (disk and Redis synchronously; failures are
-        logged, not raised)."""
+        """Remove `key` from every tier (stored tiers synchronously; failures are logged, not raised)."""
         with self._lock:
             self._drop_memory(key.to_str())
         self._delete_stored(key)
 
     def _delete_stored(self, key: SegmentKey) -> None:
-        disk, shared = self.disk, self.shared
-        for tier in (disk, shared):
-            if tier is not None:
-                tier.delete(self.disk_key(key))
+        for tier in list(self.stored):
+            tier.delete(self.disk_key(key))
 
     def stats(self) -> StoreStats:
-        disk, shared = self.disk, self.shared
-        disk_stats = disk.stats() if disk is not None else None
-        shared_stats = shared.stats() if shared is not None else None
+        tiers = {t.name: t.stats() for t in list(self.stored)}
         with self._lock:
             s = self._stats
             out = StoreStats(dict(s.hits), s.misses, s.evictions, s.corrupt, dict(s.bytes), dict(s.tier_misses),
-                             dict(s.load_seconds))
-        if disk_stats is not None:
-            out.bytes["disk"] = disk_stats.bytes
-            out.dropped_writes, out.disk_errors, out.disk_damaged = disk_stats.dropped_writes, disk_stats.errors, disk_stats.damaged
-        if shared_stats is not None:
-            out.bytes["redis"] = shared_stats.bytes
-            out.redis_dropped_writes, out.redis_errors = shared_stats.dropped_writes, shared_stats.errors
-            out.redis_connected = int(shared_stats.connected)
+                             dict(s.load_seconds), tiers)
+        for name, t in tiers.items():
+            out.bytes[name] = t.bytes
         return out
 
     def flush(self) -> None:
-        """Block until queued disk and Redis writes are done (tests, benchmarks, shutdown)."""
-        for tier in (self.disk, self.shared):
-            if tier is not None:
-                tier.flush()
+        """Block until the stored tiers' queued writes are done (tests, benchmarks, shutdown)."""
+        for tier in list(self.stored):
+            tier.flush()
 
     def close(self) -> None:
-        """Finish queued writes and detach the disk and Redis tiers; the memory tiers stay usable."""
-        disk, self.disk = self.disk, None
-        shared, self.shared = self.shared, None
-        for tier in (disk, shared):
-            if tier is not None:
-                tier.close()
+        """Finish queued writes and detach the stored tiers; the memory tiers stay usable."""
+        stored, self.stored = self.stored, []
+        for tier in stored:
+            tier.close()
 
     # --- internals (lock held) -------------------------------------------------------------
     def _place(self, k: str, entry: SegmentEntry) -> SegmentEntry:

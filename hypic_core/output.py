@@ -1,0 +1,53 @@
+"""Output processing: a sequence's next-token logits in, its `StepOutput` out.
+
+Sampling (`Sampler`: temperature, top-k/p, min-p, repetition penalty, EOS banned until
+`min_tokens`), incremental detokenization (`detokenizer_for`: `tokenizers`' `DecodeStream`), and
+the stop conditions (EOS, a stop string, `max_tokens` or the end of the context). It touches no
+model, cache or queue: the engine releases a sequence whose output has a `finish_reason`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingParams
+from .detokenizer import detokenizer_for
+from .sampling import Sampler
+from .sequence import Sequence, StepOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def sampler(self, params: SamplingParams) -> Sampler:
+        return Sampler(params)
+
+    def detokenizer(self, stop: tuple[str, ...]):
+        return detokenizer_for(self.tokenizer, stop)
+
+    def next_token(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+        """Pick `seq`'s next token (appended to `seq.output_ids`) and decide whether it ends here."""
+        params = seq.request.sampling
+        history = seq.history if params.repetition_penalty != 1.0 else ()
+        choice = seq.sampler(logits, history, seq.banned_tokens())
+        index = seq.num_generated
+        seq.output_ids.append(choice.token_id)
+        detok = seq.detokenizer
+        finish, text = None, ""
+        if choice.token_id in seq.eos_ids and not params.ignore_eos:
+            finish, text = "stop", detok.flush()
+        else:
+            text = detok.push(choice.token_id)
+            if detok.stopped:
+                finish = "stop"
+            elif seq.num_generated >= seq.max_new_tokens:
+                finish, text = "length", text + detok.flush()
+        first = index == 0
+        return StepOutput(seq.request_id, index, choice.token_id, text, choice.logprob, choice.top_logprobs, finish,
+                          seq.stats if first else None, logits=logits if first and seq.request.keep_logits else None)
+
+    def ended(self, seq: Sequence, reason: str, error: BaseException | None = None) -> StepOutput:
+        """`seq`'s last output when it ends without a new token ("abort" or "error")."""
+        return StepOutput(seq.request_id, seq.num_generated, None, seq.detokenizer.flush(), finish_reason=reason,
+                          stats=seq.stats if seq.num_generated == 0 else None, error=error)
