@@ -1036,7 +1036,7 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
     info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(),
                             "device": os.environ.get("HYPIC_DEVICE", "cpu"),
                             "torch_threads": args.torch_threads if args.torch_threads is not None
-                            else os.environ.get("HYPIC_TORCH_THREADS", "1 (gateway default)")}
+                            else os.environ.get("HYPIC_TORCH_THREADS", "torch's default (gateway default)")}
     if info["device"].startswith("cuda") and shutil.which("nvidia-smi"):
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, check=False).stdout.strip()
