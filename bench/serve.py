@@ -672,9 +672,10 @@ async def search_rates(args: argparse.Namespace, http: httpx.AsyncClient, worklo
                 cell = summarize(mode, rate, outcomes, duration, delta, gauges, args.k, None)
                 ok = meets_slo(cell, args.slo_ttft_ms)
                 probes.append({"rate": rate, "ok": ok, "ttft_ms": cell["ttft_ms"], "failed": cell["failed"],
-                               "completed": cell["completed"]})
+                               "failures": cell["failures"], "completed": cell["completed"]})
                 _progress(f"[{mode} search] {rate:.3g} req/s: p95 TTFT {_f(cell['ttft_ms']['p95'])} ms, "
-                          f"{cell['failed']} failed -> {'meets' if ok else 'misses'} the SLO")
+                          f"{cell['failed']} failed{_failure_kinds(cell['failures'])} -> "
+                          f"{'meets' if ok else 'misses'} the SLO")
                 checkpoint(found | {mode: {"rate": None, "bracket": None, "probes": probes, "partial": True}})
                 return ok
 
