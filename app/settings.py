@@ -45,9 +45,12 @@ class Settings(BaseSettings):
     answer_prefix: str | None = Field(None, description="Text after the question (raw) or after the generation prompt (chat).")
     answer_reserve_tokens: int = Field(256, ge=1, description="Context kept for the answer when fitting retrieved chunks to a "
                                        "request without max_tokens.")
-    # One engine thread drives the model; on a small CPU shared with other work, a second
-    # intra-op thread made the bundled model's prefill 7-100x slower (docs/api.md), so 1.
-    torch_threads: int | None = Field(1, ge=1, description="torch intra-op threads; None: torch's default.")
+    # Default: torch's (one per core), for a machine the gateway has to itself: a 1k-token
+    # SmolLM2 prefill takes 1.8x less time with 2 threads than 1 on 2 cores (docs/benchmarks.md).
+    # On a machine shared with other work set 1: spinning intra-op threads made the bundled
+    # model's prefill 7-100x slower there (docs/api.md).
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None: torch's default (one per "
+                                      "core); 1 on a machine shared with other work.")
 
     # retrieval
     index_dir: Path = Path(DEFAULT_INDEX_DIR)

@@ -21,7 +21,8 @@
 # Other knobs: PYTHON (interpreter for the venv), SLO_MS (p95 TTFT target, default 500),
 # NUM_REQUESTS (per cell, default 40), DURATION (seconds of arrivals per cell, default 10),
 # HYPIC_CACHE_DEVICE_BYTES (GPU tier of the segment cache, default 8 GiB), HYPIC_TORCH_THREADS
-# (default 4); any other HYPIC_* variable reaches the gateways.
+# (default 4), EXTRA_ARGS (more bench/serve.py options, e.g. "--search --search-start 4" for each
+# mode's sustainable rate found by search); any other HYPIC_* variable reaches the gateways.
 set -euo pipefail
 
 OUT="${1:?usage: bench/gpu.sh OUTDIR}"
@@ -91,11 +92,11 @@ log "building the bench model"
 HF_HUB_DISABLE_PROGRESS_BARS=1 "$VENV/bin/python" bench/make_bench_model.py "$OUT/bench-model" >&2
 
 log "running bench/serve.py (rates: $RATES; at most ${BENCH_TIMEOUT:-330} s)"
-# shellcheck disable=SC2086  # RATES is a list of numbers
+# shellcheck disable=SC2086  # RATES is a list of numbers, EXTRA_ARGS a list of options
 timeout "${BENCH_TIMEOUT:-330}" "$VENV/bin/python" bench/serve.py \
     --model "$OUT/bench-model" --rates $RATES \
     --num-requests "${NUM_REQUESTS:-40}" --duration "${DURATION:-10}" --warmup 10 \
     --slo-ttft-ms "${SLO_MS:-500}" --decode-scaling \
     --out "$OUT/results.json" --plot "$OUT/serve_ttft_vs_rate.png" --markdown "$OUT/serve.md" \
-    2>&1 | tee "$OUT/serve.log"
+    ${EXTRA_ARGS:-} 2>&1 | tee "$OUT/serve.log"
 log "done: results in $OUT"

@@ -21,7 +21,10 @@ gateway per mode, rate i measures the i-th slice of one request stream, so no ce
 requests an earlier cell already cached.
 
 The sustainable rate of a mode is the largest tested rate whose p95 TTFT is under
-`--slo-ttft-ms` with no failed request. `--decode-scaling` also measures decode throughput with
+`--slo-ttft-ms` with no failed request; `--search` finds it per mode instead of reading it off
+the grid (from `--search-start`, doubling or halving until the SLO is met at one rate and missed
+at the next, then bisecting that bracket to `--search-tolerance`; each probe is a fresh slice of
+`--num-requests` requests on the mode's one gateway). `--decode-scaling` also measures decode throughput with
 1 and 8 concurrent streams (mode hypic, warm, `--decode-tokens` tokens each, ignore_eos).
 `--cold-arrival` measures running streams' inter-token latency while a cold `--k`-chunk request
 prefills, for each `--arrival-step-tokens` budget (chunked prefill against none).
@@ -213,6 +216,7 @@ class Outcome:
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    text: str = ""  # the streamed completion
 
     @property
     def ttft(self) -> float | None:
@@ -270,6 +274,7 @@ class Client:
                         out.error = "stream error: " + str(payload["error"].get("message", payload["error"]))[:200]
                     for choice in payload.get("choices") or ():
                         if choice.get("text"):
+                            out.text += choice["text"]
                             now = time.perf_counter()
                             out.token_times.append(now)
                             if last is None:
@@ -630,6 +635,94 @@ async def run_load(args: argparse.Namespace, http: httpx.AsyncClient, workload: 
     return cells
 
 
+class OutOfProbes(Exception):
+    """The rate search used every slice of the request stream it was given."""
+
+
+def meets_slo(cell: dict, slo_ms: float) -> bool:
+    """No failed request and p95 TTFT under `slo_ms`."""
+    p95 = cell["ttft_ms"]["p95"]
+    return cell["failed"] == 0 and bool(cell["completed"]) and p95 is not None and p95 < slo_ms
+
+
+async def search_rates(args: argparse.Namespace, http: httpx.AsyncClient, workload: Workload,
+                       checkpoint: Callable[[dict], None]) -> dict[str, dict]:
+    """Per mode, the highest Poisson rate whose p95 TTFT meets the SLO, found by search: from
+    `--search-start`, double (or halve) until one probe meets it and the next does not, then
+    bisect that bracket until it is within `--search-tolerance` (relative). Each probe is a
+    cell on the mode's one gateway (caches carry over, as with `--restart mode`) and sends the
+    next unused slice of the request stream. Returns {mode: {"rate", "bracket", "probes"}}."""
+    found: dict[str, dict] = {}
+    for mode in args.modes:
+        gateway = None if args.url else Gateway(args, f"{mode}-search")
+        try:
+            base = args.url or await gateway.start(http)  # type: ignore[union-attr]
+            client = Client(base, http, args.model_name or await served_model(http, base), args)
+            await warm(client, workload.warmup, mode, f"{mode} search")
+            probes: list[dict] = []
+            used = iter(range(args.search_probes))
+
+            async def probe(rate: float) -> bool:
+                i = next(used, None)
+                if i is None:
+                    raise OutOfProbes
+                items = workload.slice(i)
+                times = arrival_times(len(items), rate, args.seed, args.duration)
+                outcomes, duration, delta, gauges = await run_cell(client, items[:len(times)], times, mode)
+                cell = summarize(mode, rate, outcomes, duration, delta, gauges, args.k, None)
+                ok = meets_slo(cell, args.slo_ttft_ms)
+                probes.append({"rate": rate, "ok": ok, "ttft_ms": cell["ttft_ms"], "failed": cell["failed"],
+                               "failures": cell["failures"], "completed": cell["completed"]})
+                _progress(f"[{mode} search] {rate:.3g} req/s: p95 TTFT {_f(cell['ttft_ms']['p95'])} ms, "
+                          f"{cell['failed']} failed{_failure_kinds(cell['failures'])} -> "
+                          f"{'meets' if ok else 'misses'} the SLO")
+                checkpoint(found | {mode: {"rate": None, "bracket": None, "probes": probes, "partial": True}})
+                return ok
+
+            lo: float | None = None  # highest rate seen meeting the SLO
+            hi: float | None = None  # lowest rate seen missing it
+            rate = args.search_start
+            try:
+                while lo is None or hi is None:  # bracket
+                    if await probe(rate):
+                        lo = rate
+                        rate *= 2
+                    else:
+                        hi = rate
+                        rate /= 2
+                    if rate > args.search_max or rate < args.search_min:
+                        break
+                while lo is not None and hi is not None and hi / lo > 1 + args.search_tolerance:  # bisect (geometric)
+                    mid = math.sqrt(lo * hi)
+                    if await probe(mid):
+                        lo = mid
+                    else:
+                        hi = mid
+            except OutOfProbes:
+                _progress(f"[{mode} search] out of probes ({args.search_probes}); keeping the bracket so far")
+            found[mode] = {"rate": lo, "bracket": [lo, hi], "probes": probes}
+        finally:
+            if gateway is not None:
+                gateway.stop()
+    return found
+
+
+def search_table(found: dict[str, dict], slo_ms: float) -> str:
+    """A row per mode: the rate found, its bracket, the probes, and the ratios to full and prefix."""
+    header = ["mode", f"sustainable rate (p95 TTFT < {slo_ms:g} ms)", "bracket (meets / misses)", "probes: rate -> p95 TTFT (ms)",
+              "vs full / prefix"]
+    rows = []
+    for mode in [m for m in MODES if m in found]:
+        f = found[mode]
+        lo, hi = f["bracket"] or (None, None)
+        probes = ", ".join(f"{p['rate']:.3g} -> {_f(p['ttft_ms']['p95'])}{'' if p['ok'] else ' (x)'}" for p in f["probes"])
+        ratios = " / ".join((f"{f['rate'] / found[b]['rate']:.2f}x" if f["rate"] and (found.get(b) or {}).get("rate") else "-")
+                            for b in ("full", "prefix"))
+        rows.append([mode, f"{f['rate']:.3g} req/s" if f["rate"] else "none found",
+                     f"{_f(lo, '{:.3g}')} / {_f(hi, '{:.3g}')}", probes, ratios])
+    return table(header, rows)
+
+
 async def decode_scaling(args: argparse.Namespace, http: httpx.AsyncClient, maker: TextMaker, workload: Workload) -> dict:
     """Decode throughput with 1 and with 8 concurrent streams: mode hypic, warm caches, same context."""
     gateway = None if args.url else Gateway(args, "decode", max_running=max(args.max_running, 8))
@@ -944,7 +1037,7 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
     info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(),
                             "device": os.environ.get("HYPIC_DEVICE", "cpu"),
                             "torch_threads": args.torch_threads if args.torch_threads is not None
-                            else os.environ.get("HYPIC_TORCH_THREADS", "1 (gateway default)")}
+                            else os.environ.get("HYPIC_TORCH_THREADS", "torch's default (gateway default)")}
     if info["device"].startswith("cuda") and shutil.which("nvidia-smi"):
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, check=False).stdout.strip()
@@ -984,7 +1077,12 @@ def describe(args: argparse.Namespace, result: dict) -> str:
             lines += [f"![p50 TTFT vs request rate]({rel})", ""]
         except ValueError:
             pass
-    lines += ["TTFT by rate and sustainable rate per mode:", "", summary_table(cells, rates, args.slo_ttft_ms), ""]
+    if cells:
+        lines += ["TTFT by rate and sustainable rate per mode:", "", summary_table(cells, rates, args.slo_ttft_ms), ""]
+    if result.get("search"):
+        lines += [f"Sustainable rate by search (doubling from {args.search_start:g} req/s, then bisection to "
+                  f"{args.search_tolerance:.0%}; each probe {args.num_requests} requests, (x): missed the SLO):", "",
+                  search_table(result["search"], args.slo_ttft_ms), ""]
     for r in rates:
         group = [c for c in cells if c["label"] == rate_label(r)]
         lines += [f"### {rate_label(r)}", "", cell_table(group), ""]
@@ -1049,6 +1147,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     a.add_argument("--num-requests", type=int, default=100, help="requests per cell (at most)")
     a.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals per cell (at most)")
     a.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    a.add_argument("--search", action="store_true",
+                   help="find each mode's sustainable rate by search (doubling, then bisection) instead of a grid")
+    a.add_argument("--search-start", type=float, default=0.5, help="first rate probed (req/s)")
+    a.add_argument("--search-tolerance", type=float, default=0.15, help="stop when the bracket's rates are within this ratio - 1")
+    a.add_argument("--search-probes", type=int, default=8, help="most probes (cells) per mode")
+    a.add_argument("--search-min", type=float, default=0.01)
+    a.add_argument("--search-max", type=float, default=1000.0)
     d = ap.add_argument_group("decode scaling")
     d.add_argument("--decode-scaling", action="store_true",
                    help="measure decode tokens/s with 1 and 8 streams (alone unless --rates or --burst is given)")
@@ -1069,7 +1174,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="write the serve section of this Markdown file (default docs/benchmarks.md)")
     args = ap.parse_args(argv)
     if args.rates is None and not args.burst:
-        args.rates = [] if (args.decode_scaling or args.cold_arrival) else [0.5, 1.0, 2.0, 4.0]
+        args.rates = [] if (args.decode_scaling or args.cold_arrival or args.search) else [0.5, 1.0, 2.0, 4.0]
     if any(r <= 0 for r in args.rates or ()):
         ap.error("--rates must be positive")
     if args.duration <= 0 or args.num_requests < 1 or args.k < 1:
@@ -1087,6 +1192,8 @@ async def amain(args: argparse.Namespace) -> dict:
     maker = TextMaker(tokenizer)
     rates = sorted(args.rates or []) + ([BURST] if args.burst else [])
     slices = 1 if args.restart == "cell" else max(1, len(rates))
+    if args.search:
+        slices = max(slices, args.search_probes)
     t = time.perf_counter()
     workload = build_workload(args, maker, slices)
     _progress(f"workload: {len(workload.warmup)} warm-up + {len(workload.measured)} measured requests, "
@@ -1109,6 +1216,9 @@ async def amain(args: argparse.Namespace) -> dict:
         if rates:
             result["cells"] = await run_load(args, http, workload, rates,
                                              lambda cells: save(args, result | {"cells": cells, "partial": True}))
+        if args.search:
+            result["search"] = await search_rates(args, http, workload,
+                                                  lambda found: save(args, result | {"search": found, "partial": True}))
         if args.decode_scaling:
             result["decode_scaling"] = await decode_scaling(args, http, maker, workload)
         if args.cold_arrival:
@@ -1132,6 +1242,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"\n== {rate_label(r)} ==\n" + cell_table([c for c in result["cells"] if c["label"] == rate_label(r)]))
         print("\n" + summary_table(result["cells"], rates, args.slo_ttft_ms))
         print(f"\nsteady-state chunk hit rate (hypic or pic-naive): {_pct(result['steady_state_chunk_hit_rate'])}")
+    if result.get("search"):
+        print("\n" + search_table(result["search"], args.slo_ttft_ms))
     if result.get("decode_scaling"):
         print("\n" + decode_table(result["decode_scaling"]))
     if result.get("cold_arrival"):

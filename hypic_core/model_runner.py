@@ -145,13 +145,19 @@ class ModelRunner:
         """
         seg, w = part.segment, part.seam
         start, end = part.done, min(len(seg), part.done + max(1, max_tokens))
+        n = end - start
+        head = min(max(w - start, 0), n)  # the piece's tokens still in the seam head
         ids = torch.tensor([seg[start:end]], dtype=torch.long, device=self.device)
         pos = torch.arange(start, end, device=self.device)[None]
-        with self.adapter.capture(start, end - start) as cap:
+        # As in `_compute_group`: the piece's body operators inside its own kernel calls where
+        # the family can (no second pass per layer), else from the recorded inputs afterwards.
+        fused = bool(len(self.linear)) and self.adapter.supports_fused_body and n > head
+        capture = (self.adapter.capture_body(head, [n - head], n, start) if fused else self.adapter.capture(start, n))
+        with capture as cap:
             self.model.base_model(input_ids=ids, position_ids=pos, cache=part.cache, use_cache=True)
         part.done = end
         if len(self.linear) and end > w:
-            ops = self.adapter.span_operators(cap, 0, max(start, w) - start, end - start)  # piece-relative indices
+            ops = self.adapter.fused_operators(cap, 0) if fused else self.adapter.span_operators(cap, 0, head, n)
             part.operators = ops if part.operators is None else [a.then(b) for a, b in zip(part.operators, ops)]
         if end < len(seg):
             return None

@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HYPIC_TORCH_THREADS", "1")  # gateways the tests start share a busy machine
 # No random shadow checks in the suite (they would add engine work between requests at random);
 # tests/test_guard.py sets the guard's rates itself.
 os.environ.setdefault("HYPIC_GUARD_SAMPLE_RATE", "0")

@@ -22,7 +22,7 @@ def rel(ref, out):
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear"])
 @pytest.mark.parametrize("seam", [0, 5])
 def test_batched_fused_entries_equal_reference(family, seam):
     engine = Engine(tiny_model(family))

@@ -109,14 +109,15 @@ class ModelAdapter(ABC):
     supports_fused_body = False
 
     @contextlib.contextmanager
-    def capture_body(self, seam: int, body_lengths: list[int], seq_len: int) -> Iterator[Capture]:
+    def capture_body(self, seam: int, body_lengths: list[int], seq_len: int, start: int = 0) -> Iterator[Capture]:
         """Compute every linear layer's body (T, E) during the canonical forward run inside.
 
-        The forward runs whole segments from an empty state; tokens [0, seam) are the seam
-        heads, and row r's body is the next `body_lengths[r]` tokens (the rest is padding,
-        which must not touch the state).
+        The forward runs segments (or, from `start`, the next piece of one segment on its own
+        cache: `ModelRunner.advance_entry`); its tokens [0, seam) are (what is left of) the seam
+        heads, and row r's body is the next `body_lengths[r]` tokens (the rest is padding, which
+        must not touch the state).
         """
-        cap = Capture(0, seq_len)
+        cap = Capture(start, seq_len)
         with self._patched(cap, lambda c: self._fused_patches(c, seam, body_lengths)) as cap:
             yield cap
 

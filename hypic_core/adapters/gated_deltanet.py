@@ -123,18 +123,20 @@ class GatedDeltaNetAdapter(ModelAdapter):
         return ops
 
     def operator(self, k, v, g, beta, l2norm: bool) -> LinearOperator:
-        """(T, E) of one span with the family's chunked kernel. k [1, L, Hk, dk], v [1, L, Hv, dv]."""
+        """(T, E) of one span with the family's chunked kernel. k [1, L, Hk, dk], v [1, L, Hv, dv].
+
+        One kernel call: the recurrence is linear in (state, values) jointly, so values [v | 0]
+        from the state [0 | I] end in [E | T] (the keys' chunk work is shared by both).
+        """
         kernel = self.kernels.fallback("torch_chunk_gated_delta_rule")
         _, L, _, dk = k.shape
-        hv = v.shape[2]
-        eye = torch.eye(dk, dtype=torch.float32, device=k.device).expand(1, hv, dk, dk).contiguous()
-        zeros_v = torch.zeros((1, L, hv, dk), dtype=v.dtype, device=v.device)
-        q = torch.zeros_like(k)
-        _, T = kernel(q, k, zeros_v, g=g, beta=beta, initial_state=eye, output_final_state=True,
-                      use_qk_l2norm_in_kernel=l2norm)
-        _, E = kernel(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True,
-                      use_qk_l2norm_in_kernel=l2norm)
-        return LinearOperator(T[0].float(), E[0].float())
+        hv, dv = v.shape[2], v.shape[3]
+        eye = torch.eye(dk, dtype=torch.float32, device=k.device).expand(1, hv, dk, dk)
+        state = torch.cat([eye.new_zeros(1, hv, dk, dv), eye], dim=-1)
+        values = torch.cat([v, v.new_zeros(1, L, hv, dk)], dim=-1)
+        _, final = kernel(torch.zeros_like(k), k, values, g=g, beta=beta, initial_state=state, output_final_state=True,
+                          use_qk_l2norm_in_kernel=l2norm)
+        return LinearOperator(final[0, ..., dv:].float().contiguous(), final[0, ..., :dv].float().contiguous())
 
     def state_shape(self, layer_pos: int) -> tuple[int, ...]:
         m = self._mixers[layer_pos]

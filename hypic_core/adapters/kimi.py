@@ -8,8 +8,9 @@ decay per key channel instead of GDN's one per head:
 so A_t = (I - b_t k_t k_t^T) diag(exp(g_t)) and T is a dense [H, d_k, d_k] matrix applied from
 the left. T comes from the layer's own chunked kernel (the torch `chunk_kimi_delta_attention`,
 even where FLA's `chunk_kda` is installed: adapters/kernels.py): one call started from [I | 0]
-with values [0 | v] gives [T | E].
-`naive_scan` is the plain sequential reference beside it.
+with values [0 | v] gives [T | E]. Canonical entries compute it inside the forward's own kernel
+call instead (`_fused_patches`, as Gated DeltaNet). `naive_scan` is the plain sequential
+reference beside it.
 
 Attention layers are MLA without positions: the cache holds the compressed latent
 (`keys` [B, 1, L, kv_lora_rank]) and the shared key part (`values` [B, 1, L, qk_rope_head_dim]),
@@ -24,7 +25,7 @@ import torch
 
 from ..operators import LinearOperator
 from ..config import Mode
-from .base import Capture, ModelAdapter, StitchSpan
+from .base import Capture, ModelAdapter, StitchSpan, span_chunk
 from .kernels import KernelSelection
 
 
@@ -57,6 +58,42 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
             cap.scan_args.append(dict(key=key.detach(), value=value.detach(), g=g.detach(), beta=beta.detach(),
                                       use_qk_l2norm_in_kernel=kwargs.get("use_qk_l2norm_in_kernel", False)))
             return scan_fn(query, key, value, g, beta, *args, **kwargs)
+
+        return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "chunk_kimi_delta_attention"): scan_wrapper}
+
+    supports_fused_body = True
+
+    def _fused_patches(self, cap: Capture, seam: int, body_lengths: list[int]) -> dict[tuple[Any, str], Callable]:
+        """(T, E) inside the canonical forward's own kernel call, batched over rows, as Gated DeltaNet:
+        the seam heads [0, seam) run as usual, then the bodies with values [v | 0] from [S_w | I],
+        which end in [S_L | T]; E = S_L - T S_w. Padding gets beta = 0 and g = 0 (A_t = I, no input)."""
+        mod = self._modeling
+        conv_wrapper = self._recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
+        scan_fn = self.kernels.fallback("chunk_kimi_delta_attention")
+        lengths = torch.tensor(body_lengths)
+
+        def scan_wrapper(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                         **kwargs):
+            B, L, h, dv = value.shape
+            dk = key.shape[-1]
+            s_w = value.new_zeros(B, h, dk, dv, dtype=torch.float32) if initial_state is None else initial_state.float()
+            head_out = []
+            if seam:
+                out, s_w = scan_fn(query[:, :seam], key[:, :seam], value[:, :seam], g[:, :seam], beta[:, :seam],
+                                   chunk_size=span_chunk(seam, chunk_size), initial_state=s_w, output_final_state=True,
+                                   **kwargs)
+                head_out.append(out)
+            q, k, v, g, beta = (x[:, seam:] for x in (query, key, value, g, beta))
+            real = (torch.arange(L - seam)[None, :] < lengths[:, None]).to(value.device)[..., None]  # [B, Lb, 1]
+            g, beta = g * real[..., None], beta * real
+            values = torch.cat([v, v.new_zeros(B, L - seam, h, dk)], dim=-1)
+            eye = torch.eye(dk, dtype=torch.float32, device=value.device).expand(B, h, dk, dk)
+            out, state = scan_fn(q, k, values, g, beta, chunk_size=chunk_size, initial_state=torch.cat([s_w, eye], dim=-1),
+                                 output_final_state=True, **kwargs)
+            s_l, T = state[..., :dv], state[..., dv:]
+            cap.operators.append((T, s_l - torch.matmul(T, s_w)))
+            out = torch.cat([*head_out, out[..., :dv]], dim=1).contiguous()
+            return out, (s_l.contiguous() if output_final_state else None)
 
         return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "chunk_kimi_delta_attention"): scan_wrapper}
 

@@ -6,9 +6,9 @@ Recurrence per head h (state S is [head_dim, d_state], B_t shared by the heads o
     S_t  = exp(dt_t a_h) S_{t-1} + dt_t x_t B_t^T
 
 so A_t = exp(dt_t a_h) is one scalar per head, and a span's transition is the scalar
-T_h = exp(a_h * sum_t dt_t). E is the layer's own chunked scan (the torch `mamba2_chunk_scan`,
-even where mamba_ssm is installed: adapters/kernels.py) run from a zero state; `naive_scan` is
-the plain sequential reference beside it. The five families share the mixer code and differ
+T_h = exp(a_h * sum_t dt_t). E is that recurrence from a zero state in closed form (one
+weighted contraction over the span's tokens: `Mamba2Adapter.operator`); `naive_scan` is the
+plain sequential reference beside it, and the layer's chunked scan computes the same state. The five families share the mixer code and differ
 only in layout:
 
 - bamba / granitemoehybrid / nemotron_h: separate Mamba and attention layers (Granite and
@@ -133,14 +133,22 @@ class Mamba2Adapter(ModelAdapter):
     def operator(self, x, dt, A, B, dt_bias, dt_softplus: bool, dt_limit, chunk_size: int) -> LinearOperator:
         """(T, E) of one span. x [1, L, H, P], dt [1, L, H] (raw), A [H], B [1, L, G, N].
 
-        T [H] = exp(A * sum of effective dt); E [H, P, N] = the layer's chunked scan from zero.
+        T [H] = exp(a_h * sum of effective dt). E [H, P, N] in closed form, the recurrence from a
+        zero state unrolled: E = sum_t exp(a_h * sum_{s>t} dt_s) dt_t x_t B_t^T, one contraction over
+        the span's tokens. The chunked scan computes the same state plus every token's output
+        (with C = 0: wasted), about twice the work; `chunk_size` is unused, kept for the signature.
         """
-        kernel = self.kernels.fallback("mamba2_chunk_scan")
-        _, E = kernel(x, dt, A, B, torch.zeros_like(B), chunk_size=chunk_size, D=None, dt_bias=dt_bias,
-                      initial_states=None, dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=True)
         step = effective_dt(dt[0], dt_bias, dt_softplus, dt_limit)  # [L, H]
-        T = torch.exp((A.float()[None, :] * step).sum(0))
-        return LinearOperator(T, E[0].float())
+        log_decay = A.float()[None, :] * step  # [L, H], <= 0
+        # sum_{s>t}: a reverse cumulative sum shifted by one, so no difference of large sums.
+        after = torch.cat([log_decay[1:].flip(0).cumsum(0).flip(0), log_decay.new_zeros(1, log_decay.shape[1])])
+        T = torch.exp(log_decay.sum(0))
+        L, H, P = x.shape[1:]
+        G, N = B.shape[2:]
+        w = (torch.exp(after) * step).view(L, G, H // G, 1)
+        xw = (x[0].float().view(L, G, H // G, P) * w).reshape(L, G, (H // G) * P)  # [L, G, J*P]
+        E = torch.bmm(xw.permute(1, 2, 0), B[0].float().permute(1, 0, 2))  # [G, J*P, N]
+        return LinearOperator(T, E.view(H, P, N))
 
     def state_shape(self, layer_pos: int) -> tuple[int, ...]:
         m = self._mixers[layer_pos]
