@@ -22,11 +22,11 @@ recipe (a machine without the previous run's folder still continues from what wa
 `export` writes the shipped file (bf16 mixers, attention layers and step in its metadata) and
 the assembled checkpoint; `evaluate` reports perplexity on held-out text for teacher and hybrid.
 
-    python -m training.hybrid.distill train --out /work/var/hybrid --minutes 600
-    python -m training.hybrid.distill export --out /work/var/hybrid --assembled /work/var/hybrid-export
-    python -m training.hybrid.distill evaluate --hybrid /work/var/hybrid-export
+    python -m training.hybrid.distill train --out var/hybrid --minutes 600
+    python -m training.hybrid.distill export --out var/hybrid --assembled var/hybrid-export
+    python -m training.hybrid.distill evaluate --hybrid var/hybrid-export
     python -m training.hybrid.distill memory --model smollm2-hybrid-135m
-    python -m training.hybrid.distill ship-samples --out /work/var/hybrid   # the teacher's samples into data/distill
+    python -m training.hybrid.distill ship-samples --out var/hybrid   # the teacher's samples into data/distill
 
 Progress goes to stderr; every step's numbers to `<out>/log.jsonl`. One torch thread.
 """
@@ -528,7 +528,7 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("train", "export", "validate", "ship-samples"):
         s = sub.add_parser(name)
-        s.add_argument("--out", default="/work/var/hybrid", help="checkpoints, recorded activations, generated data, log")
+        s.add_argument("--out", default=str(ROOT / "var" / "hybrid"), help="checkpoints, recorded activations, generated data, log")
         s.add_argument("--window", type=int, default=512, help="tokens of each training sequence (a RAG one: --rag-window)")
         s.add_argument("--rag-window", type=int, default=768)
         s.add_argument("--held", type=int, default=4, help="sequences of each pool held back for validation")

@@ -16,8 +16,8 @@ Every sequence whose decoded text shares a run of 8 words with a data/real_qa pa
 or held-out text is dropped (training/hybrid/data.py's `excluded_shingles`). Generation stops at
 `--minutes` and resumes (appends) when rerun; progress on stderr.
 
-    python -m training.hybrid.generate --out /work/var/hybrid --minutes 12
-    python -m training.hybrid.generate --out /work/var/hybrid --minutes 30 --kinds rag,rag,chat   # more RAG answers
+    python -m training.hybrid.generate --out var/hybrid --minutes 12
+    python -m training.hybrid.generate --out var/hybrid --minutes 30 --kinds rag,rag,chat   # more RAG answers
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def chat_ids(tok, user: str, system: str | None = None) -> list[int]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="/work/var/hybrid")
+    p.add_argument("--out", default=str(ROOT / "var" / "hybrid"))
     p.add_argument("--minutes", type=float, default=12)
     p.add_argument("--batch", type=int, default=24)
     p.add_argument("--kinds", default="continue,chat,rag", help="the kinds to cycle through, comma-separated (repeat one to weight it)")
