@@ -158,13 +158,7 @@ class LlamaServer:
         raise SystemExit(f"llama-server ({self.label}) not healthy after {timeout:.0f} s")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        serve.terminate(self.proc)
         self.proc = None
 
 

@@ -387,6 +387,17 @@ def _ms(seconds: float | None) -> float | None:
 # --------------------------------------------------------------------------------------------
 # Gateway subprocess
 # --------------------------------------------------------------------------------------------
+def terminate(proc: subprocess.Popen | None, grace: float = 20.0) -> None:
+    """Stop a server process: SIGTERM, then SIGKILL after `grace` seconds; None or exited is a no-op."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Gateway:
     """A gateway subprocess on 127.0.0.1 with fresh caches, empty index, and the bench model."""
 
@@ -441,13 +452,7 @@ class Gateway:
         raise SystemExit(f"gateway ({self.label}) {reason}; its log ends with:\n{tail}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         self.proc = None
         Gateway.live.discard(self)
         if not self.args.keep_logs:

@@ -111,18 +111,25 @@ def pools(tokenizer, out: Path, window: int, rag_window: int) -> dict[str, list[
     res = {"docs": [s[:window] for s in plain], "docs-prompt": [s[:window] for s in prompt]}
     for kind in ("continue", "chat", "rag"):
         res[kind] = []
-        seen: set[tuple[int, ...]] = set()
-        for line in _sample_lines(out, kind):
-            try:
-                ids = json.loads(line)["ids"]
-            except (ValueError, KeyError, TypeError):
-                continue  # a line being written
-            if tuple(ids) in seen:
-                continue  # the shipped samples and this run's folder may hold the same lines
-            seen.add(tuple(ids))
+        for _, ids in _unique_samples(out, kind):
             ids = ids[-rag_window:] if kind == "rag" else ids[:window]
             if len(ids) >= 16:
                 res[kind].append(torch.tensor(ids, dtype=torch.int32))
+    return res
+
+
+def _unique_samples(out: Path, kind: str) -> list[tuple[str, list[int]]]:
+    """(line, ids) of every readable sample of `kind`, shipped first, each sequence once (the
+    shipped samples and this run's folder may hold the same lines; a torn last line is skipped)."""
+    res, seen = [], set()
+    for line in _sample_lines(out, kind):
+        try:
+            ids = json.loads(line)["ids"]
+        except (ValueError, KeyError, TypeError):
+            continue  # a line being written
+        if tuple(ids) not in seen:
+            seen.add(tuple(ids))
+            res.append((line, ids))
     return res
 
 
@@ -149,15 +156,7 @@ def ship_samples(out: Path) -> dict[str, int]:
     SAMPLES.mkdir(parents=True, exist_ok=True)
     counts = {}
     for kind in ("continue", "chat", "rag"):
-        keep, seen = [], set()
-        for line in _sample_lines(out, kind):
-            try:
-                key = tuple(json.loads(line)["ids"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            if key not in seen:
-                seen.add(key)
-                keep.append(line)
+        keep = [line for line, _ in _unique_samples(out, kind)]
         target = SAMPLES / f"{kind}.jsonl.gz"
         tmp = target.with_name(target.name + ".tmp")
         tmp.write_bytes(gzip.compress(("\n".join(keep) + "\n").encode(), mtime=0))
