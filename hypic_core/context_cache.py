@@ -167,28 +167,24 @@ class ContextCacheManager:
         workers = self.pool.alive if self.pool is not None else 1
         return exact_wins(self.cost, progress.start, request.prompt_tokens, list(cold.values()), heads, workers)
 
-    def exact_rest(self, seq: Sequence, progress: PrefillProgress, found: list[SegmentEntry | None],
-                   snapshot: bool) -> None:
-        """Lay out the rest of `seq`'s prompt after its exact run as exact runs (one forward over the
-        prompt, cut to the step budget as `full`'s is): all of it fresh work. With `snapshot`
-        (exact_repeats) the whole context becomes the exact run, kept as a snapshot once computed.
-        The missing entries are deferred (`defer`, once the first token is due)."""
+    def exact_rest(self, seq: Sequence, progress: PrefillProgress, found: list[SegmentEntry | None]) -> None:
+        """Lay out the rest of `seq`'s prompt after its exact run as ONE run, as `full` runs its prompt
+        (cut only by the step budget), all of it fresh work. It leaves no exact snapshot: the linear
+        states at each segment boundary would need the forward cut there, which costs more than
+        full (with exact_repeats a repeat in this order is computed exactly at its second sighting
+        and kept then, as any run is). The missing entries are deferred (`defer`, once its first
+        token is due)."""
         request, stats = seq.request, seq.stats
-        first, pos = progress.exact, progress.start
-        if snapshot:
-            progress.chain = chain_hashes([SegmentKey.of(self.fingerprint, 0, s).tokens for s in request.context])
-            progress.exact = len(request.context)
+        first = progress.exact
         deferred: dict[str, tuple[SegmentKey, tuple[int, ...]]] = {}
         for seg, entry in zip(request.context[first:], found[first:]):
-            progress.runs.append(Run(seg, pos, boundary=snapshot))
-            pos += len(seg)
             if entry is not None:
                 stats.segment_hits += 1  # found, not used: the forward computes it exactly
                 continue
             stats.segment_misses += 1
             key = SegmentKey.of(self.fingerprint, seq.seam, seg)
             deferred.setdefault(key.to_str(), (key, seg))
-        progress.runs.append(Run(request.question, pos))
+        progress.runs.append(Run(tuple(t for s in request.segments[first:] for t in s), progress.start))
         progress.timing = "forward"
         progress.deferred = [(key, seg, seq.seam) for key, seg in deferred.values()]
         stats.exact_forward = True

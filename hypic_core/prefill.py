@@ -123,7 +123,7 @@ class StitchedPrefill:
         if context.exact_forward_wins(seq, progress, found):
             # Cold: ONE exact forward over the rest of the prompt, as `full` runs it (its answer);
             # the missing entries are computed after its first token (ContextCacheManager.defer).
-            context.exact_rest(seq, progress, found, snapshot=longer)
+            context.exact_rest(seq, progress, found)
             return
         context.entries(seq, progress, found)
         progress.stitch_pending = True
