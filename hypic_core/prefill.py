@@ -82,13 +82,20 @@ def per_token_parameters(model: torch.nn.Module) -> float:
     return max(float(total), 1.0)
 
 
+# The stitched cold path is chosen only when estimated at most this share of the exact forward: the
+# exact forward is `full` by construction (and its answer exact), the estimate is within a few
+# percent of measured timings (docs/benchmarks.md, "Cold"), so a near tie goes to the exact forward.
+STITCH_MARGIN = 0.9
+
+
 def exact_wins(cost: CostModel, start: int, prompt_tokens: int, cold: Seq[tuple[int, int]], stitched: int,
                workers: int = 1) -> bool:
-    """Whether one exact forward over the prompt after `start` costs less than computing the cold
-    entries (`cold`: (length, done) of each missing one, shared by `workers` processes) and then
-    stitching `stitched` tokens (seam heads and the question) over the whole prompt."""
+    """Whether one exact forward over the prompt after `start` is the cheaper choice against computing
+    the cold entries (`cold`: (length, done) of each missing one, shared by `workers` processes) and
+    then stitching `stitched` tokens (seam heads and the question) over the whole prompt; the stitch
+    has to be estimated under STITCH_MARGIN of the forward to win."""
     entries = sum(cost.entry(n, d) for n, d in cold) / max(1, workers)
-    return cost.forward(prompt_tokens - start, start) < entries + cost.stitch(stitched, prompt_tokens)
+    return entries + cost.stitch(stitched, prompt_tokens) > STITCH_MARGIN * cost.forward(prompt_tokens - start, start)
 
 
 class FullPrefill:
