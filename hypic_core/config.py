@@ -93,8 +93,8 @@ class EngineConfig:
     """Engine-wide settings.
 
     memory_budget_bytes bounds the in-memory segment store (when the engine builds it);
-    prefix_budget_bytes bounds the exact snapshots of leading segment runs (hypic_core/prefix_cache.py);
-    max_running, max_step_tokens and running_budget_bytes bound the scheduler (hypic_core/scheduler.py).
+    prefix_budget_bytes bounds the exact snapshots of leading segment runs (hypic_core/cache/exact_runs.py);
+    max_running, max_step_tokens and running_budget_bytes bound the scheduler (hypic_core/engine/scheduler.py).
     exact_repeats (pic modes): past `GenerationRequest.exact_prefix`, restore the longest run of
     leading context segments an exact snapshot holds (a `prefix`-mode request's context, an earlier
     repeat), and compute exactly (in context) and snapshot a run an earlier request had in the same
@@ -106,7 +106,7 @@ class EngineConfig:
     stitch. "exact": a request that misses every entry it would stitch runs ONE exact forward over
     the prompt, as `full` does (its answer is `full`'s), and the missing entries are computed
     after its first token, off the critical path (`background_tokens`). "auto": the exact forward
-    whenever the cost model (hypic_core/prefill.py `CostModel`) says the cold entries and the stitch
+    whenever the cost model (hypic_core/engine/prefill.py `CostModel`) says the cold entries and the stitch
     cost more than it. The gateway defaults to "auto" (`HYPIC_COLD_PREFILL`); off here for the same
     reason as exact_repeats (the answer would depend on what the cache holds).
     background_tokens bounds the tokens of deferred cold work queued (the oldest is dropped past it).
@@ -120,7 +120,7 @@ class EngineConfig:
     max_step_tokens: int = 512  # model tokens per engine step: decode tokens + a chunk of prefill
     running_budget_bytes: int = 4 << 30  # attention K/V + linear state of the running sequences
     exact_repeats: bool = False
-    scheduling: str = "fcfs"  # the waiting queue's policy: "fcfs" or "priority" (hypic_core/request_queue.py)
+    scheduling: str = "fcfs"  # the waiting queue's policy: "fcfs" or "priority" (hypic_core/engine/request_queue.py)
     cold_prefill: str = "stitch"  # "stitch", "exact" or "auto" (see above)
     background_tokens: int = 1 << 20  # deferred cold work queued at most, in segment tokens
 

@@ -11,7 +11,7 @@ Invariants, for every linear family and a dense one:
 - "stitch" keeps today's path; requests that measure composition (`exact_runs` False) always
   stitch; an aborted request leaves no background work; with exact_repeats a repeat in the same
   order is computed exactly and then restored, equal to full;
-- "auto" chooses by the cost model (hypic_core/prefill.py), checked on its formula and on the
+- "auto" chooses by the cost model (hypic_core/engine/prefill.py), checked on its formula and on the
   engine's choice for an all-miss and a mostly-warm request.
 """
 
@@ -22,11 +22,11 @@ import torch
 
 from conftest import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine import Engine
+from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError
-from hypic_core.keys import SegmentKey
-from hypic_core.prefill import CostModel, exact_wins
-from hypic_core.sequence import Status
+from hypic_core.algebra.keys import SegmentKey
+from hypic_core.engine.prefill import CostModel, exact_wins
+from hypic_core.engine.sequence import Status
 from hypic_core.testing import tiny_model
 
 FAMILIES = ["qwen3_5", "bamba", "kimi_linear", "minimax", "llama"]

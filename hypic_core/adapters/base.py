@@ -19,8 +19,8 @@ from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 
+from ..algebra.operators import LinearOperator
 from ..config import Mode
-from ..operators import LinearOperator
 from .kernels import KernelSelection
 
 
@@ -53,7 +53,7 @@ class ModelAdapter(ABC):
     kernels: KernelSelection = KernelSelection(None)
     # The extra work a canonical entry's linear layers cost per token (its body operators T, E beside
     # the forward), per element of the linear state, in units of one parameter of the forward's
-    # per-token weights: the cost model of hypic_core/prefill.py (`CostModel`) multiplies it by the
+    # per-token weights: the cost model of hypic_core/engine/prefill.py (`CostModel`) multiplies it by the
     # state's elements and divides by the per-token parameters. Fitted per family on the bench-size
     # models of bench/families.py (docs/benchmarks.md, "Cold"); 0: no transition work to speak of.
     entry_state_cost: ClassVar[float] = 0.0
