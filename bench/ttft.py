@@ -146,7 +146,7 @@ def sweep(args) -> list[tuple[int, float, float, float, float, float]]:
     for n in args.sweep_chunks:
         system, chunks, questions = workload(n, args.chunk_len, args.question_len, model.config.vocab_size, 2)
         segs = [system, *chunks, questions[0]]
-        reps = 2 if n <= 16 else 1
+        reps = 2 if n <= 8 else 1
         full = statistics.median(ttft(engine, segs, "full") for _ in range(reps))
         colds, backgrounds, warms = [], [], []
         for _ in range(reps):
@@ -172,7 +172,7 @@ def plot(rows, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     x = [r[0] for r in rows]
     ax.plot(x, [r[1] * 1000 for r in rows], "o-", label="full prefill")
-    ax.plot(x, [r[2] * 1000 for r in rows], "^-", label="hypic cold (exact forward, the default)")
+    ax.plot(x, [r[2] * 1000 for r in rows], "^-", label="hypic cold (auto: exact forward or stitch)")
     ax.plot(x, [r[3] * 1000 for r in rows], "v--", label="hypic cold, stitched")
     ax.plot(x, [r[4] * 1000 for r in rows], "s-", label="hypic warm")
     ax.set_xscale("log", base=2)
@@ -220,8 +220,24 @@ def report(args, times, bytes_by_kind, params, sweep_rows) -> str:
     return "\n".join(lines)
 
 
+def rows_from(logs: list[Path]) -> list[tuple[int, float, float, float, float, float]]:
+    """The sweep rows `sweep` printed in these saved outputs, by prompt length."""
+    import re
+
+    pat = re.compile(r"^(\d+) tokens: full (\d+) ms, hypic-cold (\d+) ms, hypic-cold-stitch (\d+) ms, hypic-warm (\d+) ms, "
+                     r"background (\d+) ms")
+    rows = {}
+    for log in logs:
+        for line in log.read_text().splitlines():
+            m = pat.match(line)
+            if m:
+                t, *ms = map(int, m.groups())
+                rows[t] = (t, *(v / 1000 for v in ms))
+    return [rows[t] for t in sorted(rows)]
+
+
 def sweep_lines(rows) -> list[str]:
-    lines = ["TTFT vs context length (`--sweep`; median of 2 up to 16 chunks, one run beyond; background: the "
+    lines = ["TTFT vs context length (`--sweep`; median of 2 up to 8 chunks, one run beyond; background: the "
              "deferred entries' work after the cold request's first token, off its critical path):", "",
              "![TTFT vs context length](ttft_vs_context.png)", "",
              "| prompt tokens | full (ms) | hypic cold (ms) | cold / full | hypic cold, stitched (ms) | stitched / full "
@@ -251,13 +267,15 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also measure TTFT vs context length and plot it")
     ap.add_argument("--sweep-chunks", type=int, nargs="*", default=list(SWEEP_CHUNKS), help="chunk counts of the sweep")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep (the TTFT table is not measured)")
+    ap.add_argument("--plot-from", type=Path, nargs="*", help="no measurement: join the sweep rows these runs printed "
+                    "(their output, saved) into the plot and the sweep section")
     ap.add_argument("--cold", choices=["auto", "exact", "stitch"], default="auto", help="cold_prefill of hypic-cold")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared 2-core machine)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.sweep_only:
-        rows = sweep(args)
+    if args.plot_from or args.sweep_only:
+        rows = rows_from(args.plot_from) if args.plot_from else sweep(args)
         plot(rows, args.out.parent / "ttft_vs_context.png")
         section = report_sweep(args, rows)
         print(section)

@@ -212,3 +212,18 @@ def test_auto_chooses_by_cost():
     assert not warm.stats.exact_forward and warm.stats.segment_hits == len(LENGTHS) - 1
     dense = engine_of(tiny_model("llama"), "auto")
     assert dense.context.cost.entry_overhead == 0
+
+
+def test_cold_exact_runs_the_forwards_full_runs(model):
+    """By construction: the same forward calls (token counts, positions) in the same steps as `full`."""
+    segs = random_segments(LENGTHS, seed=13)
+
+    def calls(mode):
+        eng = engine_of(model, max_step_tokens=32)
+        seen, forward = [], eng.runner.forward
+        eng.runner.forward = lambda ids, start, cache, logits=False: (seen.append((len(ids), start, logits)),
+                                                                       forward(ids, start, cache, logits))[1]
+        list(eng.generate(req(segs, mode)))
+        return seen
+
+    assert calls("hypic") == calls("full")
