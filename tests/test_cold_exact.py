@@ -227,3 +227,16 @@ def test_cold_exact_runs_the_forwards_full_runs(model):
         return seen
 
     assert calls("hypic") == calls("full")
+
+
+def test_failed_background_work_is_dropped_not_raised():
+    model = tiny_model("qwen3_5")
+    eng = engine_of(model)
+    first(eng, req(random_segments(LENGTHS, seed=14)))
+    real = eng.runner.compute_entries
+    eng.runner.compute_entries = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    assert eng.step() == [] and isinstance(eng.context.background_error, RuntimeError)
+    assert not eng.has_background_work() and not eng.context._cold
+    eng.runner.compute_entries = real
+    out, _ = first(eng, req(random_segments(LENGTHS, seed=15)))  # the engine serves on
+    assert out.stats.exact_forward

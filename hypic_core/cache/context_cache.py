@@ -59,7 +59,8 @@ class ContextCacheManager:
         self._cold: dict[str, ColdWork] = {}
         self.cost: CostModel | None = None  # set by the engine (cold_prefill "auto")
         self.background: deque[ColdWork] = deque()  # deferred cold work, oldest first
-        self.background_dropped = 0  # deferred segments dropped past `config.background_tokens`
+        self.background_dropped = 0  # deferred segments dropped (past `config.background_tokens`, or failed)
+        self.background_error: BaseException | None = None  # the last failure of background work
 
     # --- the scheduler's questions ----------------------------------------------------------
     def plan(self, seq: Sequence) -> None:
@@ -216,6 +217,17 @@ class ContextCacheManager:
                                    is not self.background[0]):
             self.background.popleft().background = False
         return [cw for cw in self.background if cw.entry is None]
+
+    def abandon_background(self, error: BaseException) -> None:
+        """Computing background work failed (`error`, kept in `background_error`): drop it all. Work a
+        sequence waits for stays in flight (its own prefill computes it, and fails there if it must)."""
+        self.background_error = error
+        while self.background:
+            cw = self.background.popleft()
+            cw.background = False
+            cw.part = None if cw.holders <= 0 else cw.part
+            self.background_dropped += 1
+            self._drop_if_unclaimed(cw)
 
     def finish_background(self, cw: ColdWork) -> None:
         """`cw` (background work) has its entry: store it, unless sequences wait for it (they hand it over)."""

@@ -231,7 +231,10 @@ class Engine:
             scheduled = self.scheduler.schedule()
             executed = self._execute(scheduled)
             outputs = self._update(scheduled, executed)
-            self._run_background(scheduled, executed)
+            try:
+                self._run_background(scheduled, executed)
+            except Exception as exc:  # noqa: BLE001 - no request waits for it: drop it, never fail the step
+                self.context.abandon_background(exc)
             return outputs
 
     def generate(self, request: GenerationRequest, abort: AbortHandle | None = None,
