@@ -240,3 +240,36 @@ def test_failed_background_work_is_dropped_not_raised():
     eng.runner.compute_entries = real
     out, _ = first(eng, req(random_segments(LENGTHS, seed=15)))  # the engine serves on
     assert out.stats.exact_forward
+
+
+def test_gateway_serves_cold_exactly_and_its_engine_thread_builds_the_entries(tiny_tokenizer, tmp_path):
+    """Through the gateway: a cold /query takes the exact forward (no composed or seam tokens); the
+    engine thread then computes the deferred entries while idle, and the same question composes."""
+    import json
+    import time
+
+    import httpx
+
+    from app.server import create_app
+    from app.settings import Settings
+    from app.testing import LiveServer
+    from retrieval import HashingEmbedder, VectorIndex
+
+    docs = [{"id": f"d{i}", "text": f"Document {i} says the river number {i} flows north past the town of Varo {i}."}
+            for i in range(4)]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    settings = Settings(_env_file=None, torch_threads=None, index_dir=tmp_path / "index", corpus_path=tmp_path / "corpus.jsonl",
+                        exact_repeats=False)
+    engine = Engine(tiny_model("qwen3_5", vocab_size=len(tiny_tokenizer)), tiny_tokenizer,
+                    EngineConfig(seam=4, cold_prefill="exact"), model_id="tiny")
+    app = create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64)))
+    ask = {"question": "Which way does the river flow?", "top_k": 3, "max_tokens": 4}
+    with LiveServer(app) as live:
+        live.wait_ready(timeout=60)
+        cold = httpx.post(f"{live.url}/query", json=ask, timeout=60).json()["usage"]
+        deadline = time.time() + 30
+        while engine.has_background_work() and time.time() < deadline:
+            time.sleep(0.05)
+        warm = httpx.post(f"{live.url}/query", json=ask, timeout=60).json()["usage"]
+    assert cold["composed_tokens"] == 0 and cold["seam_tokens"] == 0, cold
+    assert warm["composed_tokens"] > 0, warm

@@ -255,7 +255,8 @@ def test_gateway_serves_the_hybrid_and_reuses_its_chunks(hybrid_dir, tmp_path):
     from test_gateway_models import DOCUMENTS
 
     settings = Settings(_env_file=None, model="smollm2-hybrid-135m", torch_threads=None, index_dir=tmp_path / "index",
-                        corpus_path=None, max_new_tokens=32, exact_repeats=False)  # the repeat composes
+                        corpus_path=None, max_new_tokens=32, exact_repeats=False,  # the repeat composes
+                        cold_prefill="stitch")  # and the first too: cold and warm give the same answer
     with single_torch_thread(), LiveServer(create_app(settings, index=VectorIndex(settings.index_dir, HashingEmbedder(256)))) as live:
         live.wait_ready(timeout=120)
         body = "\n".join(json.dumps(d) for d in DOCUMENTS)
