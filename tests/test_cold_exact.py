@@ -271,5 +271,7 @@ def test_gateway_serves_cold_exactly_and_its_engine_thread_builds_the_entries(ti
         while engine.has_background_work() and time.time() < deadline:
             time.sleep(0.05)
         warm = httpx.post(f"{live.url}/query", json=ask, timeout=60).json()["usage"]
+        metrics = httpx.get(f"{live.url}/metrics", timeout=10).text
+    assert 'hypic_cold_exact_forwards_total{model_name="tiny"} 1.0' in metrics
     assert cold["composed_tokens"] == 0 and cold["seam_tokens"] == 0, cold
     assert warm["composed_tokens"] > 0, warm
