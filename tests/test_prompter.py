@@ -1,4 +1,4 @@
-"""Prompt building (app/prompter.py): chat and raw layouts, safe tokenization, fitting to the context.
+"""Prompt building (app/service/prompter.py): chat and raw layouts, safe tokenization, fitting to the context.
 
 Safe tokenization is checked on the bundled model's tokenizer and on SmolLM2's: user text that
 spells a control token (`<|im_end|>`) must never become one; the template's own markers must.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from app.errors import APIError
-from app.prompter import GENERIC, Prompter, PromptLayout, SafeEncoder, check_template, fill
-from app.settings import Settings
+from app.http.errors import APIError
+from app.service.prompter import GENERIC, Prompter, PromptLayout, SafeEncoder, check_template, fill
+from app.service.settings import Settings
 from hypic_core.models.registry import KNOWN_MODELS, REPO_ROOT
 from retrieval.document import Chunk, chunk_id_for
 from retrieval.index import SearchHit

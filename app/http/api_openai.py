@@ -35,12 +35,14 @@ from hypic_core.config import MAX_SEED
 from hypic_core.engine.sequence import StepOutput
 from hypic_core.errors import InvalidRequestError
 
-from . import pipeline, schemas, sse
+from ..service import pipeline
+
+from ..service.engine_thread import TokenStream
+from ..service.prompter import Prompt
+from ..service.runtime import Runtime
+from . import schemas, sse
 from .errors import APIError, from_engine, shown
-from .prompter import Prompt
 from .routing import StrictJSONRoute
-from .runtime import Runtime
-from .worker import TokenStream
 
 log = logging.getLogger("hypic.openai")
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute)

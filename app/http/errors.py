@@ -21,8 +21,8 @@ import reprlib
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hypic_core.errors import InvalidRequestError, PromptTooLongError
 from retrieval.errors import DocumentNotFoundError, RetrievalError

@@ -21,10 +21,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from ..service.runtime import EngineSource, IndexSource, Runtime
+from ..service.settings import Settings
 from . import api_documents, api_openai, api_ops, api_query, errors, schemas
 from .middleware import OPEN_PATHS, ApiKey, BodyLimit, HeaderLimit, HostCheck, OriginCheck, RequestContext
-from .runtime import EngineSource, IndexSource, Runtime
-from .settings import Settings
 
 
 def create_app(settings: Settings | None = None, engine: EngineSource = None, index: IndexSource = None) -> FastAPI:

@@ -36,7 +36,7 @@ from typing import Literal, Sequence
 
 from retrieval.index import SearchHit
 
-from .errors import APIError
+from ..http.errors import APIError
 
 Part = tuple[str, bool]  # (text, trusted): trusted text may contain special tokens
 Tokens = tuple[int, ...]

@@ -38,7 +38,7 @@ _END = object()
 
 
 class IdleTask(Protocol):
-    """Work the engine thread does while it serves nothing (app/guard.py's `Guard`)."""
+    """Work the engine thread does while it serves nothing (app/service/guard.py's `Guard`)."""
 
     def pending(self) -> bool: ...
 

@@ -25,13 +25,13 @@ from hypic_core.models.registry import resolve as resolve_model
 from retrieval.chunker import Chunker, default_chunk_tokens
 from retrieval.index import VectorIndex
 
-from .errors import APIError
+from ..http.errors import APIError
+from .engine_thread import Worker
 from .guard import Guard
 from .metrics import Metrics
 from .prompter import Prompter
 from .settings import DEFAULT_INDEX_DIR, Settings
 from .tokens import TokenText
-from .worker import Worker
 
 log = logging.getLogger("hypic.runtime")
 
@@ -96,7 +96,7 @@ class Runtime:
         self.chunker: Chunker | None = None
         self.prompter: Prompter | None = None
         self.tokens: TokenText | None = None
-        self.guard: Guard | None = None  # the accuracy guard (app/guard.py), set once loaded
+        self.guard: Guard | None = None  # the accuracy guard (app/service/guard.py), set once loaded
         self.model_name = settings.served_model_name
         self.load_error: str | None = None
         self.created = int(time.time())

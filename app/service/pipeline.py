@@ -22,11 +22,11 @@ from retrieval.document import normalize_document_id
 from retrieval.errors import DocumentNotFoundError, RetrievalError
 from retrieval.index import SearchHit
 
-from .errors import APIError, from_engine, from_retrieval
+from ..http.errors import APIError, from_engine, from_retrieval
+from .engine_thread import QueueFullError, TokenStream
 from .guard import exact_mode
 from .prompter import Prompt
 from .runtime import Runtime
-from .worker import QueueFullError, TokenStream
 
 
 class SamplingExtras(BaseModel):
@@ -140,7 +140,7 @@ def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: s
     engine, in `start`.
 
     A request that names neither `mode` nor `seam` (nor `exact`) runs as the accuracy guard
-    chooses now (app/guard.py: the configured default, a wider seam, or `prefix`); one that
+    chooses now (app/service/guard.py: the configured default, a wider seam, or `prefix`); one that
     names either gets what it named, the configured default for the other. `exact` means
     `prefix`, or `full` when named."""
     if sampling.get("max_tokens", 1) > rt.settings.max_new_tokens:

@@ -81,7 +81,7 @@ def exact_mode(mode: str | None) -> Mode:
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """Thresholds of the guard (app/settings.py `guard_*`). Raises ValueError for values out of range."""
+    """Thresholds of the guard (app/service/settings.py `guard_*`). Raises ValueError for values out of range."""
 
     enabled: bool = True
     sample_rate: float = 0.05  # share of admitted requests checked

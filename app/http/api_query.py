@@ -28,11 +28,13 @@ from pydantic_core import PydanticCustomError
 from hypic_core.config import MAX_SEED
 from hypic_core.errors import InvalidRequestError
 
-from . import pipeline, schemas, sse
+from ..service import pipeline
+
+from ..service.engine_thread import TokenStream
+from ..service.runtime import Runtime
+from . import schemas, sse
 from .errors import APIError, from_engine
 from .routing import StrictJSONRoute
-from .runtime import Runtime
-from .worker import TokenStream
 
 log = logging.getLogger("hypic.query")
 router = APIRouter(route_class=StrictJSONRoute)
