@@ -351,7 +351,7 @@ def test_checks_never_change_served_answers(endless_engine, tmp_path, monkeypatc
 
 def test_checks_are_low_priority_requests_through_the_step_loop(endless_engine, tmp_path, monkeypatch):
     """No second model path: a check is a `full` request and one per configuration, added to the engine
-    at the lowest priority, keeping their first-token logits, and stepped by the worker's loop."""
+    at the lowest priority, keeping their first-token logits, and stepped by the engine thread's loop."""
     added = []
     add = endless_engine.add_request
 

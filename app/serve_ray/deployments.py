@@ -42,7 +42,7 @@ APP_NAME = "hypic"
 
 class GatewayReplica:
     """One gateway: the app of `create_app(settings)`, with its lifespan (loading on start, the
-    worker stopped on shutdown). Serves the requests the ingress forwards (`forward`). Not an
+    engine thread stopped on shutdown). Serves the requests the ingress forwards (`forward`). Not an
     HTTP ingress itself: a Serve application has one, the `Ingress`."""
 
     async def __init__(self, settings: Settings) -> None:
@@ -64,7 +64,7 @@ class GatewayReplica:
         runtime = self.gateway.state.runtime
         if runtime.load_error is not None and self.settings.exit_on_load_failure:
             raise RuntimeError(f"this replica cannot serve: {runtime.load_error}")
-        if not runtime.worker.alive:
+        if not runtime.engine_thread.alive:
             raise RuntimeError("this replica's engine thread has stopped")
 
     async def __del__(self) -> None:
