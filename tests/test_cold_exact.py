@@ -250,8 +250,8 @@ def test_gateway_serves_cold_exactly_and_its_engine_thread_builds_the_entries(ti
 
     import httpx
 
-    from app.server import create_app
-    from app.settings import Settings
+    from app.http.server import create_app
+    from app.service.settings import Settings
     from app.testing import LiveServer
     from retrieval import HashingEmbedder, VectorIndex
 
