@@ -212,11 +212,16 @@ class ContextCacheManager:
             self._drop_if_unclaimed(cw)
 
     def pending_background(self) -> list[ColdWork]:
-        """Background cold work still to compute, oldest first (finished or abandoned work leaves)."""
-        while self.background and (self.background[0].entry is not None or self._cold.get(self.background[0].key.to_str())
-                                   is not self.background[0]):
-            self.background.popleft().background = False
-        return [cw for cw in self.background if cw.entry is None]
+        """Background cold work still to compute, oldest first (finished or abandoned work leaves the queue)."""
+        if any(cw.entry is not None or self._cold.get(cw.key.to_str()) is not cw for cw in self.background):
+            keep = deque()
+            for cw in self.background:
+                if cw.entry is None and self._cold.get(cw.key.to_str()) is cw:
+                    keep.append(cw)
+                else:
+                    cw.background = False
+            self.background = keep
+        return list(self.background)
 
     def abandon_background(self, error: BaseException) -> None:
         """Computing background work failed (`error`, kept in `background_error`): drop it all. Work a
