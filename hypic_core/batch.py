@@ -73,23 +73,27 @@ class DecodeBatch:
         if not self.keys and not joining:
             self._free()
             return
-        for k in joining:
-            self._add(k, caches[k])
+        if joining:
+            if self.cache is None:  # first rows since the batch was empty: zero-row buffers, grown below
+                keys, values = self.attention.kv(caches[joining[0]])
+                self._k = [k.new_zeros((0, k.shape[1], 0, k.shape[3])) for k in keys]
+                self._v = [v.new_zeros((0, v.shape[1], 0, v.shape[3])) for v in values]
+                rows = self.linear.rows(caches[joining[0]])
+                self._conv = [c.new_zeros((0, *c.shape[1:])) for c, _ in rows]
+                self._state = [s.new_zeros((0, *s.shape[1:])) for _, s in rows]
+                self.cache = self.adapter.new_cache()
+            longest = max(self.lengths + [self.attention.length(caches[k]) for k in joining])
+            self.reserve(len(self.keys) + len(joining), longest + 1)  # once for all that join
+            for k in joining:
+                self._add(k, caches[k])
         self._bind()
 
     def _add(self, key: Any, cache) -> None:
-        """A new last row with a batch-1 cache's K/V ([1, H, length, D] per layer) and linear states."""
+        """A new last row (room reserved) with a batch-1 cache's K/V ([1, H, length, D] per layer) and linear states."""
         keys, values = self.attention.kv(cache)
         length = self.attention.length(cache)
         rows = self.linear.rows(cache)
-        if self.cache is None:  # first row since the batch was empty: zero-row buffers, grown below
-            self._k = [k.new_zeros((0, k.shape[1], 0, k.shape[3])) for k in keys]
-            self._v = [v.new_zeros((0, v.shape[1], 0, v.shape[3])) for v in values]
-            self._conv = [c.new_zeros((0, *c.shape[1:])) for c, _ in rows]
-            self._state = [s.new_zeros((0, *s.shape[1:])) for _, s in rows]
-            self.cache = self.adapter.new_cache()
         r = len(self.keys)
-        self.reserve(r + 1, length + 1)
         for j in range(len(self._k)):
             self._k[j][r, :, :length] = keys[j][0, :, :length]
             self._v[j][r, :, :length] = values[j][0, :, :length]
