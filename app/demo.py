@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine import Engine
-from hypic_core.registry import resolve
+from hypic_core.engine.engine import Engine
+from hypic_core.models.registry import resolve
 from retrieval.document import Chunk, chunk_id_for
 from retrieval.index import SearchHit
 

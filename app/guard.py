@@ -34,9 +34,9 @@ from typing import Callable, NamedTuple
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hypic_core.config import GenerationRequest, Mode, SamplingParams
-from hypic_core.engine import Engine
+from hypic_core.engine.engine import Engine
+from hypic_core.engine.sequence import StepOutput
 from hypic_core.errors import InvalidRequestError
-from hypic_core.sequence import StepOutput
 
 log = logging.getLogger("hypic.guard")
 

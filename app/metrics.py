@@ -20,8 +20,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, H
                                ProcessCollector, disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from hypic_core.sequence import PrefillStats
-from hypic_core.store import SegmentStore
+from hypic_core.cache.store import SegmentStore
+from hypic_core.engine.sequence import PrefillStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

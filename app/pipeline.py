@@ -16,7 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from hypic_core.config import GenerationRequest, Mode, SamplingParams
-from hypic_core.sequence import StepOutput
+from hypic_core.engine.sequence import StepOutput
 from hypic_core.errors import InvalidRequestError
 from retrieval.document import normalize_document_id
 from retrieval.errors import DocumentNotFoundError, RetrievalError

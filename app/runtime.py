@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Callable, Union
 
 from hypic_core.cache import build_store as build_segment_store
+from hypic_core.cache.store import SegmentStore
 from hypic_core.config import EngineConfig
-from hypic_core.engine import Engine
-from hypic_core.registry import KNOWN_MODELS, ResolvedModel
-from hypic_core.registry import resolve as resolve_model
-from hypic_core.store import SegmentStore
+from hypic_core.engine.engine import Engine
+from hypic_core.models.registry import KNOWN_MODELS, ResolvedModel
+from hypic_core.models.registry import resolve as resolve_model
 from retrieval.chunker import Chunker, default_chunk_tokens
 from retrieval.index import VectorIndex
 

@@ -268,7 +268,7 @@ class Settings(BaseSettings):
 
     @property
     def served_model_name(self) -> str:
-        from hypic_core.registry import served_name
+        from hypic_core.models.registry import served_name
 
         return self.model_name or served_name(self.model)
 

@@ -49,7 +49,7 @@ def tiny_engine(tokenizer, seed: int = 0, stop_at_eos: bool = True):
     """An `Engine` over a tiny random qwen3_5 model sized to `tokenizer` (seam 4, model id "tiny").
     With `stop_at_eos=False` it never samples its way to EOS, so generations run to max_tokens."""
     from hypic_core.config import EngineConfig
-    from hypic_core.engine import Engine
+    from hypic_core.engine.engine import Engine
     from hypic_core.testing import tiny_model
 
     engine = Engine(tiny_model("qwen3_5", seed=seed, vocab_size=len(tokenizer)), tokenizer, EngineConfig(seam=4), model_id="tiny")

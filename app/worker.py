@@ -5,7 +5,7 @@ are already admitted), hands it to `Engine.add_request` (which validates it and 
 `InvalidRequestError` for a bad one), and returns the `TokenStream` the endpoint reads. One
 engine thread calls `Engine.step()` while the engine has work and routes each `StepOutput` to
 its stream through `loop.call_soon_threadsafe`; it never waits for a slow client. Scheduling,
-batching and chunked prefill all live in the engine (hypic_core/scheduler.py).
+batching and chunked prefill all live in the engine (hypic_core/engine/scheduler.py).
 
 Closing a stream early (client disconnect, cancelled task) fires its `AbortHandle`: the engine
 drops the request at its next step and frees its slot.
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol
 
 from hypic_core.config import GenerationRequest
-from hypic_core.engine import Engine
-from hypic_core.sequence import AbortHandle, PrefillStats, StepOutput
+from hypic_core.engine.engine import Engine
+from hypic_core.engine.sequence import AbortHandle, PrefillStats, StepOutput
 
 from .metrics import Metrics
 

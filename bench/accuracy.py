@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hypic_core.config import EngineConfig, GenerationRequest, Mode, SamplingParams  # noqa: E402
-from hypic_core.engine import Engine  # noqa: E402
+from hypic_core.engine.engine import Engine  # noqa: E402
 from training import world  # noqa: E402
 
 SEAMS = (0, 2, 4, 8, 16, 32)
@@ -85,7 +85,7 @@ def greedy(engine: Engine, segs, mode: str, seam: int, max_tokens: int) -> tuple
     """(answer text, first-token logits) under one configuration."""
     sampling = SamplingParams(max_tokens=max_tokens)
     if mode == "whole":
-        from hypic_core.engine import PrefillResult, PrefillStats
+        from hypic_core.engine.engine import PrefillResult, PrefillStats
 
         cache, pos, logits = prefill_whole_semantics(engine, segs, seam)
         req = GenerationRequest(segs, mode=Mode.HYPIC, seam=seam, sampling=sampling)

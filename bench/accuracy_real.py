@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from app.prompter import Prompter  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
-from hypic_core.engine import Engine  # noqa: E402
-from hypic_core.registry import resolve  # noqa: E402
+from hypic_core.engine.engine import Engine  # noqa: E402
+from hypic_core.models.registry import resolve  # noqa: E402
 from markdown_section import write_section  # noqa: E402
 from real_qa import build_context, load_real_qa, normalize_answer, score  # noqa: E402
 from retrieval.document import Chunk, chunk_id_for  # noqa: E402

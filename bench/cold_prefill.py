@@ -42,10 +42,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hypic_core.cache.store import MemorySegmentStore  # noqa: E402
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
-from hypic_core.engine import Engine  # noqa: E402
-from hypic_core.store import MemorySegmentStore  # noqa: E402
-from hypic_core.workers import PrefillPool, ReplicaSpec  # noqa: E402
+from hypic_core.engine.engine import Engine  # noqa: E402
+from hypic_core.prefill_pool import PrefillPool, ReplicaSpec  # noqa: E402
 
 from markdown_section import write_section  # noqa: E402  (bench/ is the script directory)
 
@@ -83,8 +83,8 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 def split_accuracy(args) -> None:
     """First-token KL / top-1 / exact match of split entries against unsplit ones (see the docstring)."""
-    from hypic_core.keys import SegmentKey
-    from hypic_core.workers.split import join_pieces, split_points
+    from hypic_core.algebra.keys import SegmentKey
+    from hypic_core.prefill_pool.split import join_pieces, split_points
     from training import world
 
     engine = Engine.from_pretrained(args.model, EngineConfig(seam=args.seam))

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
-from hypic_core.engine import Engine  # noqa: E402
+from hypic_core.engine.engine import Engine  # noqa: E402
 
 
 def throughput(engine: Engine, streams: int, tokens: int, rng: random.Random) -> float:

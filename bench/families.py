@@ -31,9 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hypic_core.cache.store import MemorySegmentStore  # noqa: E402
 from hypic_core.config import EngineConfig  # noqa: E402
-from hypic_core.engine import Engine  # noqa: E402
-from hypic_core.store import MemorySegmentStore  # noqa: E402
+from hypic_core.engine.engine import Engine  # noqa: E402
 from hypic_core.testing import FAMILIES, slow_decay, tiny_config  # noqa: E402
 
 from markdown_section import write_section  # noqa: E402
@@ -99,8 +99,8 @@ def bench_model(family: str, hidden: int, layers: int, seed: int = 0) -> torch.n
 
 
 def real_model(name: str) -> torch.nn.Module:
-    from hypic_core import registry
-    from hypic_core.loader import load_local
+    from hypic_core.models import registry
+    from hypic_core.models.loader import load_local
 
     model, _ = load_local(registry.resolve(name).path)
     return model

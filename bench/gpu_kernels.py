@@ -48,9 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hypic_core.adapters import adapter_for  # noqa: E402
+from hypic_core.algebra.operators import compose  # noqa: E402
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
-from hypic_core.engine import Engine  # noqa: E402
-from hypic_core.operators import compose  # noqa: E402
+from hypic_core.engine.engine import Engine  # noqa: E402
 from hypic_core.testing import tiny_model  # noqa: E402
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "bamba", "granitemoehybrid",

@@ -97,7 +97,7 @@ def main() -> None:
         if (args.tokenizer / name).is_file():
             shutil.copy2(args.tokenizer / name, args.outdir / name)
 
-    from hypic_core.engine import Engine
+    from hypic_core.engine.engine import Engine
 
     engine = Engine.from_pretrained(args.outdir)  # what the gateway does: fails here if the directory is unusable
     params = sum(p.numel() for p in engine.model.parameters())

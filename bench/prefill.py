@@ -1,7 +1,7 @@
 """Plain prefill (no cache reuse): the gateway's forward in several configurations, beside
 llama.cpp's `llama-bench` prompt processing on the same model and threads, one run.
 
-Each configuration loads the model as the gateway does (hypic_core.loader) and times one
+Each configuration loads the model as the gateway does (hypic_core.models.loader) and times one
 forward of `--tokens` random token ids from an empty cache, the way `full` mode prefills:
 either in one call or in `--step` token steps (the engine's max_step_tokens). Variants:
 - threads: `--threads` values (torch intra-op threads);
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 def load(model: str, dtype: torch.dtype, attn: str):
     from transformers import AutoModelForCausalLM
 
-    from hypic_core import registry
+    from hypic_core.models import registry
 
     path = registry.resolve(model).path
     m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True,

@@ -20,11 +20,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from hypic_core.algebra.keys import SegmentKey  # noqa: E402
 from hypic_core.cache import decode, encode  # noqa: E402
+from hypic_core.cache.store import MemorySegmentStore  # noqa: E402
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
-from hypic_core.engine import Engine  # noqa: E402
-from hypic_core.keys import SegmentKey  # noqa: E402
-from hypic_core.store import MemorySegmentStore  # noqa: E402
+from hypic_core.engine.engine import Engine  # noqa: E402
 from hypic_core.testing import tiny_model  # noqa: E402
 
 SEAM = 8

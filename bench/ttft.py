@@ -30,9 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hypic_core.cache.store import MemorySegmentStore  # noqa: E402
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
-from hypic_core.engine import Engine  # noqa: E402
-from hypic_core.store import MemorySegmentStore  # noqa: E402
+from hypic_core.engine.engine import Engine  # noqa: E402
 from hypic_core.testing import slow_decay  # noqa: E402
 
 from markdown_section import write_section  # noqa: E402  (bench/ is the script directory)

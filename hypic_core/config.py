@@ -92,8 +92,8 @@ class EngineConfig:
     """Engine-wide settings.
 
     memory_budget_bytes bounds the in-memory segment store (when the engine builds it);
-    prefix_budget_bytes bounds the exact snapshots of leading segment runs (hypic_core/prefix_cache.py);
-    max_running, max_step_tokens and running_budget_bytes bound the scheduler (hypic_core/scheduler.py).
+    prefix_budget_bytes bounds the exact snapshots of leading segment runs (hypic_core/cache/exact_runs.py);
+    max_running, max_step_tokens and running_budget_bytes bound the scheduler (hypic_core/engine/scheduler.py).
     exact_repeats (pic modes): past `GenerationRequest.exact_prefix`, restore the longest run of
     leading context segments an exact snapshot holds (a `prefix`-mode request's context, an earlier
     repeat), and compute exactly (in context) and snapshot a run an earlier request had in the same
@@ -110,7 +110,7 @@ class EngineConfig:
     max_step_tokens: int = 512  # model tokens per engine step: decode tokens + a chunk of prefill
     running_budget_bytes: int = 4 << 30  # attention K/V + linear state of the running sequences
     exact_repeats: bool = False
-    scheduling: str = "fcfs"  # the waiting queue's policy: "fcfs" or "priority" (hypic_core/request_queue.py)
+    scheduling: str = "fcfs"  # the waiting queue's policy: "fcfs" or "priority" (hypic_core/engine/request_queue.py)
 
     def __post_init__(self) -> None:
         if self.seam < 0:

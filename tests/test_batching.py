@@ -12,11 +12,11 @@ import copy
 import pytest
 import torch
 
+from conftest import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine import Engine
+from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError
 from hypic_core.testing import FAMILIES, tiny_model
-from conftest import random_segments
 
 MODES = ("full", "prefix", "pic-naive", "hypic", "hypic", "full")
 SHAPES = ((5, 9), (12, 30, 7), (40, 3), (8, 8, 8, 8, 4), (25, 60, 11), (2,))  # 6 prompts of different lengths

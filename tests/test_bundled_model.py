@@ -110,7 +110,7 @@ def engine():
     import torch
 
     from hypic_core.config import EngineConfig
-    from hypic_core.engine import Engine
+    from hypic_core.engine.engine import Engine
     torch.set_num_threads(1)
     return Engine.from_pretrained(MODEL_DIR, EngineConfig(seam=8))
 

@@ -9,12 +9,12 @@ import diskcache
 import pytest
 import torch
 
+from conftest import random_segments
+from hypic_core.algebra.keys import SegmentKey, model_fingerprint
 from hypic_core.cache import TieredSegmentStore, build_store
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine import Engine
-from hypic_core.keys import SegmentKey, model_fingerprint
+from hypic_core.engine.engine import Engine
 from hypic_core.testing import tiny_model
-from conftest import random_segments
 
 LENGTHS = (12, 30, 21, 5)  # system prompt, two chunks, question
 CONFIG = EngineConfig(seam=4)

@@ -7,10 +7,10 @@ import pickle
 import pytest
 import torch
 
+from hypic_core.algebra.entry import SegmentEntry
+from hypic_core.algebra.keys import SCHEMA_VERSION, SegmentKey
+from hypic_core.algebra.operators import LinearOperator
 from hypic_core.cache import CorruptEntry, decode, encode
-from hypic_core.entry import SegmentEntry
-from hypic_core.keys import SCHEMA_VERSION, SegmentKey
-from hypic_core.operators import LinearOperator
 
 MODEL = "a" * 64
 

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
+from hypic_core.algebra.keys import SCHEMA_VERSION, SegmentKey
 from hypic_core.cache import DiskTier, MemoryTier, StoredTier, TieredSegmentStore, TierStats, WriteBehindTier, encode
-from hypic_core.keys import SCHEMA_VERSION, SegmentKey
 from test_cache_serde import MODEL, make_entry
 
 

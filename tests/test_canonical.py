@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hypic_core.config import Mode
-from hypic_core.engine import Engine
-from hypic_core.testing import FAMILIES, tiny_model
 from conftest import random_segments
+from hypic_core.config import Mode
+from hypic_core.engine.engine import Engine
+from hypic_core.testing import FAMILIES, tiny_model
 from test_operators import assert_close
 
 

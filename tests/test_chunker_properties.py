@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from hypic_core.models.registry import REPO_ROOT
 from retrieval import Chunker, Document, minilm_model_dir
-from hypic_core.registry import REPO_ROOT
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine import Engine
+from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError, PromptTooLongError, UnsupportedArchitectureError
 from hypic_core.testing import tiny_model
-from conftest import random_segments
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_unsupported_architecture_is_named():
 
 
 def test_loader_refuses_unsupported_checkpoint_before_reading_weights(tmp_path):
-    from hypic_core.loader import load_local
+    from hypic_core.models.loader import load_local
 
     (tmp_path / "config.json").write_text('{"model_type": "recurrent_gemma"}')
     with pytest.raises(UnsupportedArchitectureError, match="recurrent_gemma.*position_ids == 0"):

@@ -20,7 +20,7 @@ import torch
 
 from conftest import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine import Engine
+from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError
 from hypic_core.testing import tiny_model
 

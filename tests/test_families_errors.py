@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest
-from hypic_core.engine import Engine
+from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError, PromptTooLongError, UnsupportedArchitectureError
 from hypic_core.testing import tiny_model
-from conftest import random_segments
 
 ADDED = ["bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1", "kimi_linear", "minimax"]
 

@@ -8,7 +8,7 @@ import torch
 
 from hypic_core.adapters import adapter_for
 from hypic_core.adapters import kimi, lightning, mamba2
-from hypic_core.operators import compose, compose_tree
+from hypic_core.algebra.operators import compose, compose_tree
 from hypic_core.testing import tiny_model
 from test_operators import assert_close, rel_err
 

@@ -85,7 +85,7 @@ def test_a_forged_turn_in_a_document_stays_text(smollm2_server):
 def small_context_server(tiny_tokenizer, tmp_path_factory):
     """A tiny random model with a 160-token context and chunks of ~40 tokens."""
     from hypic_core.config import EngineConfig
-    from hypic_core.engine import Engine
+    from hypic_core.engine.engine import Engine
     from hypic_core.testing import tiny_model
 
     root = tmp_path_factory.mktemp("gateway-small-context")

@@ -24,7 +24,7 @@ from app.server import create_app
 from app.settings import Settings
 from app.sse import parse
 from app.testing import LiveServer, single_torch_thread, tiny_engine
-from hypic_core.engine import Engine, StepOutput
+from hypic_core.engine.engine import Engine, StepOutput
 from retrieval import HashingEmbedder, VectorIndex
 
 LONG = 1000  # tokens: several seconds of decoding, far longer than any test waits

@@ -7,15 +7,15 @@ import threading
 import pytest
 import torch
 
-from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.detokenizer import IncrementalDetokenizer, StreamDetokenizer, detokenizer_for
-from hypic_core.engine import AbortHandle, Engine
-from hypic_core.entry import SegmentEntry
-from hypic_core.keys import SegmentKey
-from hypic_core.sampling import Sampler
-from hypic_core.store import MemorySegmentStore
-from hypic_core.testing import tiny_model
 from conftest import random_segments
+from hypic_core.algebra.entry import SegmentEntry
+from hypic_core.algebra.keys import SegmentKey
+from hypic_core.cache.store import MemorySegmentStore
+from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
+from hypic_core.engine.detokenizer import IncrementalDetokenizer, StreamDetokenizer, detokenizer_for
+from hypic_core.engine.engine import AbortHandle, Engine
+from hypic_core.engine.sampling import Sampler
+from hypic_core.testing import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from app.server import create_app
 from app.settings import Settings
 from app.testing import LiveServer, single_torch_thread, tiny_engine
 from hypic_core.config import EngineConfig, GenerationRequest, Mode
-from hypic_core.engine import Engine
+from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError
 from hypic_core.testing import tiny_model
 from retrieval import HashingEmbedder, VectorIndex

@@ -1,4 +1,4 @@
-"""The distilled hybrid (hypic_core/hybrid.py, models/smollm2-hybrid-135m): the conversion keeps
+"""The distilled hybrid (hypic_core/models/hybrid.py, models/smollm2-hybrid-135m): the conversion keeps
 llama attention exact, the shipped mixers assemble into a checkpoint that plain transformers
 loads and that computes what training computed, and the engine's invariants hold on it."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BambaForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from hypic_core import hybrid as H
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine import Engine
-from hypic_core.registry import KNOWN_MODELS, MODEL_STAMP, resolve
+from hypic_core.engine.engine import Engine
+from hypic_core.models import hybrid as H
+from hypic_core.models.registry import KNOWN_MODELS, MODEL_STAMP, resolve
 
 
 @pytest.fixture(scope="module")

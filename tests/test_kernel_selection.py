@@ -20,11 +20,11 @@ import types
 import pytest
 import torch
 
+from conftest import random_segments
 from hypic_core.adapters import adapter_for, kernels
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine import Engine
+from hypic_core.engine.engine import Engine
 from hypic_core.testing import tiny_model
-from conftest import random_segments
 
 HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid", "nemotron_h",
            "zamba2", "falcon_h1", "kimi_linear", "minimax"]

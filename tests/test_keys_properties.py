@@ -1,4 +1,4 @@
-"""Properties of cache keys (hypic_core/keys.py) and segment operators (hypic_core/operators.py).
+"""Properties of cache keys (hypic_core/algebra/keys.py) and segment operators (hypic_core/algebra/operators.py).
 
 Keys: `SegmentKey.of` is a function of (model, seam, token ids) only, distinct inputs give
 distinct keys and strings, and the string form is stable across versions (disk caches outlive
@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hypic_core.keys import SCHEMA_VERSION, SegmentKey
-from hypic_core.operators import LinearOperator, compose, compose_tree
+from hypic_core.algebra.keys import SCHEMA_VERSION, SegmentKey
+from hypic_core.algebra.operators import LinearOperator, compose, compose_tree
 
 PROPERTY = settings(max_examples=100, deadline=None)
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from hypic_core import registry
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine import Engine
-from hypic_core.loader import pick_dtype
-from hypic_core.registry import MODEL_STAMP, KNOWN_MODELS, ModelNotFoundError, REPO_ROOT, resolve, served_name
+from hypic_core.engine.engine import Engine
+from hypic_core.models import registry
+from hypic_core.models.loader import pick_dtype
+from hypic_core.models.registry import MODEL_STAMP, KNOWN_MODELS, ModelNotFoundError, REPO_ROOT, resolve, served_name
 
 EIFFEL = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after "
           "the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.")

@@ -7,7 +7,7 @@ import torch
 
 from hypic_core.adapters import adapter_for
 from hypic_core.adapters.gated_deltanet import naive_scan
-from hypic_core.operators import LinearOperator, compose, compose_tree
+from hypic_core.algebra.operators import LinearOperator, compose, compose_tree
 from hypic_core.testing import tiny_model
 
 GDN_FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]

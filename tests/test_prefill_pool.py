@@ -1,4 +1,4 @@
-"""Parallel cold prefill (hypic_core/workers): entries computed by worker processes or Ray actors
+"""Parallel cold prefill (hypic_core/prefill_pool): entries computed by worker processes or Ray actors
 are the same bytes as the engine's own, generation is unchanged, and a worker killed mid-request
 costs nothing but time. Real processes, a real local Ray instance, the bundled model."""
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hypic_core.cache.store import MemorySegmentStore
 from hypic_core.config import GenerationRequest, SamplingParams
-from hypic_core.engine import Engine
-from hypic_core.store import MemorySegmentStore
-from hypic_core.workers import PrefillPool, ReplicaSpec
-from hypic_core.workers.backends import Event
-from hypic_core.workers.split import join_pieces, split_points
+from hypic_core.engine.engine import Engine
+from hypic_core.prefill_pool import PrefillPool, ReplicaSpec
+from hypic_core.prefill_pool.backends import Event
+from hypic_core.prefill_pool.split import join_pieces, split_points
 
 MODEL_DIR = str(Path(__file__).resolve().parents[1] / "models" / "hypic-tiny")
 SEAM = 8

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from app.errors import APIError
 from app.prompter import GENERIC, Prompter, PromptLayout, SafeEncoder, check_template, fill
 from app.settings import Settings
-from hypic_core.registry import KNOWN_MODELS, REPO_ROOT
+from hypic_core.models.registry import KNOWN_MODELS, REPO_ROOT
 from retrieval.document import Chunk, chunk_id_for
 from retrieval.index import SearchHit
 

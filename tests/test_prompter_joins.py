@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from app.prompter import GENERIC, Prompter, PromptLayout, SafeEncoder
-from hypic_core.registry import SMOLLM2_PROMPT
+from hypic_core.models.registry import SMOLLM2_PROMPT
 from retrieval.document import Chunk, chunk_id_for
 from retrieval.index import SearchHit
 

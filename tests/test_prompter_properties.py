@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from app.prompter import SafeEncoder, check_template, fill
-from hypic_core.registry import REPO_ROOT
+from hypic_core.models.registry import REPO_ROOT
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PROPERTY = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

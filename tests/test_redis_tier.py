@@ -19,7 +19,7 @@ from app.testing import LiveServer, single_torch_thread
 from conftest import RedisServer, random_segments
 from hypic_core.cache import DiskTier, MemoryTier, RedisTier, TieredSegmentStore, encode
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine import Engine
+from hypic_core.engine.engine import Engine
 from hypic_core.testing import tiny_model
 from test_cache_engine import answer
 from test_cache_serde import make_entry

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hypic_core.config import SamplingParams
+from hypic_core.engine.sampling import Sampler
 from hypic_core.errors import InvalidRequestError
-from hypic_core.sampling import Sampler
 
 VOCAB = 50_000
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from hypic_core.cache.byte_lru import ByteLRU
 from hypic_core.config import GenerationRequest
-from hypic_core.lru import ByteLRU
-from hypic_core.scheduler import Scheduler, SchedulerConfig
-from hypic_core.sequence import Sequence, Status
+from hypic_core.engine.scheduler import Scheduler, SchedulerConfig
+from hypic_core.engine.sequence import Sequence, Status
 
 
 def seq(prompt: int, reserved: int = 1) -> Sequence:

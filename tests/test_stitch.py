@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine import Engine
-from hypic_core.testing import tiny_model
 from conftest import random_segments
+from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
+from hypic_core.engine.engine import Engine
+from hypic_core.testing import tiny_model
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama",
             "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1", "kimi_linear", "minimax"]

@@ -139,7 +139,7 @@ def binding(path: str, steps: int = 150, k: int = 10, batch_size: int = 32, n_ev
 def memory(model_dir: str, n_docs: int = 40) -> dict[int, list[float]]:
     """{linear layer index: median ||T||_2 per head} over ``n_docs`` held-out documents."""
     from hypic_core.config import EngineConfig
-    from hypic_core.engine import Engine
+    from hypic_core.engine.engine import Engine
 
     engine = Engine.from_pretrained(model_dir, EngineConfig(seam=0))
     docs = world.World(world.HELDOUT_SEED).all_docs()[:n_docs]

@@ -19,8 +19,8 @@ from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 
+from ..algebra.operators import LinearOperator
 from ..config import Mode
-from ..operators import LinearOperator
 from .kernels import KernelSelection
 
 

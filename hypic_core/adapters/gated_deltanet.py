@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..algebra.operators import LinearOperator
 from ..config import Mode
-from ..operators import LinearOperator
 from .base import Capture, ModelAdapter, StitchSpan, span_chunk
 from .kernels import KernelSelection
 

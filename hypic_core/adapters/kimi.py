@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..operators import LinearOperator
+from ..algebra.operators import LinearOperator
 from ..config import Mode
 from .base import Capture, ModelAdapter, StitchSpan, span_chunk
 from .kernels import KernelSelection

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from transformers.models.minimax import modeling_minimax
 
-from ..operators import LinearOperator
+from ..algebra.operators import LinearOperator
 from ..config import Mode
 from .base import Capture, ModelAdapter, StitchSpan, require
 

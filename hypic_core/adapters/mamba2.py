@@ -26,8 +26,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..algebra.operators import LinearOperator
 from ..config import Mode
-from ..operators import LinearOperator
 from .base import Capture, ModelAdapter, StitchSpan, require, span_chunk
 from .kernels import KernelSelection
 

@@ -11,11 +11,11 @@ import os
 
 import torch
 
-from ..store import MemorySegmentStore, SegmentStore
 from .disk import BytesDisk, DiskStats, DiskTier
 from .lru import LRUTier, MemoryTier
 from .redis_tier import RedisStats, RedisTier
 from .serde import STORAGE_DTYPES, CorruptEntry, decode, encode
+from .store import MemorySegmentStore, SegmentStore
 from .tier import StoredTier, TierStats, WriteBehindTier
 from .tiered import TieredSegmentStore
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..entry import SegmentEntry
-from ..lru import ByteLRU
+from ..algebra.entry import SegmentEntry
+from .byte_lru import ByteLRU
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..entry import SegmentEntry
+from ..algebra.entry import SegmentEntry
+from ..algebra.keys import SCHEMA_VERSION, SegmentKey
 from ..errors import HypicError
-from ..keys import SCHEMA_VERSION, SegmentKey
 
 MAGIC = b"HYPICSEG"
 _PREFIX = struct.Struct("<8sQ32s")  # magic, payload length, sha256 digest

@@ -25,11 +25,11 @@ from typing import Sequence
 
 import torch
 
-from ..entry import SegmentEntry
-from ..keys import SegmentKey
-from ..store import SegmentStore, StoreStats
+from ..algebra.entry import SegmentEntry
+from ..algebra.keys import SegmentKey
 from .lru import LRUTier, MemoryTier
 from .serde import STORAGE_DTYPES, CorruptEntry, decode, encode
+from .store import SegmentStore, StoreStats
 from .tier import StoredTier
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Distil SmolLM2-135M-Instruct into the Bamba hybrid of hypic_core/hybrid.py.
+"""Distil SmolLM2-135M-Instruct into the Bamba hybrid of hypic_core/models/hybrid.py.
 
 `train` runs both stages and keeps training until `--minutes` run out; rerun it to resume:
 
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from hypic_core import hybrid as C
+from hypic_core.models import hybrid as C
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "smollm2-hybrid-135m"
@@ -53,7 +53,7 @@ MIXTURE = (("docs", 0.15), ("docs-prompt", 0.15), ("continue", 0.15), ("chat", 0
 
 
 def teacher_dir() -> Path:
-    from hypic_core.registry import resolve
+    from hypic_core.models.registry import resolve
 
     return resolve("smollm2-135m-instruct").path
 
@@ -465,7 +465,7 @@ def evaluate(args) -> None:
     """Perplexity on the held-out texts of data/real_qa (never trained on) for teacher and hybrid."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hypic_core.registry import resolve
+    from hypic_core.models.registry import resolve
 
     texts = {name: (ROOT / "data" / "real_qa" / name).read_text()[: args.chars] for name in args.texts}
     models = {"smollm2-135m-instruct": resolve("smollm2-135m-instruct").path}
@@ -489,8 +489,8 @@ def memory(args) -> dict:
     it, per head), and the half-life in tokens that T implies, ln 0.5 / (ln T / length). Medians
     over passages, per layer and head."""
     from hypic_core.config import EngineConfig
-    from hypic_core.engine import Engine
-    from hypic_core.registry import resolve
+    from hypic_core.engine.engine import Engine
+    from hypic_core.models.registry import resolve
 
     engine = Engine.from_pretrained(resolve(args.model).path, EngineConfig(seam=0))
     texts = [json.loads(line)["text"] for line in (ROOT / "data" / "real_qa" / "passages.jsonl").read_text().splitlines()]

@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     from app.prompter import Prompter
     from app.settings import Settings
-    from hypic_core.registry import KNOWN_MODELS
+    from hypic_core.models.registry import KNOWN_MODELS
     from retrieval.document import Chunk, chunk_id_for
     from retrieval.index import SearchHit
     from training.hybrid.distill import _load_teacher

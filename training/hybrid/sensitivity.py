@@ -1,7 +1,7 @@
 """Which attention layers of the teacher can become Mamba2 mixers: measured, one layer at a time.
 
 For every layer i the teacher is run with layer i's attention swapped for its initialised,
-untrained mixer (hypic_core/hybrid.py's mapping; its norm scale fitted by least squares on
+untrained mixer (hypic_core/models/hybrid.py's mapping; its norm scale fitted by least squares on
 calibration text, as stage 1 does before training), and KL(teacher || swapped) of the next-token
 distributions is measured on held-back text (training-style sequences that are not in
 data/real_qa). The least sensitive layers are the ones to convert. Cheap: a few hundred tokens
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hypic_core import hybrid as C
+from hypic_core.models import hybrid as C
 
 
 class MixerAsAttention(nn.Module):
@@ -104,8 +104,8 @@ def main(argv=None) -> None:
     p.add_argument("--keep", type=int, default=15, help="attention layers to keep")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from training.hybrid.distill import _load_teacher
     from training.hybrid.data import build_sequences
+    from training.hybrid.distill import _load_teacher
 
     path, teacher, tok = _load_teacher()
     cfg = C.bamba_config(json.loads((path / "config.json").read_text()), attn=[])

@@ -27,11 +27,11 @@ from typing import Callable
 
 import filelock
 
-from .errors import HypicError
+from ..errors import HypicError
 
 log = logging.getLogger("hypic.models")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # A checkpoint directory that is a named model says so in this file ({"named": NAME, ...}): the
 # bundled model's directory and every converted GGUF carry one, so a named model given by its path
 # (in a container, say) still gets its own prompt layout.

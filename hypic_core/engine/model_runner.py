@@ -13,14 +13,14 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from .adapters import ModelAdapter
-from .adapters.base import StitchSpan
+from ..adapters import ModelAdapter
+from ..adapters.base import StitchSpan
+from ..algebra.entry import SegmentEntry
+from ..algebra.operators import LinearOperator
+from ..cache.exact_runs import PrefixSnapshot
+from ..config import Mode
 from .batch import DecodeBatch
-from .config import Mode
-from .entry import SegmentEntry
 from .layers import AttentionLayers, LinearLayers, LinearRows
-from .operators import LinearOperator
-from .prefix_cache import PrefixSnapshot
 
 
 @dataclass

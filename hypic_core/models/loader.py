@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import HypicError, UnsupportedArchitectureError
+from ..errors import HypicError, UnsupportedArchitectureError
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,8 +37,8 @@ def load_local(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .adapters import ADAPTERS
-    from .adapters import _NOT_RESUMABLE
+    from ..adapters import ADAPTERS
+    from ..adapters import _NOT_RESUMABLE
 
     path = Path(path)
     cfg_file = path / "config.json"

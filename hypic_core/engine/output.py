@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import SamplingParams
+from ..config import SamplingParams
 from .detokenizer import detokenizer_for
 from .sampling import Sampler
 from .sequence import Sequence, StepOutput

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from ..entry import SegmentEntry
+from ..algebra.entry import SegmentEntry
 
 MIN_PIECE = 64  # smallest piece size allowed: pieces (>= MIN_PIECE / 2 tokens) outlast any conv kernel,
 #                 and short pieces lose the most context

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import GenerationRequest, Mode
+from ..algebra.entry import SegmentEntry
+from ..config import GenerationRequest, Mode
 from .detokenizer import IncrementalDetokenizer, StreamDetokenizer
-from .entry import SegmentEntry
 from .sampling import Sampler
 
 if TYPE_CHECKING:
-    from .context_cache import ColdWork
+    from ..cache.context_cache import ColdWork
 
 _ids = itertools.count()
 
@@ -108,7 +108,7 @@ class PrefillProgress:
     cold: list[tuple["ColdWork", list[int]]] = field(default_factory=list)  # (shared work, entry slots it fills)
     stitch_pending: bool = False
     runs: deque[Run] = field(default_factory=deque)
-    # the exact run (snapshots: hypic_core/prefix_cache.py)
+    # the exact run (snapshots: hypic_core/cache/exact_runs.py)
     chain: list[str] = field(default_factory=list)  # chained hashes of its segments
     boundaries: list[int] = field(default_factory=list)
     linear: list = field(default_factory=list)  # linear states at each boundary

@@ -1,9 +1,9 @@
 """The context-cache manager: what the scheduler asks, as it admits a sequence, about the work already cached.
 
-It owns the segment store (canonical entries), the trie of exact snapshots (prefix_cache.py),
+It owns the segment store (canonical entries), the trie of exact snapshots (exact_runs.py),
 the cold work in flight (a missing entry computed once for every sequence that needs it) and
 its prefill-pool tickets. `plan(seq)` lays out a sequence's `PrefillProgress` with the strategy
-of its mode (hypic_core/prefill.py), which asks back for lookups (`exact_run`, `entries`);
+of its mode (hypic_core/engine/prefill.py), which asks back for lookups (`exact_run`, `entries`);
 `hand_over` gives finished cold entries to their sequences and the store; `keep_exact_run`
 snapshots a newly computed exact run; `release` drops a finished sequence's claims. It runs no
 model forward (restoring a snapshot copies tensors) and holds no queue (vLLM's `KVCacheManager`
@@ -15,13 +15,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .config import EngineConfig
-from .entry import SegmentEntry
-from .keys import SegmentKey
-from .model_runner import ModelRunner, PartialEntry
-from .prefill import strategy_for
-from .prefix_cache import PrefixCache, chain_hashes
-from .sequence import PrefillProgress, Run, Sequence
+from ..algebra.entry import SegmentEntry
+from ..algebra.keys import SegmentKey
+from ..config import EngineConfig
+from ..engine.model_runner import ModelRunner, PartialEntry
+from ..engine.prefill import strategy_for
+from ..engine.sequence import PrefillProgress, Run, Sequence
+from .exact_runs import PrefixCache, chain_hashes
 from .store import SegmentStore
 
 
@@ -51,7 +51,7 @@ class ContextCacheManager:
         self.config = config
         self.fingerprint = fingerprint
         self.prefix_cache = PrefixCache(config.prefix_budget_bytes)
-        self.pool = None  # a PrefillPool computing cold entries (hypic_core/workers), set by the engine
+        self.pool = None  # a PrefillPool computing cold entries (hypic_core/prefill_pool), set by the engine
         self._cold: dict[str, ColdWork] = {}
 
     # --- the scheduler's questions ----------------------------------------------------------

@@ -3,17 +3,17 @@
 `add_request` validates a request once and queues it as a `Sequence`; `step()` is
 schedule -> execute -> update:
 
-1. **schedule** (hypic_core/scheduler.py): one decode token for every running sequence, and a
+1. **schedule** (hypic_core/engine/scheduler.py): one decode token for every running sequence, and a
    token budget of prefill work for sequences part-way through their prefill, then for waiting
-   ones it admits (the scheduler asks the context-cache manager, hypic_core/context_cache.py, to
-   lay out each one's prefill with the strategy of its mode, hypic_core/prefill.py).
+   ones it admits (the scheduler asks the context-cache manager, hypic_core/cache/context_cache.py, to
+   lay out each one's prefill with the strategy of its mode, hypic_core/engine/prefill.py).
 2. **execute**: the step's model work. Missing canonical entries of every sequence in the step
    are computed together (a segment several sequences need, once); with a prefill pool
-   (hypic_core/workers) on its workers instead, while the steps go on. Then each sequence's
+   (hypic_core/prefill_pool) on its workers instead, while the steps go on. Then each sequence's
    runs (an exact run of leading segments, the whole prompt in `full`) and stitch, cut to its
    budget, so a long cold prompt spreads over steps; then all running sequences advance in ONE
    batched decode forward (`DecodeBatch`). It leaves next-token logits per sequence.
-3. **update** (hypic_core/output.py): sample, detokenize, apply EOS / stop strings / length
+3. **update** (hypic_core/engine/output.py): sample, detokenize, apply EOS / stop strings / length
    limits; one `StepOutput` per sequence that produced a token or ended; finished ones leave.
 
 One thread should drive `step()` (the gateway's worker does); `generate()` drives it for a
@@ -33,18 +33,18 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from .adapters import adapter_for
-from .config import EngineConfig, GenerationRequest
-from .context_cache import ColdWork, ContextCacheManager
-from .entry import SegmentEntry
-from .errors import InvalidRequestError, PromptTooLongError
-from .keys import SegmentKey, model_fingerprint
+from ..adapters import adapter_for
+from ..algebra.entry import SegmentEntry
+from ..algebra.keys import SegmentKey, model_fingerprint
+from ..cache.context_cache import ColdWork, ContextCacheManager
+from ..cache.exact_runs import PrefixCache
+from ..cache.store import MemorySegmentStore, SegmentStore
+from ..config import EngineConfig, GenerationRequest
+from ..errors import InvalidRequestError, PromptTooLongError
 from .model_runner import ModelRunner
 from .output import OutputProcessor
-from .prefix_cache import PrefixCache
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import AbortHandle, PrefillProgress, PrefillStats, Run, Sequence, Status, StepOutput
-from .store import MemorySegmentStore, SegmentStore
 
 __all__ = ["AbortHandle", "Engine", "EntryLookup", "PrefillResult", "PrefillStats", "StepOutput"]
 
@@ -88,7 +88,7 @@ class Engine:
         self.output = OutputProcessor(tokenizer)
         self.kv_bytes_per_token, self.state_bytes = self._footprint()
         self._lock = threading.RLock()  # one step (one set of model calls) at a time
-        # Parallel cold prefill (hypic_core/workers): cold entries computed by replicas on other
+        # Parallel cold prefill (hypic_core/prefill_pool): cold entries computed by replicas on other
         # processes. None: computed here, in this thread, as part of each step's token budget.
         if prefill_pool is not None and prefill_pool.split_tokens:  # its entries approximate the canonical ones
             self.fingerprint = hashlib.sha256(f"{self.fingerprint}/split{prefill_pool.split_tokens}".encode()).hexdigest()
@@ -122,13 +122,13 @@ class Engine:
         `prefill_workers` > 0 computes cold entries on that many replicas of the checkpoint
         (`prefill_backend`: "processes" or "ray", joining `ray_address` or a local Ray; `prefill_threads`
         torch threads each, default the cores split between them; `prefill_split_tokens` > 0: longer
-        segments are split into pieces, an approximation); see hypic_core/workers."""
-        from .loader import load_local
+        segments are split into pieces, an approximation); see hypic_core/prefill_pool."""
+        from ..models.loader import load_local
 
         model, tokenizer = load_local(path, dtype=dtype, device=device)
         pool = None
         if prefill_workers:
-            from .workers import PrefillPool, ReplicaSpec
+            from ..prefill_pool import PrefillPool, ReplicaSpec
 
             pool = PrefillPool(ReplicaSpec(str(path), model.dtype, device, prefill_threads), prefill_workers, prefill_backend,
                                ray_address=ray_address, split_tokens=prefill_split_tokens)
@@ -468,7 +468,7 @@ class Engine:
         return outputs
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        """`seq`'s next token (hypic_core/output.py); a sequence that ends here is released."""
+        """`seq`'s next token (hypic_core/engine/output.py); a sequence that ends here is released."""
         return self._emit(seq, self.output.next_token(seq, logits))
 
     def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> StepOutput:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..keys import SegmentKey, model_fingerprint
+from ..algebra.keys import SegmentKey, model_fingerprint
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Replica:
         from transformers import AutoModelForCausalLM
 
         from ..adapters import adapter_for
-        from ..model_runner import ModelRunner
+        from ..engine.model_runner import ModelRunner
 
         torch.set_num_threads(threads)
         model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype, local_files_only=True,

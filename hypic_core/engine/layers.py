@@ -13,9 +13,9 @@ from typing import Sequence
 
 import torch
 
-from .adapters import ModelAdapter
-from .config import Mode
-from .entry import SegmentEntry
+from ..adapters import ModelAdapter
+from ..algebra.entry import SegmentEntry
+from ..config import Mode
 
 KV = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]  # (keys, values), one tensor per attention layer
 LinearRows = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (conv, state) per linear layer

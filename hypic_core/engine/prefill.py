@@ -1,7 +1,7 @@
 """Prefill strategies: how a request's prompt is laid out as work, one class per way of reusing the cache.
 
 A strategy answers one question, `plan(context, seq, progress)`: which runs, cold entries and
-stitch make up this sequence's prefill (hypic_core/sequence.py `PrefillProgress`), asking the
+stitch make up this sequence's prefill (hypic_core/engine/sequence.py `PrefillProgress`), asking the
 context-cache manager for what is cached. The engine then executes any progress the same way
 (cold entries, runs, the stitch). `strategy_for(mode)` picks one.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .config import Mode
+from ..config import Mode
 from .sequence import PrefillProgress, Run, Sequence
 
 

@@ -28,9 +28,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..algebra.entry import SegmentEntry
+from ..algebra.keys import SegmentKey
 from ..cache.serde import CorruptEntry, decode
-from ..entry import SegmentEntry
-from ..keys import SegmentKey
 from .backends import BACKENDS, Backend, Event, make_backend
 from .replica import ReplicaSpec, Task, weights_digest
 from .split import MIN_PIECE, join_pieces, split_points

@@ -11,12 +11,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .entry import SegmentEntry
-from .keys import SegmentKey
-from .lru import ByteLRU
+from ..algebra.entry import SegmentEntry
+from ..algebra.keys import SegmentKey
+from .byte_lru import ByteLRU
 
 if TYPE_CHECKING:
-    from .cache.tier import TierStats
+    from .tier import TierStats
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .lru import ByteLRU
+from .byte_lru import ByteLRU
 
 
 class PrefixMatch(NamedTuple):
