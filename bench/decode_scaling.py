@@ -1,6 +1,6 @@
 """Decode throughput of the engine alone (no HTTP): 1 stream against N streams in one batched forward.
 
-Drives `Engine.step()` in-process, as the gateway's worker does, so the numbers show what
+Drives `Engine.step()` in-process, as the gateway's engine thread does, so the numbers show what
 continuous batching buys without the event loop, SSE and the load generator sharing the CPU
 (bench/serve.py --decode-scaling measures the same thing end to end over HTTP).
 Each stream: a 3 x 200-token context + a 20-token question, mode hypic, `--tokens` greedy

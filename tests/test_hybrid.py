@@ -248,8 +248,8 @@ def test_gateway_serves_the_hybrid_and_reuses_its_chunks(hybrid_dir, tmp_path):
     second asks with the same chunks and composes their cached (T, E) instead of recomputing."""
     import httpx
 
-    from app.server import create_app
-    from app.settings import Settings
+    from app.http.server import create_app
+    from app.service.settings import Settings
     from app.testing import LiveServer, single_torch_thread
     from retrieval import HashingEmbedder, VectorIndex
     from test_gateway_models import DOCUMENTS

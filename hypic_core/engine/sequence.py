@@ -80,11 +80,6 @@ class PrefillStats:
         """Tokens reused exactly (restored from a snapshot): what `usage.cached_tokens` reports."""
         return self.exact_tokens
 
-    @property
-    def reused_tokens(self) -> int:
-        """Tokens whose work came from a cache, exact or composed (not those computed for this request)."""
-        return self.exact_tokens + self.composed_tokens
-
 
 @dataclass
 class Run:
