@@ -17,7 +17,7 @@ cli.command("ingest")(ingest_command)
 
 def _ingest_defaults(model: str | None) -> retrieval_cli.IngestDefaults:
     """`hypic ingest` reads the settings `hypic serve` reads: the same index, embedder, model and chunk size."""
-    from app.settings import Settings
+    from app.service.settings import Settings
     from hypic_core.errors import HypicError
     from hypic_core.models.registry import resolve
 
@@ -49,10 +49,10 @@ def serve_command(
     3 when the server cannot start (as uvicorn does: e.g. the port is taken)."""
     import uvicorn
 
-    from app import logs
-    from app.connections import uvicorn_options
-    from app.server import create_app
-    from app.settings import Settings
+    from app.http.connections import uvicorn_options
+    from app.http.server import create_app
+    from app.service import logs
+    from app.service.settings import Settings
 
     overrides = {k: v for k, v in {"host": host, "port": port, "model": model}.items() if v is not None}
     settings = Settings(**overrides)
@@ -86,8 +86,8 @@ def serve_ray_command(
     their chunks (docs/deploy-ray.md). Needs the `ray` extra. Runs until Ctrl-C / SIGTERM."""
     from pydantic import ValidationError
 
-    from app import logs
-    from app.settings import Settings
+    from app.service import logs
+    from app.service.settings import Settings
 
     overrides = {"ray_replicas": replicas, "ray_router": router, "ray_address": address, "host": host, "port": port, "model": model}
     try:
@@ -148,7 +148,7 @@ def demo_command(
 ) -> None:
     """Run one multi-segment request in every mode on the bundled model and compare TTFT and answers."""
     from app.demo import run_demo
-    from app.settings import Settings
+    from app.service.settings import Settings
 
     run_demo(Settings(), n_docs=documents, max_tokens=max_tokens)
 
@@ -165,8 +165,8 @@ def query_command(
     """Stream the answer to QUESTION from a running gateway (POST /query, SSE) to the terminal."""
     import httpx
 
-    from app.settings import Settings
-    from app.sse import parse
+    from app.http.sse import parse
+    from app.service.settings import Settings
 
     settings = Settings()
     base = url or f"http://{settings.host}:{settings.port}"

@@ -23,8 +23,8 @@ from hypic_core.models.registry import resolve
 from retrieval.document import Chunk, chunk_id_for
 from retrieval.index import SearchHit
 
-from .prompter import Prompter
-from .settings import Settings
+from .service.prompter import Prompter
+from .service.settings import Settings
 
 
 def demo_questions(path: Path) -> list[tuple[str, str, list[str]]]:

@@ -64,8 +64,8 @@ def tiny_gateway(root: Path, tokenizer, corpus: list[dict], **settings):
     override `Settings` fields (no .env file or torch thread setting is read)."""
     from retrieval import HashingEmbedder, VectorIndex
 
-    from .server import create_app
-    from .settings import Settings
+    from .http.server import create_app
+    from .service.settings import Settings
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -80,7 +80,7 @@ class LiveServer:
     the connection limits of the app's settings (`connections.uvicorn_options`), as `hypic serve`."""
 
     def __init__(self, app, port: int | None = None) -> None:
-        from .connections import uvicorn_options
+        from .http.connections import uvicorn_options
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -3,7 +3,7 @@
 Each question of data/real_qa/ (real documentation passages, hand-written questions) is asked
 with a retrieved-style context: its gold passage among 2 to 9 distractor passages, in a shuffled
 order (3 to 10 chunks, the count drawn per question). The prompt is built exactly as the gateway
-builds it (app/prompter.py, the model's named layout), and answered greedily under every
+builds it (app/service/prompter.py, the model's named layout), and answered greedily under every
 configuration. Against the gold answer: `acc` (the normalised gold answer or an alias occurs in
 the normalised answer: chat models answer in sentences) and token F1. Against full prefill:
 `agree` (the same greedy answer, word for word), first-token `KL(full || mode)`, `top1` (the
@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from app.prompter import Prompter  # noqa: E402
-from app.settings import Settings  # noqa: E402
+from app.service.prompter import Prompter  # noqa: E402
+from app.service.settings import Settings  # noqa: E402
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from hypic_core.engine.engine import Engine  # noqa: E402
 from hypic_core.models.registry import resolve  # noqa: E402

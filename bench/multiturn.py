@@ -3,7 +3,7 @@
 A conversation on the bundled model's held-out world: each turn the user asks a question, the
 gateway retrieves its documents (here: the example's own, shuffled with distractors) and puts
 them in the last user turn; the assistant's gold answer joins the history. Prompts are built by
-the gateway's own prompter (app/prompter.py), so the history is one segment per message and is
+the gateway's own prompter (app/service/prompter.py), so the history is one segment per message and is
 the request's exact prefix. Configurations, each on its own engine (its own caches, warmed only
 by the conversation itself):
 
@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from app.prompter import Prompter  # noqa: E402
-from app.settings import Settings  # noqa: E402
+from app.service.prompter import Prompter  # noqa: E402
+from app.service.settings import Settings  # noqa: E402
 from hypic_core.config import EngineConfig, GenerationRequest  # noqa: E402
 from hypic_core.engine.engine import Engine  # noqa: E402
 from hypic_core.models.registry import resolve  # noqa: E402

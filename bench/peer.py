@@ -6,7 +6,7 @@ moved (its answer to chunks in a new order); the gateway's `full` recomputes eve
 `hypic` composes cached chunks wherever they land. Every backend gets the same requests (the
 workload of bench/serve.py: a system prompt and `--k` Zipf-drawn chunks, shuffled, and a
 question), as the same token ids: the gateway tokenizes each segment alone
-(app/prompter.py's completion layout), and llama-server gets that concatenation as a token
+(app/service/prompter.py's completion layout), and llama-server gets that concatenation as a token
 array, so neither side's tokenizer decides the prompt. Requests go one at a time (closed loop,
 `--warmup` first to every backend), each request to every backend in turn (so a drifting machine
 load hits them alike), or as Poisson arrivals with `--rate`, backend after backend.

@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from app.prompter import Prompter  # noqa: E402
-from app.settings import Settings  # noqa: E402
+from app.service.prompter import Prompter  # noqa: E402
+from app.service.settings import Settings  # noqa: E402
 from hypic_core.models.registry import resolve  # noqa: E402
 from real_qa import build_context, load_real_qa  # noqa: E402
 from retrieval.document import Chunk, chunk_id_for  # noqa: E402

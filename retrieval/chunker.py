@@ -71,7 +71,7 @@ class Chunker:
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Return the number of tokens of each text, without special tokens. Text that spells a
         special token (`<|im_start|>`) counts as the ordinary tokens it is made of, as the
-        gateway tokenizes documents (app/prompter.py), not as the one special token."""
+        gateway tokenizes documents (app/service/prompter.py), not as the one special token."""
         encoded = self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True, verbose=False)
         return [len(ids) for ids in encoded["input_ids"]]
 

@@ -228,3 +228,59 @@ def test_one_forward_per_sequence_fallback_matches_the_batch(engine):
     assert len(alone.runner.batch) == 0
     for i in batched:
         assert [o.token_id for o in serial[i]] == [o.token_id for o in batched[i]]
+
+
+def test_decode_steps_joins_and_leaves_keep_the_buffers_in_place():
+    """With room reserved, steps write K/V and linear states in place, a join copies only its own row
+    in and a leave moves one row: no buffer is reallocated or re-concatenated, the cache object stays
+    (and the logits still match, test_batched_decode_equals_one_at_a_time)."""
+    engine = Engine(tiny_model("qwen3_5"), config=EngineConfig(seam=3))
+    batch = engine.runner.batch
+    seqs = prefilled(engine)
+    with torch.inference_mode():
+        batch.sync([0, 1, 2], {i: seqs[i][0] for i in range(3)})
+        batch.reserve(8, 256)
+        ptrs, cache, room = [t.data_ptr() for t in batch.buffers()], batch.cache, batch.capacity
+        pos = {i: seqs[i][1] for i in range(6)}
+        for step in range(4):
+            if step == 1:
+                batch.sync([0, 1, 2, 3, 4], {i: seqs[i][0] for i in (3, 4)})
+            if step == 2:
+                batch.sync([0, 2, 3, 4], {})
+            batch.forward([1] * len(batch), [pos[k] for k in batch.keys])
+            for k in batch.keys:
+                pos[k] += 1
+        assert [t.data_ptr() for t in batch.buffers()] == ptrs and batch.capacity == room and batch.cache is cache
+        assert sorted(batch.keys) == [0, 2, 3, 4] and batch.lengths == [pos[k] for k in batch.keys]
+        batch.sync([], {})
+        assert batch.capacity == (0, 0) and batch.cache is None  # nothing running: nothing held
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba", "minimax"])
+def test_long_decode_grows_the_buffers_and_matches(family):
+    """Past the first column capacity (growth mid-run), with a join and leaves on the way, and for a
+    family whose cache replaces its linear state each step (minimax: the new tensor is adopted),
+    every step's logits match the plain path."""
+    engine = Engine(tiny_model(family), config=EngineConfig(seam=3))
+    runner = engine.runner
+    seqs = prefilled(engine)
+    ref_caches = [copy.deepcopy(c) for c, _, _ in seqs]
+    pos = [p for _, p, _ in seqs]
+    tokens = [int(lg.argmax()) for _, _, lg in seqs]
+    members, grew = [0, 1, 2], set()
+    with torch.inference_mode():
+        for step in range(90):
+            if step == 30:
+                members += [3, 4]
+            if step == 50:
+                members.remove(0)
+            if step == 70:
+                members.remove(4)  # the last row
+            runner.batch.sync(members, {i: seqs[i][0] for i in members})
+            grew.add(runner.batch.capacity[1])
+            rows = runner.batch.forward([tokens[i] for i in runner.batch.keys], [pos[i] for i in runner.batch.keys])
+            for i, lg in zip(runner.batch.keys, rows):
+                ref = runner.forward([tokens[i]], pos[i], ref_caches[i], logits=True)
+                assert_close(f"{family} seq {i} step {step}", ref, lg)
+                tokens[i], pos[i] = int(ref.argmax()), pos[i] + 1
+    assert len(grew) > 1  # the columns grew while rows were decoding

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.settings import Settings
+from app.service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"

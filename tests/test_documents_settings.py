@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from app.runtime import build_chunker, corpus_to_seed
-from app.server import create_app
-from app.settings import DEFAULT_INDEX_DIR, DEMO_CORPUS_PATH, Settings
+from app.http.server import create_app
+from app.service.runtime import build_chunker, corpus_to_seed
+from app.service.settings import DEFAULT_INDEX_DIR, DEMO_CORPUS_PATH, Settings
 from app.testing import LiveServer, single_torch_thread, tiny_engine
 from retrieval import HashingEmbedder, VectorIndex
 

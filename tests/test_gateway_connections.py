@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from app.connections import uvicorn_options
-from app.server import create_app
-from app.settings import Settings
+from app.http.connections import uvicorn_options
+from app.http.server import create_app
+from app.service.settings import Settings
 from app.testing import LiveServer, single_torch_thread, tiny_engine
 from retrieval import HashingEmbedder, VectorIndex
 

@@ -37,8 +37,8 @@ from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import CHECKS  # noqa: E402
 from schemathesis.core.failures import FailureGroup  # noqa: E402
 
-from app.server import create_app  # noqa: E402
-from app.settings import Settings  # noqa: E402
+from app.http.server import create_app  # noqa: E402
+from app.service.settings import Settings  # noqa: E402
 from app.testing import LiveServer, single_torch_thread, tiny_engine, tiny_gateway  # noqa: E402
 from retrieval import HashingEmbedder, VectorIndex  # noqa: E402
 

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from app.sse import KEEPALIVE, parse
+from app.http.sse import KEEPALIVE, parse
 from app.testing import LiveServer, single_torch_thread, tiny_gateway
 
 CORPUS = [{"id": "city-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."},

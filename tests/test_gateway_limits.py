@@ -1,7 +1,7 @@
 """Sizes, counts, timing and disconnects against a live server: what a hostile or careless client
 sends that is well-formed but too much.
 
-- Text is tokenized on a worker thread, never on the event loop, so /health (and every other
+- Text is tokenized on a thread of anyio's pool, never on the event loop, so /health (and every other
   request) answers while a large prompt is tokenized.
 - Before anything is tokenized, the request's text is bounded (`max_text_bytes`, the fields
   together), and so are the counts of messages, segments and stop strings and the bytes of the

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from app.server import create_app
-from app.settings import Settings
+from app.http.server import create_app
+from app.service.settings import Settings
 from app.testing import LiveServer, single_torch_thread
 from retrieval import HashingEmbedder, VectorIndex
 

@@ -7,8 +7,8 @@ import json
 import openai
 import pytest
 
-from app.server import create_app
-from app.settings import Settings
+from app.http.server import create_app
+from app.service.settings import Settings
 from app.testing import LiveServer, single_torch_thread, tiny_engine
 from retrieval import HashingEmbedder, VectorIndex
 
@@ -88,7 +88,7 @@ def test_chat_logprobs_and_top_logprobs(client):
 
 
 def test_token_bytes_are_exact_for_partial_characters(tiny_tokenizer):
-    from app.tokens import TokenText
+    from app.service.tokens import TokenText
 
     tokens = TokenText(tiny_tokenizer)
     ids = tiny_tokenizer.encode("naïve émigrés café", add_special_tokens=False)

@@ -20,9 +20,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.server import create_app
-from app.settings import Settings
-from app.sse import parse
+from app.http.server import create_app
+from app.http.sse import parse
+from app.service.settings import Settings
 from app.testing import LiveServer, single_torch_thread, tiny_engine
 from hypic_core.engine.engine import Engine, StepOutput
 from retrieval import HashingEmbedder, VectorIndex

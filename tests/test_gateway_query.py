@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from app.sse import parse
+from app.http.sse import parse
 from app.testing import LiveServer, single_torch_thread, tiny_gateway
 
 CORPUS = [

@@ -1,4 +1,4 @@
-"""The online accuracy guard (app/guard.py): the policy on synthetic check results, shadow checks
+"""The online accuracy guard (app/service/guard.py): the policy on synthetic check results, shadow checks
 on a real engine, and the guard in a live gateway (it trips where reuse is poor, not where it is
 exact, runs only while the engine is idle, never changes served answers), and `exact: true`."""
 
@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from app.guard import (CHECK_PRIORITY, CheckResult, Choice, Guard, GuardConfig, GuardPolicy, GuardState, ShadowCheck,
+from app.service.guard import (CHECK_PRIORITY, CheckResult, Choice, Guard, GuardConfig, GuardPolicy, GuardState, ShadowCheck,
                        Window, exact_mode, run_check)
-from app.server import create_app
-from app.settings import Settings
+from app.http.server import create_app
+from app.service.settings import Settings
 from app.testing import LiveServer, single_torch_thread, tiny_engine
 from hypic_core.config import EngineConfig, GenerationRequest, Mode
 from hypic_core.engine.engine import Engine
@@ -351,7 +351,7 @@ def test_checks_never_change_served_answers(endless_engine, tmp_path, monkeypatc
 
 def test_checks_are_low_priority_requests_through_the_step_loop(endless_engine, tmp_path, monkeypatch):
     """No second model path: a check is a `full` request and one per configuration, added to the engine
-    at the lowest priority, keeping their first-token logits, and stepped by the worker's loop."""
+    at the lowest priority, keeping their first-token logits, and stepped by the engine thread's loop."""
     added = []
     add = endless_engine.add_request
 

@@ -249,14 +249,15 @@ def test_gateway_serves_the_hybrid_and_reuses_its_chunks(hybrid_dir, tmp_path):
     second asks with the same chunks and composes their cached (T, E) instead of recomputing."""
     import httpx
 
-    from app.server import create_app
-    from app.settings import Settings
+    from app.http.server import create_app
+    from app.service.settings import Settings
     from app.testing import LiveServer, single_torch_thread
     from retrieval import HashingEmbedder, VectorIndex
     from test_gateway_models import DOCUMENTS
 
     settings = Settings(_env_file=None, model="smollm2-hybrid-135m", torch_threads=None, index_dir=tmp_path / "index",
-                        corpus_path=None, max_new_tokens=32, exact_repeats=False)  # the repeat composes
+                        corpus_path=None, max_new_tokens=32, exact_repeats=False,  # the repeat composes
+                        cold_prefill="stitch")  # and the first too: cold and warm give the same answer
     with single_torch_thread(), LiveServer(create_app(settings, index=VectorIndex(settings.index_dir, HashingEmbedder(256)))) as live:
         live.wait_ready(timeout=120)
         body = "\n".join(json.dumps(d) for d in DOCUMENTS)

@@ -14,8 +14,8 @@ import filelock
 import httpx
 import pytest
 
-from app.server import create_app
-from app.settings import Settings
+from app.http.server import create_app
+from app.service.settings import Settings
 from app.testing import LiveServer, single_torch_thread, tiny_engine
 from retrieval import HashingEmbedder, IndexCorruptError, IndexLockedError, VectorIndex, minilm_model_dir
 from retrieval.index import LOCK_NAME

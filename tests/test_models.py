@@ -87,7 +87,7 @@ def test_served_names():
 
 
 def test_settings_take_the_model_from_the_environment(monkeypatch):
-    from app.settings import Settings
+    from app.service.settings import Settings
 
     monkeypatch.setenv("HYPIC_MODEL", "smollm2-135m-instruct")
     assert Settings(_env_file=None).served_model_name == "smollm2-135m-instruct"
@@ -138,8 +138,8 @@ def smollm2(smollm2_dir):
 
 def _eiffel_segments(engine, model: str = "smollm2-135m-instruct"):
     """The Eiffel Tower question over the Eiffel and Colosseum passages, as the gateway lays it out for `model`."""
-    from app.prompter import Prompter
-    from app.settings import Settings
+    from app.service.prompter import Prompter
+    from app.service.settings import Settings
     from retrieval.document import Chunk, chunk_id_for
     from retrieval.index import SearchHit
 

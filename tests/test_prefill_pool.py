@@ -253,7 +253,7 @@ def test_ray_actors_compute_the_same_bytes_and_survive_a_kill(plain):
 def test_settings_name_the_pool(monkeypatch):
     from pydantic import ValidationError
 
-    from app.settings import Settings
+    from app.service.settings import Settings
 
     assert (Settings().prefill_workers, Settings().prefill_backend) == (0, "processes")  # off by default
     monkeypatch.setenv("HYPIC_PREFILL_WORKERS", "2")

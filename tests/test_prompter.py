@@ -1,4 +1,4 @@
-"""Prompt building (app/prompter.py): chat and raw layouts, safe tokenization, fitting to the context.
+"""Prompt building (app/service/prompter.py): chat and raw layouts, safe tokenization, fitting to the context.
 
 Safe tokenization is checked on the bundled model's tokenizer and on SmolLM2's: user text that
 spells a control token (`<|im_end|>`) must never become one; the template's own markers must.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from app.errors import APIError
-from app.prompter import GENERIC, Prompter, PromptLayout, SafeEncoder, check_template, fill
-from app.settings import Settings
+from app.service.prompter import GENERIC, Prompter, PromptLayout, SafeEncoder, check_template, fill
+from app.service.settings import Settings
+from hypic_core.errors import InvalidRequestError
 from hypic_core.models.registry import KNOWN_MODELS, REPO_ROOT
 from retrieval.document import Chunk, chunk_id_for
 from retrieval.index import SearchHit
@@ -113,10 +113,10 @@ def test_raw_chat_takes_one_user_message(tiny_tokenizer):
     prompter = Prompter(tiny_tokenizer, GENERIC["raw"], 4096)
     prompt = prompter.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "why"}], [], [], reserve=4)
     assert tiny_tokenizer.decode([t for s in prompt.segments for t in s]) == "Be brief.Question: why\nAnswer:"
-    with pytest.raises(APIError) as caught:
+    with pytest.raises(InvalidRequestError) as caught:
         prompter.chat([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                        {"role": "user", "content": "c"}], [], [], reserve=4)
-    assert caught.value.param == "messages" and "no chat template" in caught.value.message
+    assert caught.value.field == "messages" and "no chat template" in caught.value.message
 
 
 def test_chat_format_needs_a_template(tiny_tokenizer):
@@ -169,9 +169,9 @@ def test_lowest_ranked_chunks_are_dropped_to_fit(tiny_tokenizer):
 
 def test_question_alone_too_long_is_a_400_saying_what_to_shorten(tiny_tokenizer):
     prompter = chat_prompter(tiny_tokenizer, context=100)
-    with pytest.raises(APIError) as caught:
+    with pytest.raises(InvalidRequestError) as caught:
         prompter.query("why " * 100, [hit("a", 0.5)], reserve=4)
-    assert caught.value.param == "question" and "shorten the question" in caught.value.message
+    assert caught.value.field == "question" and "shorten the question" in caught.value.message
     # a question that fits but leaves no room for max_tokens: the chunks go, the request stays
     ok = prompter.query("why", [hit("a " * 30, 0.5)], reserve=40)
     assert ok.dropped == 1 and ok.used == []

@@ -1,4 +1,4 @@
-"""Segments join as the whole prompt text is tokenized (app/prompter.py, `SafeEncoder.encode`'s
+"""Segments join as the whole prompt text is tokenized (app/service/prompter.py, `SafeEncoder.encode`'s
 `followed_by`), checked on SmolLM2's tokenizer and on a byte-level BPE trained here with the
 merges that make joins differ (`\\n\\n`, ` Document`).
 
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from app.prompter import GENERIC, Prompter, PromptLayout, SafeEncoder
+from app.service.prompter import GENERIC, Prompter, PromptLayout, SafeEncoder
 from hypic_core.models.registry import SMOLLM2_PROMPT
 from retrieval.document import Chunk, chunk_id_for
 from retrieval.index import SearchHit

@@ -1,4 +1,4 @@
-"""Properties of safe tokenization and prompt templates (app/prompter.py), checked by hypothesis
+"""Properties of safe tokenization and prompt templates (app/service/prompter.py), checked by hypothesis
 on the test tokenizer (conftest) and the bundled model's (which also has non-special added
 tokens: whole names and words).
 
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from app.prompter import SafeEncoder, check_template, fill
+from app.service.prompter import SafeEncoder, check_template, fill
 from hypic_core.models.registry import REPO_ROOT
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

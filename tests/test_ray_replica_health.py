@@ -23,7 +23,7 @@ def test_a_replica_whose_model_failed_to_load_is_replaced(tmp_path):
     from ray import serve
 
     from app.serve_ray.deployments import APP_NAME, build_application
-    from app.settings import Settings
+    from app.service.settings import Settings
     from app.testing import free_port
 
     model = tmp_path / "model"

@@ -200,7 +200,7 @@ def served(tmp_path_factory, redis_server):
     from ray import serve
 
     from app.serve_ray.deployments import APP_NAME, build_application
-    from app.settings import Settings
+    from app.service.settings import Settings
     from app.testing import free_port
 
     root = tmp_path_factory.mktemp("ray-serve")
@@ -340,9 +340,9 @@ def test_replicas_share_the_redis_tier(served):
 # Settings travel to replicas; the command line (no Ray started)
 # --------------------------------------------------------------------------------------------
 def test_settings_travel_with_absolute_paths_and_the_same_seeding(tmp_path, monkeypatch):
-    from app.runtime import corpus_to_seed
     from app.serve_ray.deployments import absolute
-    from app.settings import Settings
+    from app.service.runtime import corpus_to_seed
+    from app.service.settings import Settings
 
     monkeypatch.chdir(tmp_path)
     default = absolute(Settings(_env_file=None))

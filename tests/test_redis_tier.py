@@ -12,9 +12,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from app.metrics import Metrics
-from app.runtime import store_from_settings as build_store_from_settings
-from app.settings import Settings
+from app.service.metrics import Metrics
+from app.service.runtime import store_from_settings as build_store_from_settings
+from app.service.settings import Settings
 from app.testing import LiveServer, single_torch_thread
 from conftest import RedisServer, random_segments
 from hypic_core.cache import DiskTier, MemoryTier, RedisTier, TieredSegmentStore, encode
@@ -334,7 +334,7 @@ def gateway(root, tokenizer, redis_url: str):
     builds it (host memory, a disk tier beside its index, Redis at `redis_url`)."""
     import json
 
-    from app.server import create_app
+    from app.http.server import create_app
     from retrieval import HashingEmbedder, VectorIndex
 
     root.mkdir(parents=True)

@@ -283,8 +283,8 @@ QUERY = {"question": "Who founded Brill?", "top_k": 1, "max_tokens": 3}
 
 @pytest.fixture(scope="module")
 def gateway(tiny_tokenizer, tmp_path_factory):
-    from app.server import create_app
-    from app.settings import Settings
+    from app.http.server import create_app
+    from app.service.settings import Settings
     from app.testing import LiveServer, single_torch_thread, tiny_engine
     from retrieval import HashingEmbedder, VectorIndex
 
@@ -337,8 +337,8 @@ def test_openai_valid_extras_are_accepted(gateway, path, base, extra):
 
 
 def test_openai_extras_reach_the_sampling_params(gateway):
-    from app import api_openai
-    from app.prompter import Prompt
+    from app.http import api_openai
+    from app.service.prompter import Prompt
 
     app, _ = gateway
     rt = app.state.runtime

@@ -10,7 +10,9 @@ import warnings
 
 import pytest
 
-from app import logs, sse
+from app.service import logs
+
+from app.http import sse
 
 
 async def _slow(events: list[str], pause: float, closed: list[str]):

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.server import create_app
-from app.settings import Settings
+from app.http.server import create_app
+from app.service.settings import Settings
 from app.testing import LiveServer, free_port, single_torch_thread, tiny_engine
 from test_cache_disk import _damage, _filled_cache
 from test_gateway_operations import metric

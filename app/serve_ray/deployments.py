@@ -29,9 +29,9 @@ import anyio
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from ..errors import APIError
-from ..runtime import corpus_to_seed
-from ..settings import Settings
+from ..http.errors import APIError
+from ..service.runtime import corpus_to_seed
+from ..service.settings import Settings
 from .asgi import REPLICA_HEADER, ForwardedRequest, serve_asgi
 from .keys import routing_keys
 from .router import ChunkAffinityRouter
@@ -42,12 +42,12 @@ APP_NAME = "hypic"
 
 class GatewayReplica:
     """One gateway: the app of `create_app(settings)`, with its lifespan (loading on start, the
-    worker stopped on shutdown). Serves the requests the ingress forwards (`forward`). Not an
+    engine thread stopped on shutdown). Serves the requests the ingress forwards (`forward`). Not an
     HTTP ingress itself: a Serve application has one, the `Ingress`."""
 
     async def __init__(self, settings: Settings) -> None:
-        from .. import logs
-        from ..server import create_app
+        from ..http.server import create_app
+        from ..service import logs
 
         logs.configure(settings.log_level)
         self.settings = settings
@@ -64,7 +64,7 @@ class GatewayReplica:
         runtime = self.gateway.state.runtime
         if runtime.load_error is not None and self.settings.exit_on_load_failure:
             raise RuntimeError(f"this replica cannot serve: {runtime.load_error}")
-        if not runtime.worker.alive:
+        if not runtime.engine_thread.alive:
             raise RuntimeError("this replica's engine thread has stopped")
 
     async def __del__(self) -> None:
@@ -155,7 +155,7 @@ class Ingress:
         with self._index_lock:
             if self._index is None and not self._index_failed:
                 try:
-                    from ..runtime import load_index
+                    from ..service.runtime import load_index
 
                     if self.settings.torch_threads:
                         import torch

@@ -51,6 +51,12 @@ class ModelAdapter(ABC):
     # mamba_ssm); families with linear layers set `kernels` from these in __init__ (adapters/kernels.py).
     kernel_ops: ClassVar[tuple[str, ...]] = ()
     kernels: KernelSelection = KernelSelection(None)
+    # The extra work a canonical entry's linear layers cost per token (its body operators T, E beside
+    # the forward), per element of the linear state, in units of one parameter of the forward's
+    # per-token weights: the cost model of hypic_core/engine/prefill.py (`CostModel`) multiplies it by the
+    # state's elements and divides by the per-token parameters. Fitted per family on the bench-size
+    # models of bench/families.py (docs/benchmarks.md, "Cold"); 0: no transition work to speak of.
+    entry_state_cost: ClassVar[float] = 0.0
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -310,15 +316,19 @@ class ModelAdapter(ABC):
         layer = cache.layers[self.linear_layers[layer_pos]]
         return layer.conv_states[0], layer.recurrent_states[0]
 
-    def put_linear_rows(self, cache, layer_pos: int, conv: torch.Tensor, state: torch.Tensor) -> None:
-        """Initialise linear layer `layer_pos` of a fresh cache with batched `conv` and `state`."""
-        idx = self.linear_layers[layer_pos]
-        cache.update_conv_state(conv, idx, conv_kernel_size=conv.shape[-1])
-        cache.update_recurrent_state(state, idx)
+    def bind_linear_rows(self, cache, layer_pos: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        """Point linear layer `layer_pos` of `cache` at `conv` [B, C, K] and `state` [B, ...] (the decode
+        batch's row buffers, not copied), which the forward then updates in place."""
+        layer = cache.layers[self.linear_layers[layer_pos]]
+        if not layer.has_previous_state[0]:  # a fresh cache: set the layer up empty (no copy), then point it
+            layer.lazy_initialization(conv_states=conv[:0], conv_kernel_size=conv.shape[-1])
+            layer.lazy_initialization(recurrent_states=state[:0])
+            layer.has_previous_state[0] = True
+        layer.conv_states[0], layer.recurrent_states[0] = conv, state
 
-    # Batched decode: all running sequences advance in one forward, their caches stacked as rows
-    # (K/V left-padded under a mask). Families whose forward cannot take that set this False and
-    # decode one sequence per forward.
+    # Batched decode: all running sequences advance in one forward, each a row of the decode
+    # batch's preallocated slots (hypic_core/batch.py). Families whose forward cannot take that
+    # set this False and decode one sequence per forward.
     supports_batched_decode = True
 
     # --- attention layers ---------------------------------------------------------------

@@ -149,8 +149,9 @@ class LightningAdapter(ModelAdapter):
         state = cache.linear_cache[self.linear_layers[layer_pos]]
         return self._no_conv()[None].expand(state.shape[0], -1, -1), state
 
-    def put_linear_rows(self, cache, layer_pos: int, conv: torch.Tensor, state: torch.Tensor) -> None:
-        cache.set_linear_cache(self.linear_layers[layer_pos], state.clone())
+    def bind_linear_rows(self, cache, layer_pos: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        # MiniMax's forward replaces the state with a new tensor each step; the decode batch adopts it.
+        cache.set_linear_cache(self.linear_layers[layer_pos], state)
 
 
 class PositionedMiniMaxCache(modeling_minimax.MiniMaxCache):

@@ -1,12 +1,22 @@
-"""The decode batch: every running sequence's cache stacked into one, advanced by one forward per step.
+"""The decode batch: every running sequence as one row of preallocated slots, advanced by one forward per step.
 
-Layout. Row r holds sequence r. Attention K/V are left-padded: row r's `lengths[r]` real
-columns are the last ones, so the column each step appends is the last for every row and the
-layout survives decoding unchanged. A 4D mask hides the padding; each row gets its own
-`position_ids` (its keys were rotated at their absolute positions when computed, so column
-order does not matter to attention). Linear layers' conv and recurrent states are stacked
-along the batch dimension. Membership changes (a sequence joins after prefill or leaves when
-it finishes) rebuild the stacked cache once; steps in between only run the forward.
+Layout. Row r holds sequence r. Each attention layer's K/V live in one buffer [rows, H_kv,
+columns, D] with room to spare; row r's `lengths[r]` real columns are its first ones. A step
+writes each row's new key and value in place at column `lengths[r]` (one slice write when every
+row writes the same column) and attention reads the live columns only, [0, max length + 1),
+a 4D mask hiding each row's unused ones; each row gets its own `position_ids` (keys were
+rotated at their absolute positions when computed, so column order does not matter to
+attention). Linear layers' conv and recurrent states live in row buffers too, which the forward
+updates in place (the transformers linear cache layers copy each step's state into the tensor
+they hold). So a step copies no K/V, a sequence that joins copies only its own K/V and states
+into the next free row, and one that leaves has the last row moved into its place (one row
+copied, nothing when it was the last). Buffers grow by half when full (rows or columns), a copy
+amortised over the steps that filled them, and are freed when nothing runs. A family whose
+cache replaces a linear state with a new tensor each step (MiniMax) has that tensor adopted as
+the layer's buffer after the step; a join then regrows it (as stacking would).
+
+The plain reference is one sequence per forward on its own cache (`ModelRunner.forward`),
+which tests/test_batching.py compares step by step over joins and leaves.
 """
 
 from __future__ import annotations
@@ -15,11 +25,13 @@ from typing import Any, Sequence
 
 import torch
 
-from .layers import AttentionLayers, LinearLayers, left_pad
+from .layers import AttentionLayers, LinearLayers
+
+_GRAIN = 64  # K/V column capacity is a multiple of this
 
 
 class DecodeBatch:
-    """Stacked caches of the running sequences. `keys` are the callers' sequence handles, in row order."""
+    """Row slots of the running sequences. `keys` are the callers' sequence handles, in row order."""
 
     def __init__(self, model: torch.nn.Module, adapter, attention: AttentionLayers, linear: LinearLayers):
         self.model = model
@@ -28,61 +40,188 @@ class DecodeBatch:
         self.linear = linear
         self.keys: list[Any] = []
         self.lengths: list[int] = []  # real K/V columns per row
-        self.cache = None
+        self.cache = None  # the transformers cache the forward runs on; its layers point at the buffers
+        self._k: list[torch.Tensor] = []  # per attention layer [row capacity, H, column capacity, D]
+        self._v: list[torch.Tensor] = []
+        self._conv: list[torch.Tensor] = []  # per linear layer [row capacity, C, K]
+        self._state: list[torch.Tensor] = []  # per linear layer [row capacity, ...]
+        self._step: tuple | None = None  # during a forward: (rows, columns to write, read width, one column for all)
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def sync(self, members: Sequence[Any], caches: dict[Any, Any]) -> None:
-        """Make the rows exactly `members` (in that order where new): rows not in `members`
-        leave; members not yet in the batch join with their own batch-1 cache from `caches`."""
-        wanted, present = set(members), set(self.keys)
-        keep = [i for i, k in enumerate(self.keys) if k in wanted]
-        joining = [k for k in members if k not in present]
-        if len(keep) == len(self.keys) and not joining:
-            return
-        parts_kv: list[tuple] = []  # per part: (keys per layer [b, H, L, D], values per layer, lengths)
-        parts_lin: list = []
-        if keep and self.cache is not None:
-            idx = torch.tensor(keep, device=self.model.device)
-            lengths = [self.lengths[i] for i in keep]
-            width = max(lengths)
-            keys, values = self.attention.kv(self.cache)
-            parts_kv.append((tuple(k[idx, :, -width:] for k in keys), tuple(v[idx, :, -width:] for v in values), lengths))
-            parts_lin.append(tuple((c[idx], s[idx]) for c, s in self.linear.rows(self.cache)))
-        for k in joining:
-            cache = caches[k]
-            keys, values = self.attention.kv(cache)
-            parts_kv.append((keys, values, [self.attention.length(cache)]))
-            parts_lin.append(self.linear.rows(cache))
-        self.keys = [self.keys[i] for i in keep] + joining
-        self.lengths = [n for _, _, ns in parts_kv for n in ns]
-        self.cache = None
-        if not self.keys:
-            return
-        width = max(self.lengths)
-        cache = self.adapter.new_cache()
-        n_attn = len(self.attention)
-        self.attention.append(
-            cache,
-            [torch.cat([left_pad(p[0][j], width) for p in parts_kv]) for j in range(n_attn)],
-            [torch.cat([left_pad(p[1][j], width) for p in parts_kv]) for j in range(n_attn)],
-        )
-        self.linear.put_rows(cache, tuple(
-            (torch.cat([p[l][0] for p in parts_lin]), torch.cat([p[l][1] for p in parts_lin])) for l in range(len(self.linear))
-        ))
-        self.cache = cache
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(rows, columns) the K/V buffers hold now."""
+        return (self._k[0].shape[0], self._k[0].shape[2]) if self._k else (0, 0)
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer the rows live in (tests check they stay in place)."""
+        return [*self._k, *self._v, *self._conv, *self._state]
+
+    # --- membership --------------------------------------------------------------------------
+    def sync(self, members: Sequence[Any], caches: dict[Any, Any]) -> None:
+        """Make the rows exactly `members`: rows not in `members` leave; members not yet in the batch
+        join (at the end) with their own batch-1 cache from `caches`."""
+        wanted, present = set(members), set(self.keys)
+        joining = [k for k in members if k not in present]
+        if not joining and all(k in wanted for k in self.keys):
+            return
+        for r in reversed(range(len(self.keys))):
+            if self.keys[r] not in wanted:
+                self._drop(r)
+        if not self.keys and not joining:
+            self._free()
+            return
+        if joining:
+            if self.cache is None:  # first rows since the batch was empty: zero-row buffers, grown below
+                keys, values = self.attention.kv(caches[joining[0]])
+                self._k = [k.new_zeros((0, k.shape[1], 0, k.shape[3])) for k in keys]
+                self._v = [v.new_zeros((0, v.shape[1], 0, v.shape[3])) for v in values]
+                rows = self.linear.rows(caches[joining[0]])
+                self._conv = [c.new_zeros((0, *c.shape[1:])) for c, _ in rows]
+                self._state = [s.new_zeros((0, *s.shape[1:])) for _, s in rows]
+                self.cache = self.adapter.new_cache()
+            longest = max(self.lengths + [self.attention.length(caches[k]) for k in joining])
+            self.reserve(len(self.keys) + len(joining), longest + 1)  # once for all that join
+            for k in joining:
+                self._add(k, caches[k])
+        self._bind()
+
+    def _add(self, key: Any, cache) -> None:
+        """A new last row (room reserved) with a batch-1 cache's K/V ([1, H, length, D] per layer) and linear states."""
+        keys, values = self.attention.kv(cache)
+        length = self.attention.length(cache)
+        rows = self.linear.rows(cache)
+        r = len(self.keys)
+        for j in range(len(self._k)):
+            self._k[j][r, :, :length] = keys[j][0, :, :length]
+            self._v[j][r, :, :length] = values[j][0, :, :length]
+        for p, (conv, state) in enumerate(rows):
+            self._conv[p][r] = conv[0]
+            self._state[p][r] = state[0]
+        self.keys.append(key)
+        self.lengths.append(length)
+
+    def _drop(self, r: int) -> None:
+        """Remove row r: the last row moves into its place (one row copied)."""
+        last = len(self.keys) - 1
+        if r != last:
+            n = self.lengths[last]
+            for j in range(len(self._k)):
+                self._k[j][r, :, :n] = self._k[j][last, :, :n]
+                self._v[j][r, :, :n] = self._v[j][last, :, :n]
+            for bufs in (self._conv, self._state):
+                for buf in bufs:
+                    buf[r] = buf[last]
+            self.keys[r], self.lengths[r] = self.keys[last], self.lengths[last]
+        self.keys.pop()
+        self.lengths.pop()
+
+    def _free(self) -> None:
+        """Nothing running: hold no memory."""
+        self._k, self._v, self._conv, self._state = [], [], [], []
+        self.cache = None
+
+    def _bind(self) -> None:
+        """Point the cache's layers at the buffers' live rows."""
+        b, cache = len(self.keys), self.cache
+        for p in range(len(self.linear)):
+            self.adapter.bind_linear_rows(cache, p, self._conv[p][:b], self._state[p][:b])
+        for j, i in enumerate(self.attention.indices):
+            if i >= len(cache.layers):  # a lazily built cache makes its layers on a first update
+                cache.update(self._k[j][:1, :, :0], self._v[j][:1, :, :0], i)
+            layer = cache.layers[i]
+            if not isinstance(layer.__dict__.get("update"), _SlotUpdate):
+                layer.is_initialized, layer.device = True, self.model.device
+                layer.update = _SlotUpdate(self, j)  # the instance's update writes into the buffers
+        self._point(max(self.lengths))
+
+    def reserve(self, rows: int, cols: int) -> None:
+        """Grow the buffers to hold at least `rows` rows and `cols` columns: by half, columns rounded up
+        to a multiple of `_GRAIN` (never past the model's context)."""
+        have_rows, have_cols = self.capacity
+        new_rows = max(rows, have_rows + have_rows // 2) if rows > have_rows else have_rows
+        new_cols = have_cols
+        if cols > have_cols:
+            grown = -(-max(cols + 1, have_cols + have_cols // 2) // _GRAIN) * _GRAIN
+            new_cols = max(cols, min(grown, self.adapter.max_positions))
+        b, moved = len(self.keys), False
+        if (new_rows, new_cols) != (have_rows, have_cols):
+            n, moved = max(self.lengths, default=0), True
+            for bufs in (self._k, self._v):
+                for j, old in enumerate(bufs):
+                    new = old.new_zeros((new_rows, old.shape[1], new_cols, old.shape[3]))
+                    new[:b, :, :n] = old[:b, :, :n]
+                    bufs[j] = new
+        for bufs in (self._conv, self._state):  # row capacity per layer (an adopted state holds only the live rows)
+            for p, old in enumerate(bufs):
+                if old.shape[0] < rows:
+                    new = old.new_zeros((max(rows, new_rows), *old.shape[1:]))
+                    new[:b] = old[:b]
+                    bufs[p] = new
+                    moved = True
+        if moved and b:
+            self._bind()
+
+    # --- a step ------------------------------------------------------------------------------
     def forward(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """Feed row r the token `token_ids[r]` at `positions[r]`; return next-token logits [B, vocab] (fp32)."""
         dev = self.model.device
-        width = max(self.lengths) if self.lengths else 0
-        lengths = torch.tensor(self.lengths, device=dev)
-        cols = torch.arange(width + 1, device=dev)
-        mask = (cols[None, :] >= (width - lengths)[:, None])[:, None, None, :]  # [B, 1, 1, width + 1]
+        b = len(self.keys)
+        width = max(self.lengths) + 1
+        self.reserve(b, width)
+        cols = torch.tensor(self.lengths, dtype=torch.long, device=dev)
+        same = self.lengths[0] if min(self.lengths) == width - 1 else None  # every row writes the same column
+        self._step = (torch.arange(b, device=dev), cols, width, same)
+        mask = (torch.arange(width, device=dev)[None, :] <= cols[:, None])[:, None, None, :]  # [B, 1, 1, width]
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=dev)[:, None]
         pos = torch.tensor(list(positions), dtype=torch.long, device=dev)[:, None]
-        out = self.model(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True,
-                         attention_mask=self.adapter.mask_argument(mask), logits_to_keep=1)
+        try:
+            out = self.model(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True,
+                             attention_mask=self.adapter.mask_argument(mask), logits_to_keep=1)
+        finally:
+            self._step = None
         self.lengths = [n + 1 for n in self.lengths]
+        self._point(width)
+        self._adopt()
         return out.logits[:, -1].float()
+
+    def _write(self, j: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Attention layer j's cache update during a forward: each row's new column in place; returns
+        the live columns attention reads."""
+        rows, cols, width, same = self._step
+        b = len(rows)
+        if same is not None:
+            self._k[j][:b, :, same:same + 1] = key_states
+            self._v[j][:b, :, same:same + 1] = value_states
+        else:
+            self._k[j][rows, :, cols] = key_states[:, :, 0]
+            self._v[j][rows, :, cols] = value_states[:, :, 0]
+        return self._k[j][:b, :, :width], self._v[j][:b, :, :width]
+
+    def _point(self, width: int) -> None:
+        """Show the cache's attention layers the buffers' first `width` columns (their sequence length)."""
+        b = len(self.keys)
+        for j, i in enumerate(self.attention.indices):
+            layer = self.cache.layers[i]
+            layer.keys, layer.values = self._k[j][:b, :, :width], self._v[j][:b, :, :width]
+
+    def _adopt(self) -> None:
+        """A linear layer whose cache put a new tensor in place of the bound rows: that tensor is the buffer now."""
+        for p in range(len(self.linear)):
+            conv, state = self.adapter.linear_rows(self.cache, p)
+            if state.data_ptr() != self._state[p].data_ptr():
+                self._state[p] = state
+            if conv.numel() and conv.data_ptr() != self._conv[p].data_ptr():
+                self._conv[p] = conv
+
+
+class _SlotUpdate:
+    """Bound as a cache layer's `update`: the batch writes the step's K/V into its buffers."""
+
+    def __init__(self, batch: DecodeBatch, j: int):
+        self.batch, self.j = batch, j
+
+    def __call__(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.batch._write(self.j, key_states, value_states)

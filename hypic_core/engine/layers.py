@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..adapters import ModelAdapter
 from ..algebra.entry import SegmentEntry
@@ -96,14 +95,3 @@ class LinearLayers:
     def rows(self, cache) -> LinearRows:
         """Every layer's (conv [B, C, K], state [B, ...]) over all rows (views)."""
         return tuple(self.adapter.linear_rows(cache, p) for p in range(len(self)))
-
-    def put_rows(self, cache, rows: LinearRows) -> None:
-        """Install batched (conv, state) per layer into a fresh cache."""
-        for p, (conv, state) in enumerate(rows):
-            self.adapter.put_linear_rows(cache, p, conv, state)
-
-
-def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Pad dim -2 (sequence) of `t` on the left with zeros up to `width` columns."""
-    missing = width - t.shape[-2]
-    return t if missing == 0 else F.pad(t, (0, 0, missing, 0))

@@ -8,7 +8,7 @@ prompt's tokens followed by the teacher's):
   documentation, this project's docs/*.md), sampled at temperature 0.7 or 1.0;
 - `chat`: the chat template with a request about a paragraph (explain, summarise) or an
   everyday topic (ordinary English prose), the teacher's reply sampled at 0.3 or 0.7;
-- `rag`: the gateway's /query layout (app/prompter.py with SmolLM2's named layout): the teacher
+- `rag`: the gateway's /query layout (app/service/prompter.py with SmolLM2's named layout): the teacher
   first writes a question about a paragraph, then answers it greedily from that paragraph among
   1-3 others, as the gateway would ask it.
 
@@ -96,8 +96,8 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=None, help="default: from the lines already written (a rerun continues)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from app.prompter import Prompter
-    from app.settings import Settings
+    from app.service.prompter import Prompter
+    from app.service.settings import Settings
     from hypic_core.models.registry import KNOWN_MODELS
     from retrieval.document import Chunk, chunk_id_for
     from retrieval.index import SearchHit

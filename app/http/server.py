@@ -8,10 +8,10 @@ A request's life: `RequestContext` tags it with a request id -> `HeaderLimit` co
 without a key, `OriginCheck` refuses cross-site writes) ->
 `BodyLimit` caps the body and its pace -> the route validates the body (pydantic; errors become 400s naming
 the field) -> `pipeline` retrieves on a thread, builds segments (`Prompter`) and checks them
-against the engine -> `Worker` admits it (or 429) and runs prefill + decode on an engine
+against the engine -> the `EngineThread` admits it (or 429) and runs prefill + decode on an engine
 thread -> the route reads the `TokenStream` on the event loop and answers with JSON or SSE.
 Loading starts when the app starts (lifespan) and runs in the background: /ready is 503 until
-it finishes. The worker threads are stopped when the app shuts down.
+it finishes. The engine thread is stopped when the app shuts down.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from ..service.runtime import EngineSource, IndexSource, Runtime
+from ..service.settings import Settings
 from . import api_documents, api_openai, api_ops, api_query, errors, schemas
 from .middleware import OPEN_PATHS, ApiKey, BodyLimit, HeaderLimit, HostCheck, OriginCheck, RequestContext
-from .runtime import EngineSource, IndexSource, Runtime
-from .settings import Settings
 
 
 def create_app(settings: Settings | None = None, engine: EngineSource = None, index: IndexSource = None) -> FastAPI:

@@ -34,9 +34,9 @@ import string
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+from hypic_core.errors import InvalidRequestError
 from retrieval.index import SearchHit
 
-from .errors import APIError
 
 Part = tuple[str, bool]  # (text, trusted): trusted text may contain special tokens
 Tokens = tuple[int, ...]
@@ -203,14 +203,14 @@ class Prompter:
 
     def chat(self, messages: Sequence[dict], hits: Sequence[SearchHit], segments: Sequence[str], reserve: int) -> Prompt:
         """A conversation; `segments` (kept) and retrieved `hits` (fitted) go before the last user
-        message's content. Raises a 400 naming `messages` unless the last message is the user's."""
+        message's content. Raises `InvalidRequestError` naming `messages` unless the last message is the user's."""
         if not messages or messages[-1].get("role") != "user":
-            raise APIError.invalid("messages", "the last message must be the user's")
+            raise InvalidRequestError("messages", "the last message must be the user's")
         convo = [{"role": m["role"], "content": [(str(m["content"]), False)]} for m in messages]
         if self.layout.format == "raw":
             if any(m["role"] == "assistant" for m in messages) or sum(m["role"] == "user" for m in messages) > 1:
-                raise APIError.invalid("messages", "this model has no chat template: send one user message (and an optional "
-                                                   "system message), or use /v1/completions")
+                raise InvalidRequestError("messages", "this model has no chat template: send one user message (and an optional "
+                                                      "system message), or use /v1/completions")
             convo[-1]["content"] = fill(self.layout.question_template, question=str(messages[-1]["content"]))
         head, tail = self._frame(convo, "messages")
         kept = [self.encoder.encode([(s.rstrip() + "\n", False)], self._next) for s in segments]
@@ -221,7 +221,7 @@ class Prompter:
         then the prompt; no chat template, no system prompt."""
         question = self.encoder.text(prompt)
         if not question:
-            raise APIError.invalid("prompt", "must not be empty")
+            raise InvalidRequestError("prompt", "must not be empty")
         kept = [ids for ids in (self.encoder.encode([(s, False)], self._next) for s in segments) if ids]
         return self._fit([], kept, hits, [question], reserve, "prompt")
 
@@ -246,7 +246,7 @@ class Prompter:
         rendered = self.encoder.tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
         pieces = _MARK_RE.split(rendered)  # literal, index, literal, index, ..., literal
         if len(pieces) != 2 * len(messages) + 1:
-            raise APIError.invalid(field, "the chat template did not render every message")
+            raise InvalidRequestError(field, "the chat template did not render every message")
         # One head segment per earlier message (its template text and content), then the template
         # text before the last message: turn n's head is a prefix, segment for segment, of turn n+1's.
         groups: list[list[Part]] = []
@@ -272,11 +272,11 @@ class Prompter:
         """`head`, `kept`, the retrieved documents that fit and `tail`: documents are added best
         first until the next one would leave less than `reserve` tokens of context for the answer
         (the rest are dropped, and never tokenized). A prompt that does not fit even without
-        documents is a 400."""
+        documents is an `InvalidRequestError`."""
         fixed = sum(map(len, head + kept + tail))
         if fixed >= self.context:
-            raise APIError.invalid(field, f"the prompt is {fixed} tokens without any retrieved chunk; the model's context is "
-                                          f"{self.context} tokens: shorten the {field}" + (" or the segments" if kept else ""))
+            raise InvalidRequestError(field, f"the prompt is {fixed} tokens without any retrieved chunk; the model's context is "
+                                             f"{self.context} tokens: shorten the {field}" + (" or the segments" if kept else ""))
         room = self.context - reserve - fixed
         used: list[tuple[SearchHit, Tokens]] = []
         for hit in sorted(hits, key=lambda h: h.score, reverse=True):

@@ -2,7 +2,7 @@
 policy that widens the seam or falls back to exact reuse when agreement drops.
 
 A sampled request is queued (bounded; a full queue drops its oldest check) once admitted. The
-worker's engine thread starts one queued check at a time, and only while the engine holds no
+engine thread starts one queued check at a time, and only while the engine holds no
 request: a check is requests like any other, at the lowest priority, stepped by the same
 `Engine.step()` as served ones: the request's segments in `full` and in each approximate
 configuration under watch, greedy, keeping their first-token logits. It compares the
@@ -81,7 +81,7 @@ def exact_mode(mode: str | None) -> Mode:
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """Thresholds of the guard (app/settings.py `guard_*`). Raises ValueError for values out of range."""
+    """Thresholds of the guard (app/service/settings.py `guard_*`). Raises ValueError for values out of range."""
 
     enabled: bool = True
     sample_rate: float = 0.05  # share of admitted requests checked
@@ -279,7 +279,7 @@ def compare(check: ShadowCheck, outputs: list[list[StepOutput]]) -> list[CheckRe
 
 def run_check(engine: Engine, check: ShadowCheck, greedy_tokens: int) -> list[CheckResult]:
     """Run `check` at once through `engine.step()` (tests, benchmarks; the gateway's checks go through
-    the worker's step loop instead). Call only while no other caller steps the engine."""
+    the engine thread's step loop instead). Call only while no other caller steps the engine."""
     seqs = [engine.add_request(r, collect=True) for r in check_requests(check, greedy_tokens)]
     outputs: list[list[StepOutput]] = [[] for _ in seqs]
     while not all(s.finished for s in seqs):
@@ -290,7 +290,7 @@ def run_check(engine: Engine, check: ShadowCheck, greedy_tokens: int) -> list[Ch
 
 
 class _InFlight:
-    """A check whose requests the worker's step loop is running."""
+    """A check whose requests the engine thread's step loop is running."""
 
     def __init__(self, check: ShadowCheck, n: int) -> None:
         self.check = check
@@ -338,7 +338,7 @@ class Guard:
 
     `wake` is called (without the guard's lock) after a check is queued, so an idle engine
     thread looks again. `submit(request, deliver)` hands a check's request to the step loop
-    (the worker's `submit_internal`), which calls `deliver(output)` on the engine thread for each
+    (`EngineThread.submit_internal`), which calls `deliver(output)` on the engine thread for each
     of its outputs; without it `run_one` runs the check at once (`run_check`).
     """
 

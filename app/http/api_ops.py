@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from ..service.metrics import CONTENT_TYPE
+from ..service.runtime import Runtime
 from . import schemas
-from .metrics import CONTENT_TYPE
-from .runtime import Runtime
 
 router = APIRouter()
 
@@ -15,7 +15,7 @@ router = APIRouter()
 @router.get("/health", response_model=schemas.Health)
 async def health(request: Request) -> dict:
     """200 while the process serves HTTP, loaded or not; `guard`: the accuracy guard's state
-    (app/guard.py), null until the model is loaded."""
+    (app/service/guard.py), null until the model is loaded."""
     guard = request.app.state.runtime.guard
     return {"status": "ok", "guard": guard.health() if guard is not None else None}
 

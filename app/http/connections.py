@@ -77,7 +77,7 @@ class HeadDeadlineProtocol(H11Protocol):
 
 
 def uvicorn_options(settings) -> dict:
-    """`uvicorn.Config` keyword arguments for the connection limits in `settings` (`app.settings.Settings`)."""
+    """`uvicorn.Config` keyword arguments for the connection limits in `settings` (`app.service.settings.Settings`)."""
     protocol = type("HeadDeadlineProtocol", (HeadDeadlineProtocol,), {"head_timeout": settings.header_timeout_s})
     return {"http": protocol, "timeout_keep_alive": settings.keep_alive_timeout_s,
             "h11_max_incomplete_event_size": settings.max_header_bytes}

@@ -4,7 +4,7 @@
      "msg": "request", "request_id": "9f0c...", "method": "POST", "path": "/query", "status": 200, ...}
 
 `request_id` comes from a context variable set by the request-id middleware, so it is present on
-every line logged while a request is handled, engine worker threads included.
+every line logged while a request is handled, the engine thread included.
 Fields passed as `extra={...}` are added to the object.
 
 `configure` makes this the process's one log stream: the gateway's loggers (`hypic.*`), the

@@ -46,10 +46,12 @@ from retrieval.index import DocumentInfo
 from retrieval.ingest import document_from_text, ingest_documents
 from retrieval.strict_json import lone_surrogate
 
-from . import pipeline, schemas
+from ..service import pipeline
+
+from ..service.runtime import Runtime
+from . import schemas
 from .errors import APIError
 from .routing import StrictJSONRoute
-from .runtime import Runtime
 
 router = APIRouter(route_class=StrictJSONRoute)
 JSON_TYPES = ("application/json",)

@@ -33,14 +33,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hypic_core.config import MAX_SEED
 from hypic_core.engine.sequence import StepOutput
-from hypic_core.errors import InvalidRequestError
 
-from . import pipeline, schemas, sse
-from .errors import APIError, from_engine, shown
-from .prompter import Prompt
+from ..service import pipeline
+
+from ..service.engine_thread import TokenStream
+from ..service.prompter import Prompt
+from ..service.runtime import Runtime
+from . import schemas, sse
+from .errors import APIError, from_stream_failure, shown
+from .generation import SamplingExtras, collect
 from .routing import StrictJSONRoute
-from .runtime import Runtime
-from .worker import TokenStream
 
 log = logging.getLogger("hypic.openai")
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute)
@@ -83,7 +85,7 @@ UNSUPPORTED = {"tools": ([], None), "functions": ([], None), "tool_choice": ("no
                "suffix": ("", None), "audio": (None,), "prediction": (None,)}
 
 
-class _Common(pipeline.SamplingExtras):
+class _Common(SamplingExtras):
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -228,7 +230,7 @@ class _Reply:
         self._offset = 0  # completions text_offset of the next token
 
     async def whole(self, stream: TokenStream, request: Request) -> dict:
-        events = await pipeline.collect(stream, request)
+        events = await collect(stream, request)
         text = "".join(e.text for e in events)
         choice = {"index": 0, "finish_reason": events[-1].finish_reason, "logprobs": self._logprobs(events)}
         choice |= {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
@@ -252,7 +254,7 @@ class _Reply:
             if self.include_usage:
                 yield sse.event(None, self._envelope([]) | {"usage": _usage(stream)})
         except Exception as exc:
-            error = from_engine(exc) if isinstance(exc, InvalidRequestError) else APIError(500, "generation failed; see the server log", type="server_error")
+            error = from_stream_failure(exc)
             log.warning("stream failed", extra={"error": repr(exc)})
             yield sse.event(None, error.body())
         yield sse.event(None, "[DONE]")

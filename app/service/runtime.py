@@ -1,4 +1,4 @@
-"""What a running gateway holds: settings, engine, vector index, chunker, prompter, worker, metrics.
+"""What a running gateway holds: settings, engine, vector index, chunker, prompter, engine thread, metrics.
 
 The engine and the index load on a background thread started by `start_loading`, so the server
 answers /health and /ready (503) at once. If loading fails, `load_error` says why and
@@ -25,13 +25,13 @@ from hypic_core.models.registry import resolve as resolve_model
 from retrieval.chunker import Chunker, default_chunk_tokens
 from retrieval.index import VectorIndex
 
-from .errors import APIError
+from .engine_thread import EngineThread
+from .errors import NotReadyError
 from .guard import Guard
 from .metrics import Metrics
 from .prompter import Prompter
 from .settings import DEFAULT_INDEX_DIR, Settings
 from .tokens import TokenText
-from .worker import Worker
 
 log = logging.getLogger("hypic.runtime")
 
@@ -55,7 +55,7 @@ def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engin
     model = model or resolve_model(settings.model, settings.models_dir)
     config = EngineConfig(seam=settings.seam, memory_budget_bytes=settings.cache_memory_bytes,
                           prefix_budget_bytes=settings.prefix_cache_bytes, exact_repeats=settings.exact_repeats,
-                          scheduling=settings.scheduling)
+                          scheduling=settings.scheduling, cold_prefill=settings.cold_prefill)
     return Engine.from_pretrained(model.path, config, store_from_settings(settings), dtype=settings.dtype, device=settings.device,
                                   model_id=settings.served_model_name, prefill_workers=settings.prefill_workers,
                                   prefill_backend=settings.prefill_backend, prefill_threads=settings.prefill_worker_threads,
@@ -90,13 +90,13 @@ class Runtime:
     def __init__(self, settings: Settings, engine: EngineSource = None, index: IndexSource = None) -> None:
         self.settings = settings
         self.metrics = Metrics(settings.served_model_name)
-        self.worker = Worker(settings.max_running, settings.max_queue, self.metrics)
+        self.engine_thread = EngineThread(settings.max_running, settings.max_queue, self.metrics)
         self.engine: Engine | None = None
         self.index: VectorIndex | None = None
         self.chunker: Chunker | None = None
         self.prompter: Prompter | None = None
         self.tokens: TokenText | None = None
-        self.guard: Guard | None = None  # the accuracy guard (app/guard.py), set once loaded
+        self.guard: Guard | None = None  # the accuracy guard (app/service/guard.py), set once loaded
         self.model_name = settings.served_model_name
         self.load_error: str | None = None
         self.created = int(time.time())
@@ -115,15 +115,14 @@ class Runtime:
         threading.Thread(target=self._load, name="hypic-loader", daemon=True).start()
 
     def require_ready(self) -> None:
-        """Raise a 503 (with Retry-After) unless the model and index are loaded."""
+        """Raise `NotReadyError` unless the model and index are loaded."""
         if not self.ready:
             detail = f"loading failed: {self.load_error}" if self.load_error else "model and index are loading"
-            raise APIError(503, f"not ready: {detail}", type="unavailable_error", code="not_ready",
-                           headers={"Retry-After": str(self.settings.retry_after_s)})
+            raise NotReadyError(detail)
 
     def close(self) -> None:
-        """Stop the worker; an engine loaded here stops its prefill workers and its store finishes its disk writes."""
-        self.worker.close()
+        """Stop the engine thread; an engine loaded here stops its prefill workers and its store finishes its disk writes."""
+        self.engine_thread.close()
         if self._owns_engine and self.engine is not None:
             self.engine.close()  # its prefill workers, if any
             if hasattr(self.engine.store, "close"):
@@ -172,9 +171,9 @@ class Runtime:
                 self.model_name = self.settings.model_name or engine.model_id
                 self.metrics.model_name = self.model_name
             self.metrics.watch_store(engine.store)
-            self.guard = Guard.for_engine(self.settings, engine, self.model_name, self.metrics.registry, wake=self.worker.wake,
-                                          submit=lambda request, deliver: self.worker.submit_internal(engine, request, deliver))
-            self.worker.run_when_idle(self.guard)
+            self.guard = Guard.for_engine(self.settings, engine, self.model_name, self.metrics.registry, wake=self.engine_thread.wake,
+                                          submit=lambda request, deliver: self.engine_thread.submit_internal(engine, request, deliver))
+            self.engine_thread.run_when_idle(self.guard)
             self._ready.set()
             log.info("ready", extra={"model": self.model_name, "chunks": len(index), "seconds": round(time.perf_counter() - started, 3)})
         except Exception as exc:  # reported by /ready; `hypic serve` exits unless told to stay up for inspection

@@ -1,54 +1,29 @@
 """The steps every generating endpoint shares: retrieve, build and check the request, start it.
 
-Errors come out as `APIError`s naming the request field (`field` prefixes such as "rag." let
-the OpenAI endpoints name their nested fields), so nothing invalid reaches the worker.
+Refusals are domain errors (app/service/errors.py): `InvalidRequestError`s naming the request field
+(`field` prefixes such as "rag." let the OpenAI endpoints name their nested fields), so nothing
+invalid reaches the engine thread, `QueueFullError` when it is full.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import anyio
-from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field
 
 from hypic_core.config import GenerationRequest, Mode, SamplingParams
-from hypic_core.engine.sequence import StepOutput
 from hypic_core.errors import InvalidRequestError
 from retrieval.document import normalize_document_id
 from retrieval.errors import DocumentNotFoundError, RetrievalError
 from retrieval.index import SearchHit
 
-from .errors import APIError, from_engine, from_retrieval
+from .engine_thread import TokenStream
+from .errors import QueueFullError, TextTooLongError, TooManyItemsError, UnknownDocumentError
 from .guard import exact_mode
 from .prompter import Prompt
 from .runtime import Runtime
-from .worker import QueueFullError, TokenStream
-
-
-class SamplingExtras(BaseModel):
-    """vLLM-compatible sampling fields every generating endpoint accepts (request-body mixin).
-
-    Request bodies are validated strictly (`strict=True`, here and in every body model): a JSON
-    scalar of the wrong type is a 400, not converted (`"max_tokens": true` is not 1, `"2"` is
-    not 2, `0` is not false); an integer is still a valid number."""
-
-    model_config = ConfigDict(strict=True)
-
-    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False,
-                         description="Drop tokens less likely than min_p times the most likely one.")
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False,
-                                      description="Penalise tokens seen in the prompt or output; 1: off.")
-    min_tokens: int = Field(0, ge=0, description="Tokens generated before EOS may end the output.")
-    ignore_eos: bool = Field(False, description="Keep generating past EOS (until max_tokens or a stop string).")
-
-    def extras(self) -> dict:
-        """The fields as `SamplingParams` keyword arguments."""
-        return {"min_p": self.min_p, "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens,
-                "ignore_eos": self.ignore_eos}
 
 
 @dataclass(frozen=True)
@@ -59,18 +34,20 @@ class Retrieval:
 
 async def retrieve(rt: Runtime, query: str, top_k: int, document_ids: Sequence[str] | None, prefix: str = "") -> Retrieval:
     """The `top_k` chunks closest to `query` (only from `document_ids` when given), searched on a
-    thread. Raises 400 for top_k above `max_top_k`, more than `max_document_ids` document ids,
+    thread. Raises `InvalidRequestError` for top_k above `max_top_k`, more than `max_document_ids` document ids,
     an unknown or invalid one, or bad retrieval input."""
     if top_k > rt.settings.max_top_k:
-        raise APIError.invalid(f"{prefix}top_k", f"must be <= {rt.settings.max_top_k}, got {top_k}")
+        raise InvalidRequestError(f"{prefix}top_k", f"must be <= {rt.settings.max_top_k}, got {top_k}")
     if document_ids is not None:
         check_count(f"{prefix}document_ids", document_ids, rt.settings.max_document_ids, "HYPIC_MAX_DOCUMENT_IDS")
         document_ids = [document_id(d, f"{prefix}document_ids") for d in document_ids]
     started = time.perf_counter()
     try:
         hits = await anyio.to_thread.run_sync(lambda: rt.index.search(query, top_k, document_ids))
+    except DocumentNotFoundError as exc:
+        raise UnknownDocumentError(f"{prefix}document_ids", str(exc)) from None
     except RetrievalError as exc:
-        raise from_retrieval(exc, f"{prefix}document_ids" if isinstance(exc, DocumentNotFoundError) else "query") from None
+        raise InvalidRequestError("query", str(exc)) from None
     seconds = time.perf_counter() - started
     rt.metrics.retrieval.observe(seconds)
     return Retrieval(hits, round(seconds * 1000.0, 3))
@@ -82,47 +59,46 @@ def utf8_size(text: str) -> int:
 
 
 def check_count(param: str, items: Sequence | None, limit: int, setting: str) -> None:
-    """400 naming `param` when `items` has more than `limit` entries (`setting` names the limit)."""
+    """`TooManyItemsError` naming `param` when `items` has more than `limit` entries (`setting` names the limit)."""
     if items is not None and len(items) > limit:
-        raise APIError(400, f"{param}: {len(items)} entries, more than the {limit} allowed ({setting})", param=param,
-                       code="too_many_items")
+        raise TooManyItemsError(param, f"{len(items)} entries, more than the {limit} allowed ({setting})")
 
 
 def check_text(rt: Runtime, texts: Sequence[tuple[str, str]]) -> None:
-    """400 naming the field where the UTF-8 bytes of `texts` ((param, text) pairs, in request
+    """`TextTooLongError` naming the field where the UTF-8 bytes of `texts` ((param, text) pairs, in request
     order) together pass `max_text_bytes`. Runs before anything is tokenized, so that no
     request makes the gateway tokenize more than the limit."""
     limit, total = rt.settings.max_text_bytes, 0
     for param, text in texts:
         total += utf8_size(text)
         if total > limit:
-            raise APIError(400, f"{param}: the request's text passes {limit} bytes here (HYPIC_MAX_TEXT_BYTES, the question "
-                                "or prompt, messages and segments together); shorten it", param=param, code="text_too_long")
+            raise TextTooLongError(param, f"the request's text passes {limit} bytes here (HYPIC_MAX_TEXT_BYTES, the question "
+                                          "or prompt, messages and segments together); shorten it")
 
 
 def check_stops(rt: Runtime, stops: Sequence[str], param: str = "stop") -> None:
-    """400 naming `param` for more than `max_stop_strings` stop strings or more than
+    """`TooManyItemsError` naming `param` for more than `max_stop_strings` stop strings or more than
     `max_stop_bytes` of them together: each generated token is checked against every one."""
     check_count(param, stops, rt.settings.max_stop_strings, "HYPIC_MAX_STOP_STRINGS")
     size = sum(map(utf8_size, stops))
     if size > rt.settings.max_stop_bytes:
-        raise APIError(400, f"{param}: {size} bytes of stop strings, more than the {rt.settings.max_stop_bytes} allowed "
-                            "(HYPIC_MAX_STOP_BYTES)", param=param, code="too_many_items")
+        raise TooManyItemsError(param, f"{size} bytes of stop strings, more than the {rt.settings.max_stop_bytes} allowed "
+                                       "(HYPIC_MAX_STOP_BYTES)")
 
 
 async def off_loop(function, *args):
-    """`function(*args)` on a worker thread (tokenizing, chat templates): the event loop keeps
+    """`function(*args)` on a thread of anyio's pool (tokenizing, chat templates): the event loop keeps
     answering /health and streaming other requests meanwhile. Its exceptions are raised here."""
     return await anyio.to_thread.run_sync(function, *args)
 
 
 def document_id(value: str, param: str) -> str:
     """A document id from a request as the index keeps it (`normalize_document_id`: NFC, at
-    most 256 characters); 400 naming `param` if it cannot be one."""
+    most 256 characters); `InvalidRequestError` naming `param` if it cannot be one."""
     try:
         return normalize_document_id(value)
     except RetrievalError as exc:
-        raise APIError.invalid(param, str(exc)) from None
+        raise InvalidRequestError(param, str(exc)) from None
 
 
 def sources(prompt: Prompt) -> dict:
@@ -134,17 +110,17 @@ def sources(prompt: Prompt) -> dict:
 
 def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: str | None, seam: int | None,
                        exact: bool = False, exact_prefix: int = 0, **sampling) -> GenerationRequest:
-    """An engine request; `sampling` are `SamplingParams` fields. Raises 400 for max_tokens above
+    """An engine request; `sampling` are `SamplingParams` fields. Raises `InvalidRequestError` for max_tokens above
     `max_new_tokens`, an unknown mode, `exact` with an approximate mode and sampling values out
     of range; what depends on the model (token ids, the prompt's length) is checked once, by the
     engine, in `start`.
 
     A request that names neither `mode` nor `seam` (nor `exact`) runs as the accuracy guard
-    chooses now (app/guard.py: the configured default, a wider seam, or `prefix`); one that
+    chooses now (app/service/guard.py: the configured default, a wider seam, or `prefix`); one that
     names either gets what it named, the configured default for the other. `exact` means
     `prefix`, or `full` when named."""
     if sampling.get("max_tokens", 1) > rt.settings.max_new_tokens:
-        raise APIError.invalid("max_tokens", f"must be <= {rt.settings.max_new_tokens}, got {sampling['max_tokens']}")
+        raise InvalidRequestError("max_tokens", f"must be <= {rt.settings.max_new_tokens}, got {sampling['max_tokens']}")
     if exact:
         mode = exact_mode(mode)
     elif mode is None and seam is None and rt.guard is not None:
@@ -154,50 +130,19 @@ def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: s
 
 
 def require_room(rt: Runtime) -> None:
-    """Refuse early (429) when the worker is full, before retrieval spends work on the request."""
-    if not rt.worker.has_room():
+    """Refuse early (`QueueFullError`) when the engine thread is full, before retrieval spends work on the request."""
+    if not rt.engine_thread.has_room():
         rt.metrics.rejected.inc()
-        raise _queue_full(rt, QueueFullError(rt.worker.capacity))
+        raise QueueFullError(rt.engine_thread.capacity)
 
 
 def start(rt: Runtime, request: GenerationRequest, started: float, route: str) -> TokenStream:
-    """Admit `request` to the worker; 400 for a request the engine refuses (naming the field),
-    429 with Retry-After when the queue is full."""
-    try:
-        stream = rt.worker.submit(rt.engine, request, started, route)
-    except QueueFullError as exc:
-        raise _queue_full(rt, exc) from None
-    except InvalidRequestError as exc:
-        raise from_engine(exc) from None
+    """Admit `request` to the engine thread; the engine's `InvalidRequestError` for a request it refuses
+    (naming the field), `QueueFullError` when the queue is full."""
+    stream = rt.engine_thread.submit(rt.engine, request, started, route)
     if rt.guard is not None:
         rt.guard.offer(request)  # maybe a shadow check, run once the engine is idle
     return stream
-
-
-def _queue_full(rt: Runtime, exc: QueueFullError) -> APIError:
-    return APIError(429, str(exc), type="rate_limit_error", code="queue_full",
-                    headers={"Retry-After": str(rt.settings.retry_after_s)})
-
-
-async def collect(stream: TokenStream, request: Request) -> list[StepOutput]:
-    """Every event of `stream` (non-streaming responses). If the client disconnects first, the
-    generation is aborted at once rather than run to the end for nobody."""
-
-    async def abort_on_disconnect() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        stream.abort.abort()
-
-    watcher = asyncio.create_task(abort_on_disconnect())
-    events: list[StepOutput] = []
-    try:
-        async for batch in stream.batches():
-            events += batch
-    except InvalidRequestError as exc:
-        raise from_engine(exc) from None
-    finally:
-        watcher.cancel()
-    return events
 
 
 def usage(stream: TokenStream) -> dict:

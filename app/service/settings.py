@@ -36,7 +36,7 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and activations; auto: float32 on CPU, the checkpoint's dtype (else bfloat16) on CUDA.")
 
-    # prompt (unset: the named model's own layout, else the generic one for the format; app/prompter.py)
+    # prompt (unset: the named model's own layout, else the generic one for the format; app/service/prompter.py)
     prompt_format: Literal["auto", "chat", "raw"] = Field("auto", description="chat: the tokenizer's chat template; raw: the "
                                                           "templates below as given; auto: chat when the tokenizer has a template.")
     system_prompt: str | None = Field(None, description="System message (chat) or the text the prompt starts with (raw).")
@@ -79,6 +79,11 @@ class Settings(BaseSettings):
     exact_repeats: bool = Field(True, description="Documents an earlier request had in the same order (after the system "
                                 "prompt) are computed exactly once and then reused exactly (counted in cached_tokens); "
                                 "false: they always compose.")
+    cold_prefill: Literal["auto", "exact", "stitch"] = Field("auto", description="A request whose chunks' cache entries "
+                                                             "are missing: auto (one exact forward over the prompt, as full "
+                                                             "prefill, when that costs less than computing the entries and "
+                                                             "stitching; the entries are then computed after its first token), "
+                                                             "exact (so whenever every entry is missing) or stitch (never).")
     scheduling: Literal["fcfs", "priority"] = Field("fcfs", description="Order in which waiting requests are admitted: "
                                                     "fcfs (arrival) or priority (a request's priority, then arrival).")
     prefill_workers: int = Field(0, ge=0, description="Model replicas computing cold chunks' cache entries in parallel "
@@ -102,7 +107,7 @@ class Settings(BaseSettings):
     redis_timeout_s: float = Field(0.5, gt=0, description="Connect and per-call socket timeout: the longest a lookup waits for "
                                    "Redis before serving without it.")
 
-    # online accuracy guard of the served model (app/guard.py; docs/architecture.md)
+    # online accuracy guard of the served model (app/service/guard.py; docs/architecture.md)
     guard_enabled: bool = Field(True, description="Shadow-check approximate reuse against full prefill and widen the seam "
                                 "or fall back to prefix when agreement drops.")
     guard_sample_rate: float = Field(0.05, ge=0.0, le=1.0, description="Share of admitted requests shadow-checked (when the engine is idle).")

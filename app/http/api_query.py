@@ -26,13 +26,15 @@ from pydantic import ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from hypic_core.config import MAX_SEED
-from hypic_core.errors import InvalidRequestError
 
-from . import pipeline, schemas, sse
-from .errors import APIError, from_engine
+from ..service import pipeline
+
+from ..service.engine_thread import TokenStream
+from ..service.runtime import Runtime
+from . import schemas, sse
+from .errors import from_stream_failure
+from .generation import SamplingExtras, collect
 from .routing import StrictJSONRoute
-from .runtime import Runtime
-from .worker import TokenStream
 
 log = logging.getLogger("hypic.query")
 router = APIRouter(route_class=StrictJSONRoute)
@@ -40,7 +42,7 @@ ANSWER = dict(response_model=schemas.QueryResponse, response_model_exclude_unset
               responses={200: {"content": schemas.QUERY_STREAM}} | schemas.errors(400, 413, 429, 503))
 
 
-class QueryRequest(pipeline.SamplingExtras):
+class QueryRequest(SamplingExtras):
     """The sampling extras come from `SamplingExtras`; vLLM's sampling `top_k` is not offered
     (`top_k` counts retrieved chunks here)."""
 
@@ -102,7 +104,7 @@ async def _answer(body: QueryRequest, request: Request):
     sources = pipeline.sources(prompt)
     if body.stream:
         return sse.response(_events(stream, sources, found.ms), rt.settings.sse_keepalive_s)
-    events = await pipeline.collect(stream, request)
+    events = await collect(stream, request)
     return {"answer": "".join(e.text for e in events), "finish_reason": events[-1].finish_reason} | sources | {
         "usage": pipeline.usage(stream), "timings": _timings(stream, found.ms)}
 
@@ -118,7 +120,7 @@ async def _events(stream: TokenStream, sources: dict, retrieval_ms: float):
                 yield sse.event("delta", {"text": text}, next(ids))
             finish = batch[-1].finish_reason or finish
     except Exception as exc:
-        error = from_engine(exc) if isinstance(exc, InvalidRequestError) else APIError(500, "generation failed; see the server log", type="server_error")
+        error = from_stream_failure(exc)
         log.warning("stream failed", extra={"error": repr(exc)})
         yield sse.event("failure", error.body(), next(ids))
         return

@@ -3,10 +3,12 @@
     {"error": {"message": "top_k: must be <= 32", "type": "invalid_request_error",
                "param": "top_k", "code": null}}
 
-`message` starts with the offending field when there is one. Engine errors
-(`InvalidRequestError.field`), retrieval errors and pydantic validation errors (`loc`) are
-mapped here, so a bad request is always a 4xx and never a 500. Anything else becomes a logged
-500 without internals in the body (`middleware.RequestContext`).
+`message` starts with the offending field when there is one. This is the one place where the
+service's domain errors (app/service/errors.py) become status codes: `InvalidRequestError`
+(the engine's and the service's, naming the field) a 400, `QueueFullError` a 429 and
+`NotReadyError` a 503, both with Retry-After; pydantic validation errors (`loc`) a 400 too, so a
+bad request is always a 4xx and never a 500. Anything else becomes a logged 500 without
+internals in the body (`middleware.RequestContext`).
 
 Input is echoed in messages through `shown()`, at most about 100 characters; whatever a
 message holds, it is cut at `MAX_MESSAGE_CHARS` and lone surrogates are escaped, so an error
@@ -21,11 +23,12 @@ import reprlib
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hypic_core.errors import InvalidRequestError, PromptTooLongError
-from retrieval.errors import DocumentNotFoundError, RetrievalError
+
+from ..service.errors import NotReadyError, QueueFullError, TextTooLongError, TooManyItemsError, UnknownDocumentError
 
 MAX_MESSAGE_CHARS = 2000
 CLIENT_CLOSED = 499  # nginx's status for "client closed the connection before the answer": metrics and logs only
@@ -73,16 +76,35 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def from_engine(exc: InvalidRequestError) -> APIError:
-    """400 naming the engine's field (`PromptTooLongError` included)."""
-    code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else None
+# The `code` of a 400, by the kind of InvalidRequestError (none for the plain one).
+_INVALID_CODES: dict[type[InvalidRequestError], str] = {
+    PromptTooLongError: "context_length_exceeded",
+    TooManyItemsError: "too_many_items",
+    TextTooLongError: "text_too_long",
+    UnknownDocumentError: "document_not_found",
+}
+
+
+def from_invalid(exc: InvalidRequestError) -> APIError:
+    """400 naming the request's field, with the code of its kind."""
+    code = next((code for kind, code in _INVALID_CODES.items() if isinstance(exc, kind)), None)
     return APIError(400, str(exc), param=exc.field, code=code)
 
 
-def from_retrieval(exc: RetrievalError, param: str) -> APIError:
-    """400 naming `param` (the request field the retrieval input came from)."""
-    code = "document_not_found" if isinstance(exc, DocumentNotFoundError) else None
-    return APIError(400, f"{param}: {exc}", param=param, code=code)
+def from_queue_full(exc: QueueFullError, retry_after_s: int) -> APIError:
+    return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after_s)})
+
+
+def from_not_ready(exc: NotReadyError, retry_after_s: int) -> APIError:
+    return APIError(503, str(exc), type="unavailable_error", code="not_ready", headers={"Retry-After": str(retry_after_s)})
+
+
+def from_stream_failure(exc: BaseException) -> APIError:
+    """What a generation that failed part-way reports in its stream: the request's own error (a 400
+    naming the field) or a 500 without internals (the server log has them)."""
+    if isinstance(exc, InvalidRequestError):
+        return from_invalid(exc)
+    return APIError(500, "generation failed; see the server log", type="server_error")
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -142,8 +164,16 @@ def install(app: FastAPI) -> None:
         return from_validation(exc).response()
 
     @app.exception_handler(InvalidRequestError)
-    async def _engine(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return from_engine(exc).response()
+    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return from_invalid(exc).response()
+
+    @app.exception_handler(QueueFullError)
+    async def _queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
+        return from_queue_full(exc, request.app.state.runtime.settings.retry_after_s).response()
+
+    @app.exception_handler(NotReadyError)
+    async def _not_ready(request: Request, exc: NotReadyError) -> JSONResponse:
+        return from_not_ready(exc, request.app.state.runtime.settings.retry_after_s).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

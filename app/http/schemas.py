@@ -9,7 +9,7 @@ that returns a `Response` itself (SSE streams, /ready) is not touched; its shape
 in `responses=`, a stream event by event (`sse`). The models cost ~25 us per /query response
 (less than the `jsonable_encoder` they replace) and ~2 ms per 1000-document page.
 
-Every error has one body, `ErrorResponse` (app/errors.py). `errors(400, 429)` gives the
+Every error has one body, `ErrorResponse` (app/http/errors.py). `errors(400, 429)` gives the
 `responses=` entries for a route; the gateway answers validation errors with 400, so the 422
 FastAPI documents by default is removed from the document (`openapi`).
 """
@@ -422,7 +422,7 @@ def openapi(app: FastAPI, secured: bool = False, open_paths: tuple[str, ...] = (
             for method, operation in operations.items():
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)
-                for code in (408, 431):  # connection limits (app/connections.py, middleware.HeaderLimit): any route
+                for code in (408, 431):  # connection limits (app/http/connections.py, middleware.HeaderLimit): any route
                     responses.setdefault(str(code), documented(code))
                 if method in ("post", "put", "patch", "delete") and not secured:  # middleware.OriginCheck
                     responses.setdefault("403", documented(403))

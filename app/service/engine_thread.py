@@ -1,6 +1,6 @@
 """The bridge between the engine's step loop and the async endpoints.
 
-`Worker.submit` admits a request (or raises `QueueFullError` when `max_running + max_queue`
+`EngineThread.submit` admits a request (or raises `QueueFullError` when `max_running + max_queue`
 are already admitted), hands it to `Engine.add_request` (which validates it and raises
 `InvalidRequestError` for a bad one), and returns the `TokenStream` the endpoint reads. One
 engine thread calls `Engine.step()` while the engine has work and routes each `StepOutput` to
@@ -31,26 +31,20 @@ from hypic_core.config import GenerationRequest
 from hypic_core.engine.engine import Engine
 from hypic_core.engine.sequence import AbortHandle, PrefillStats, StepOutput
 
+from .errors import QueueFullError
 from .metrics import Metrics
 
-log = logging.getLogger("hypic.worker")
+log = logging.getLogger("hypic.engine_thread")
 _END = object()
 
 
 class IdleTask(Protocol):
-    """Work the engine thread does while it serves nothing (app/guard.py's `Guard`)."""
+    """Work the engine thread does while it serves nothing (app/service/guard.py's `Guard`)."""
 
     def pending(self) -> bool: ...
 
     def run_one(self) -> None:
         """One unit of work; may call the engine (it holds no request meanwhile)."""
-
-
-class QueueFullError(Exception):
-    """Admission refused: the worker already holds `capacity` requests."""
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(f"server busy: {capacity} requests running or queued; retry later")
 
 
 class TokenStream:
@@ -142,7 +136,7 @@ class _Route:
     last_token_at: float | None = None
 
 
-class Worker:
+class EngineThread:
     """Admission control and the engine thread. `submit` runs on the event loop; `_routes` is
     shared with the engine thread under `_lock`."""
 
@@ -224,11 +218,13 @@ class Worker:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and not self._routes and not self._internal and not self._idle_work():
+                while (not self._closed and not self._routes and not self._internal and not self._idle_work()
+                       and not self._background_work()):
                     self._wake.wait()
                 if self._closed and not self._routes and not self._internal:
                     return
-                engine, idle = self._engine, None if self._routes or self._internal else self._idle
+                engine = self._engine
+                idle = None if self._routes or self._internal or self._background_work() else self._idle
             if idle is not None:  # one task, then look again: a request may have arrived meanwhile
                 try:
                     idle.run_one()
@@ -264,6 +260,11 @@ class Worker:
             outbox.flush()
             with self._lock:
                 self._publish()
+
+    def _background_work(self) -> bool:
+        """Whether the engine has deferred cold work (entries a cold request served exactly left missing),
+        which its steps compute before any idle task runs (call under `_lock`)."""
+        return self._engine is not None and self._engine.has_background_work()
 
     def _idle_work(self) -> bool:
         """Whether an idle task is waiting and the engine is idle (call under `_lock`)."""

@@ -41,9 +41,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import logs
+from ..service import logs
+from ..service.metrics import Metrics
 from .errors import CLIENT_CLOSED, APIError, shown
-from .metrics import Metrics
 
 access_log = logging.getLogger("hypic.access")
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")

@@ -1,0 +1,120 @@
+"""The layering rules (docs/architecture.md#rooms-by-role), read from the source:
+
+- the engine core (`hypic_core/`) imports nothing from the gateway (`app`), retrieval, the web
+  stack (FastAPI, Starlette, uvicorn), pydantic or FAISS, directly or through what it imports;
+- the gateway's service (`app/service/`) never imports the HTTP side (`app/http/`) nor the web
+  stack, and knows no HTTP: no `APIError`, `HTTPException` or response classes, no status code
+  passed as `status`/`status_code`. It raises domain errors (app/service/errors.py), which
+  app/http/errors.py alone maps to status codes.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE_FORBIDDEN = ("app", "retrieval", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic_core", "pydantic_settings",
+                  "faiss")
+SERVICE_FORBIDDEN = ("app.http", "fastapi", "starlette", "uvicorn", "h11")
+HTTP_NAMES = {"APIError", "HTTPException", "JSONResponse", "Response", "StreamingResponse", "Request"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in `source`, function-level ones included;
+    `from . import x` counts as importing `<package>.x`."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((node.lineno, target))
+            found += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
+    return found
+
+
+def forbidden_imports(source: str, module: str, is_package: bool, forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{module}:{line} imports {name}" for line, name in imported_modules(source, module, is_package)
+            if any(name == f or name.startswith(f + ".") for f in forbidden)]
+
+
+def http_knowledge(source: str, module: str) -> list[str]:
+    """Uses of HTTP in service code: HTTP error and response names, `status_code`, and an
+    integer passed as `status=` / `status_code=`."""
+    problems = []
+    for node in ast.walk(ast.parse(source)):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if name in HTTP_NAMES or name == "status_code":
+            problems.append(f"{module}:{node.lineno} uses {name}")
+        if isinstance(node, ast.keyword) and node.arg in ("status", "status_code") and isinstance(node.value, ast.Constant):
+            problems.append(f"{module}:{node.value.lineno} passes {node.arg}={node.value.value!r}")
+    return problems
+
+
+def sources(folder: str) -> list[tuple[Path, str]]:
+    files = sorted((ROOT / folder).rglob("*.py"))
+    assert files, folder
+    return [(path, path.read_text(encoding="utf-8")) for path in files]
+
+
+def test_the_checks_find_what_they_look_for():
+    """The checkers flag each kind of violation (so the rules below can fail)."""
+    bad = textwrap.dedent("""
+        from fastapi import Request
+        from ..http.errors import APIError
+        from .. import http
+
+        def f():
+            import faiss
+            raise APIError(429, "busy", status_code=429)
+        """)
+    imports = forbidden_imports(bad, "app.service.pipeline", False, SERVICE_FORBIDDEN)
+    assert [p.split(" imports ")[1] for p in imports] == ["fastapi", "fastapi.Request", "app.http.errors",
+                                                        "app.http.errors.APIError", "app.http"]
+    assert forbidden_imports(bad, "hypic_core.engine.engine", False, CORE_FORBIDDEN) == [
+        "hypic_core.engine.engine:2 imports fastapi", "hypic_core.engine.engine:2 imports fastapi.Request",
+        "hypic_core.engine.engine:7 imports faiss"]
+    assert sorted(http_knowledge(bad, "m")) == ["m:8 passes status_code=429", "m:8 uses APIError"]
+    ok = "from hypic_core.errors import InvalidRequestError\nfrom .errors import QueueFullError\nraise QueueFullError(3)\n"
+    assert forbidden_imports(ok, "app.service.pipeline", False, SERVICE_FORBIDDEN) == [] and http_knowledge(ok, "m") == []
+
+
+def test_the_core_imports_no_gateway_web_stack_pydantic_or_faiss():
+    problems = []
+    for path, source in sources("hypic_core"):
+        problems += forbidden_imports(source, module_name(path), path.name == "__init__.py", CORE_FORBIDDEN)
+    assert problems == []
+
+
+def test_service_code_knows_no_http():
+    problems = []
+    for path, source in sources("app/service"):
+        module = module_name(path)
+        problems += forbidden_imports(source, module, path.name == "__init__.py", SERVICE_FORBIDDEN)
+        problems += http_knowledge(source, module)
+    assert problems == []
+
+
+def test_importing_the_core_loads_none_of_them():
+    """What the modules import in turn counts too: every module of the core imported in a fresh
+    interpreter leaves the gateway, retrieval, FastAPI, pydantic and FAISS unloaded."""
+    modules = [module_name(path) for path, _ in sources("hypic_core")]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(CORE_FORBIDDEN)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
