@@ -125,7 +125,8 @@ def evaluate(args) -> dict:
             pre = engine.prefill(request)
             forked = copy.deepcopy(pre.cache)
             events = list(engine.generate(request, prefilled=pre))
-            text = "".join(e.text for e in events).strip()
+            raw = "".join(e.text for e in events)
+            text = raw.strip()
             if full is None:
                 ids = [e.token_id for e in events if e.token_id is not None]
                 full = (text, pre.logits, ids, None)
@@ -135,6 +136,7 @@ def evaluate(args) -> dict:
             _, f1 = score(text, pair.answer, pair.aliases)
             rows[label].append({"id": pair.id, "chunks": n_chunks, "gold_at": gold, "answer": text,
                                 "acc": contains(text, pair.answers), "f1": f1, "agree": text == full[0],
+                                "ws": raw[:1].isspace(),
                                 "kl": kl(full[1], pre.logits), "cont_kl": mean_kl(full[3], cont), "top1": int(pre.logits.argmax()) == int(full[1].argmax())})
         if args.partial:  # what is done so far, for a run cut short
             Path(args.partial).write_text(json.dumps({"done": i + 1, "rows": rows}))
@@ -149,8 +151,9 @@ def evaluate(args) -> dict:
 
 def table(results: dict) -> list[str]:
     lines = ["| config | answer acc % (95% CI) | F1 % | agree with full % (95% CI) | first-token KL (+-95%) "
-             "| answer KL (+-95%) | top-1 agree % |",
-             "|---|---|---|---|---|---|---|"]
+             "| answer KL (+-95%) | top-1 agree % | starts with whitespace where full does not |",
+             "|---|---|---|---|---|---|---|---|"]
+    full_ws = [r.get("ws") for r in results["rows"]["full"]]
     for label, _, _ in results["configs"]:
         rows = results["rows"][label]
         n = len(rows)
@@ -162,9 +165,18 @@ def table(results: dict) -> list[str]:
         c, chalf = mean_ci([r.get("cont_kl", float("nan")) for r in rows])
         lines.append(f"| {label} | {100 * acc / n:.1f} ({lo:.1f}-{hi:.1f}) | {100 * statistics.fmean(r['f1'] for r in rows):.1f} "
                      f"| {100 * agree / n:.1f} ({alo:.1f}-{ahi:.1f}) | {k:.4f} (+-{khalf:.4f}) | {c:.4f} (+-{chalf:.4f}) "
-                     f"| {100 * statistics.fmean(r['top1'] for r in rows):.1f} |")
+                     f"| {100 * statistics.fmean(r['top1'] for r in rows):.1f} | {_ws_cell(rows, full_ws)} |")
     lines += paired_lines(results)
     return lines
+
+
+def _ws_cell(rows: list[dict], full_ws: list) -> str:
+    """How many of a config's raw answers (before the strip that scoring does) start with
+    whitespace where `full`'s answer to the same prompt does not; rows of runs that did not
+    record it read n/a."""
+    if any(r.get("ws") is None for r in rows) or None in full_ws:
+        return "n/a"
+    return f"{sum(r['ws'] and not f for r, f in zip(rows, full_ws))}/{len(rows)}"
 
 
 def paired_lines(results: dict) -> list[str]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from .errors import InvalidRequestError
 
 DEFAULT_SEAM = 8  # the reference implementation's default seam width
+COLD_PREFILL = ("stitch", "exact", "auto")  # EngineConfig.cold_prefill
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias positive ones
 
 
@@ -100,6 +101,15 @@ class EngineConfig:
     order, so a repeat equals full prefill there from its second sighting on. The gateway turns it
     on; off (the default here), only the exact prefix is exact and the same request always gets the
     same answer whatever the cache holds, as benchmarks comparing modes on one engine need.
+    cold_prefill (pic modes, requests with `exact_runs`): how a request whose context entries are
+    missing is prefilled. "stitch" (the default here): canonical entries of the misses, then the
+    stitch. "exact": a request that misses every entry it would stitch runs ONE exact forward over
+    the prompt, as `full` does (its answer is `full`'s), and the missing entries are computed
+    after its first token, off the critical path (`background_tokens`). "auto": the exact forward
+    whenever the cost model (hypic_core/engine/prefill.py `CostModel`) says the cold entries and the stitch
+    cost more than it. The gateway defaults to "auto" (`HYPIC_COLD_PREFILL`); off here for the same
+    reason as exact_repeats (the answer would depend on what the cache holds).
+    background_tokens bounds the tokens of deferred cold work queued (the oldest is dropped past it).
     """
 
     seam: int = DEFAULT_SEAM
@@ -111,6 +121,8 @@ class EngineConfig:
     running_budget_bytes: int = 4 << 30  # attention K/V + linear state of the running sequences
     exact_repeats: bool = False
     scheduling: str = "fcfs"  # the waiting queue's policy: "fcfs" or "priority" (hypic_core/engine/request_queue.py)
+    cold_prefill: str = "stitch"  # "stitch", "exact" or "auto" (see above)
+    background_tokens: int = 1 << 20  # deferred cold work queued at most, in segment tokens
 
     def __post_init__(self) -> None:
         if self.seam < 0:
@@ -122,6 +134,10 @@ class EngineConfig:
                 raise InvalidRequestError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.scheduling not in ("fcfs", "priority"):
             raise InvalidRequestError("scheduling", f"must be 'fcfs' or 'priority', got {self.scheduling!r}")
+        if self.cold_prefill not in COLD_PREFILL:
+            raise InvalidRequestError("cold_prefill", f"must be one of {', '.join(COLD_PREFILL)}, got {self.cold_prefill!r}")
+        if self.background_tokens < 0:
+            raise InvalidRequestError("background_tokens", f"must be >= 0, got {self.background_tokens}")
 
 
 @dataclass(frozen=True)

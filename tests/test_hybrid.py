@@ -5,6 +5,7 @@ loads and that computes what training computed, and the engine's invariants hold
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -255,7 +256,8 @@ def test_gateway_serves_the_hybrid_and_reuses_its_chunks(hybrid_dir, tmp_path):
     from test_gateway_models import DOCUMENTS
 
     settings = Settings(_env_file=None, model="smollm2-hybrid-135m", torch_threads=None, index_dir=tmp_path / "index",
-                        corpus_path=None, max_new_tokens=32, exact_repeats=False)  # the repeat composes
+                        corpus_path=None, max_new_tokens=32, exact_repeats=False,  # the repeat composes
+                        cold_prefill="stitch")  # and the first too: cold and warm give the same answer
     with single_torch_thread(), LiveServer(create_app(settings, index=VectorIndex(settings.index_dir, HashingEmbedder(256)))) as live:
         live.wait_ready(timeout=120)
         body = "\n".join(json.dumps(d) for d in DOCUMENTS)
@@ -309,3 +311,41 @@ def test_reply_weights_weight_the_last_turn_and_kl_loss_weighs_by_them():
     assert torch.allclose(kl_loss(t, s), per.mean())
     assert torch.allclose(kl_loss(t, s, w), (per * w).sum() / w.sum())
     assert torch.allclose(kl_loss(t, s, torch.ones(8)), per.mean())
+
+
+def test_stage2_learning_rate_warms_up_then_decays_by_cosine_to_its_end():
+    from training.hybrid.distill import learning_rate
+
+    assert learning_rate(0, 1e-3, 1e-4, 0) == pytest.approx(5e-5)  # warm-up: (step + 1) / 20
+    assert learning_rate(500, 1e-3, 1e-4, 0) == 1e-3  # no decay: constant
+    assert learning_rate(20, 1e-3, 1e-4, 1000) == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * 0.02)))
+    assert learning_rate(500, 1e-3, 1e-4, 1000) == pytest.approx(5.5e-4)  # half way
+    assert learning_rate(1000, 1e-3, 1e-4, 1000) == pytest.approx(1e-4)
+    assert learning_rate(5000, 1e-3, 1e-4, 1000) == pytest.approx(1e-4)  # held at the end
+    lrs = [learning_rate(s, 1e-3, 1e-4, 1000) for s in range(20, 1001)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_bf16_autocast_step_tracks_the_fp32_step_and_keeps_fp32_gradients(tiny_llama):
+    """Stage 2's `--precision bf16`: forwards under CPU autocast, the loss within bf16's rounding of
+    the fp32 one, gradients on the fp32 parameters pointing the same way."""
+    from training.hybrid.distill import build_student, kl_loss
+
+    path, llama = tiny_llama
+    cfg = H.bamba_config(llama.config.to_dict())
+    sd = H.load_teacher_state(path)
+    grads, losses = [], []
+    for bf16 in (False, True):
+        student, params = build_student(cfg, sd, {})
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.no_grad():
+                t = llama(_ids()).logits
+            s = student(_ids()).logits
+        assert s.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        loss = kl_loss(t, s)
+        loss.backward()
+        assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32 for p in params)
+        losses.append(float(loss))
+        grads.append(torch.cat([p.grad.flatten() for p in params]))
+    assert losses[1] == pytest.approx(losses[0], rel=0.05)
+    assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.95

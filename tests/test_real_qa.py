@@ -141,3 +141,20 @@ def test_normalize_answer():
     assert real_qa.normalize_answer("The  Zope, Corporation!") == "zope corporation"
     assert real_qa.normalize_answer("An apple a day") == "apple day"
     assert real_qa.normalize_answer("(80, 24)") == "80 24"
+
+
+def test_accuracy_table_counts_answers_that_start_with_whitespace_only_where_full_does_not():
+    spec = importlib.util.spec_from_file_location("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+
+    def row(ws, acc=True):
+        return {"acc": acc, "f1": 1.0, "agree": True, "kl": 0.0, "cont_kl": 0.0, "top1": True, "ws": ws}
+
+    results = {"configs": [["full", "full", 0], ["hypic s=8", "hypic", 8]],
+               "rows": {"full": [row(False), row(True), row(False)], "hypic s=8": [row(True), row(True), row(False)]}}
+    lines = bench.table(results)
+    assert lines[2].endswith("| 0/3 |") and lines[3].endswith("| 1/3 |")  # the 2nd question's full starts with it too
+    del results["rows"]["hypic s=8"][0]["ws"]  # rows of an older run: not recorded
+    assert bench.table(results)[3].endswith("| n/a |")

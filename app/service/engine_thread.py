@@ -218,11 +218,13 @@ class EngineThread:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and not self._routes and not self._internal and not self._idle_work():
+                while (not self._closed and not self._routes and not self._internal and not self._idle_work()
+                       and not self._background_work()):
                     self._wake.wait()
                 if self._closed and not self._routes and not self._internal:
                     return
-                engine, idle = self._engine, None if self._routes or self._internal else self._idle
+                engine = self._engine
+                idle = None if self._routes or self._internal or self._background_work() else self._idle
             if idle is not None:  # one task, then look again: a request may have arrived meanwhile
                 try:
                     idle.run_one()
@@ -258,6 +260,11 @@ class EngineThread:
             outbox.flush()
             with self._lock:
                 self._publish()
+
+    def _background_work(self) -> bool:
+        """Whether the engine has deferred cold work (entries a cold request served exactly left missing),
+        which its steps compute before any idle task runs (call under `_lock`)."""
+        return self._engine is not None and self._engine.has_background_work()
 
     def _idle_work(self) -> bool:
         """Whether an idle task is waiting and the engine is idle (call under `_lock`)."""

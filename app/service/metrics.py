@@ -57,6 +57,8 @@ class Metrics:
                                      "composed, seam, fresh).", ["kind"], registry=r)
         self.generated_tokens = Counter("hypic_generated_tokens", "Generated tokens.", registry=r)
         self.segments = Counter("hypic_segment_lookups", "Context segments looked up per request.", ["result"], registry=r)
+        self.cold_exact = Counter("hypic_cold_exact_forwards", "Cold requests served by one exact forward over the prompt "
+                                  "(cold_prefill), their missing entries computed after the first token.", registry=r)
         self.finished = Counter("hypic_generations_finished", "Finished generations by finish reason.", ["reason"], registry=r)
         self.rejected = Counter("hypic_requests_rejected", "Requests refused at admission (queue full).", registry=r)
         self.running = Gauge("hypic_requests_running", "Generations prefilling or decoding in the engine.", registry=r)
@@ -73,6 +75,8 @@ class Metrics:
             self.prompt_tokens.labels(kind).inc(getattr(stats, f"{kind}_tokens"))
         self.segments.labels("hit").inc(stats.segment_hits)
         self.segments.labels("miss").inc(stats.segment_misses)
+        if stats.exact_forward:
+            self.cold_exact.inc()
 
     def render(self) -> bytes:
         return generate_latest(_WithLabel(self.registry, "model_name", self.model_name))

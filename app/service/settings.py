@@ -79,6 +79,11 @@ class Settings(BaseSettings):
     exact_repeats: bool = Field(True, description="Documents an earlier request had in the same order (after the system "
                                 "prompt) are computed exactly once and then reused exactly (counted in cached_tokens); "
                                 "false: they always compose.")
+    cold_prefill: Literal["auto", "exact", "stitch"] = Field("auto", description="A request whose chunks' cache entries "
+                                                             "are missing: auto (one exact forward over the prompt, as full "
+                                                             "prefill, when that costs less than computing the entries and "
+                                                             "stitching; the entries are then computed after its first token), "
+                                                             "exact (so whenever every entry is missing) or stitch (never).")
     scheduling: Literal["fcfs", "priority"] = Field("fcfs", description="Order in which waiting requests are admitted: "
                                                     "fcfs (arrival) or priority (a request's priority, then arrival).")
     prefill_workers: int = Field(0, ge=0, description="Model replicas computing cold chunks' cache entries in parallel "

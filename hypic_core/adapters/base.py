@@ -51,6 +51,12 @@ class ModelAdapter(ABC):
     # mamba_ssm); families with linear layers set `kernels` from these in __init__ (adapters/kernels.py).
     kernel_ops: ClassVar[tuple[str, ...]] = ()
     kernels: KernelSelection = KernelSelection(None)
+    # The extra work a canonical entry's linear layers cost per token (its body operators T, E beside
+    # the forward), per element of the linear state, in units of one parameter of the forward's
+    # per-token weights: the cost model of hypic_core/engine/prefill.py (`CostModel`) multiplies it by the
+    # state's elements and divides by the per-token parameters. Fitted per family on the bench-size
+    # models of bench/families.py (docs/benchmarks.md, "Cold"); 0: no transition work to speak of.
+    entry_state_cost: ClassVar[float] = 0.0
 
     def __init__(self, model: torch.nn.Module):
         self.model = model

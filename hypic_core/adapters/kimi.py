@@ -30,6 +30,7 @@ from .kernels import KernelSelection
 
 
 class KimiDeltaAttentionAdapter(ModelAdapter):
+    entry_state_cost = 20.0  # the identity block [S_w | I] carried through the delta rule (adapters/base.py)
     family = "kimi-delta-attention"
     model_types = ("kimi_linear",)
     kernel_ops = ("causal_conv1d_fn", "causal_conv1d_update", "chunk_kimi_delta_attention",

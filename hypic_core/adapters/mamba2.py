@@ -49,6 +49,7 @@ _LAYER_KINDS = {
 
 
 class Mamba2Adapter(ModelAdapter):
+    entry_state_cost = 10.0  # E in closed form and the recorded scan inputs (adapters/base.py)
     family = "mamba2"
     model_types = tuple(_MODELING)
     kernel_ops = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan", "mamba2_selective_state_update",

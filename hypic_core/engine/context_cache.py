@@ -5,14 +5,17 @@ the cold work in flight (a missing entry computed once for every sequence that n
 its prefill-pool tickets. `plan(seq)` lays out a sequence's `PrefillProgress` with the strategy
 of its mode (hypic_core/engine/prefill.py), which asks back for lookups (`exact_run`, `entries`);
 `hand_over` gives finished cold entries to their sequences and the store; `keep_exact_run`
-snapshots a newly computed exact run; `release` drops a finished sequence's claims. It runs no
-model forward (restoring a snapshot copies tensors) and holds no queue (vLLM's `KVCacheManager`
-beside its scheduler).
+snapshots a newly computed exact run; `release` drops a finished sequence's claims. A cold request
+served by one exact forward (`exact_rest`) leaves its missing entries to `defer`: background cold
+work, computed by the engine after its first token, off the critical path (`background`,
+`finish_background`). It runs no model forward (restoring a snapshot copies tensors) and holds no
+queue of requests (vLLM's `KVCacheManager` beside its scheduler).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from ..algebra.entry import SegmentEntry
@@ -21,7 +24,7 @@ from ..cache.exact_runs import ExactRuns, chain_hashes
 from ..cache.store import SegmentStore
 from ..config import EngineConfig
 from ..runner.model_runner import ModelRunner, PartialEntry
-from .prefill import strategy_for
+from .prefill import CostModel, exact_wins, strategy_for
 from .sequence import PrefillProgress, Run, Sequence
 
 
@@ -36,6 +39,7 @@ class ColdWork:
     part: PartialEntry | None = None  # set when computed piece by piece
     entry: SegmentEntry | None = None
     ticket: int | None = None  # set while a prefill pool computes it
+    background: bool = False  # deferred by a cold request served exactly: kept even when nobody waits for it
 
     @property
     def left(self) -> int:
@@ -53,6 +57,10 @@ class ContextCacheManager:
         self.exact_runs = ExactRuns(config.exact_budget_bytes)
         self.pool = None  # a PrefillPool computing cold entries (hypic_core/prefill_pool), set by the engine
         self._cold: dict[str, ColdWork] = {}
+        self.cost: CostModel | None = None  # set by the engine (cold_prefill "auto")
+        self.background: deque[ColdWork] = deque()  # deferred cold work, oldest first
+        self.background_dropped = 0  # deferred segments dropped (past `config.background_tokens`, or failed)
+        self.background_error: BaseException | None = None  # the last failure of background work
 
     # --- the scheduler's questions ----------------------------------------------------------
     def plan(self, seq: Sequence) -> None:
@@ -101,21 +109,30 @@ class ContextCacheManager:
             pos += len(seg)
         return pos
 
-    def entries(self, seq: Sequence, progress: PrefillProgress, first: int) -> None:
-        """Look up the canonical entries of context segments `first`.. (a hit is verified against its
-        token ids); each miss becomes cold work, shared with any other sequence that needs it."""
+    def lookup(self, seq: Sequence, first: int) -> list[SegmentEntry | None]:
+        """The canonical entries of context segments `first`.. in the store (a hit is verified against
+        its token ids), one per context segment (None before `first` and for a miss)."""
+        context = seq.request.context
+        found: list[SegmentEntry | None] = [None] * len(context)
+        for i, seg in enumerate(context[first:], start=first):
+            found[i] = self.store.lookup(SegmentKey.of(self.fingerprint, seq.seam, seg), seg)
+        return found
+
+    def entries(self, seq: Sequence, progress: PrefillProgress, found: list[SegmentEntry | None]) -> None:
+        """Take the entries `lookup` found for the stitched segments (`progress.exact`..); each miss
+        becomes cold work, shared with any other sequence that needs it."""
         request, stats = seq.request, seq.stats
         progress.entries = [None] * len(request.context)
         wanted: dict[str, tuple[ColdWork, list[int]]] = {}
-        for i, seg in enumerate(request.context[first:], start=first):
-            key = SegmentKey.of(self.fingerprint, seq.seam, seg)
-            entry = self.store.lookup(key, seg)
+        for i, seg in enumerate(request.context[progress.exact:], start=progress.exact):
+            entry = found[i]
             if entry is not None:
                 progress.entries[i] = entry
                 stats.segment_hits += 1
                 stats.composed_tokens += entry.body_length
                 continue
             stats.segment_misses += 1
+            key = SegmentKey.of(self.fingerprint, seq.seam, seg)
             k = key.to_str()
             if k not in wanted:
                 cw = self._cold.get(k)
@@ -125,6 +142,103 @@ class ContextCacheManager:
                 wanted[k] = (cw, [])
             wanted[k][1].append(i)
         progress.cold = list(wanted.values())
+
+    def exact_forward_wins(self, seq: Sequence, progress: PrefillProgress, found: list[SegmentEntry | None]) -> bool:
+        """Whether `seq` (a stitched request) runs the rest of its prompt as one exact forward instead of
+        cold entries and the stitch (`EngineConfig.cold_prefill`): "exact" when every stitched
+        segment misses; "auto" when the cost model says the cold work (the misses, less what other
+        requests computed of them already) and the stitch cost more. Never for a request that
+        measures composition (`exact_runs` False: the accuracy guard's)."""
+        request, choice = seq.request, self.config.cold_prefill
+        stitched = found[progress.exact:]
+        if choice == "stitch" or not request.exact_runs or not stitched or all(e is not None for e in stitched):
+            return False
+        if choice == "exact":
+            return all(e is None for e in stitched)
+        if self.cost is None:
+            return False
+        cold: dict[str, tuple[int, int]] = {}
+        for seg, entry in zip(request.context[progress.exact:], stitched):
+            if entry is None:
+                k = SegmentKey.of(self.fingerprint, seq.seam, seg).to_str()
+                cw = self._cold.get(k)
+                done = 0 if cw is None or cw.part is None else cw.part.done
+                cold[k] = (len(seg), len(seg) if cw is not None and cw.entry is not None else done)
+        heads = sum(min(seq.seam, len(s)) for s in request.context[progress.exact:]) + len(request.question)
+        workers = self.pool.alive if self.pool is not None else 1
+        return exact_wins(self.cost, progress.start, request.prompt_tokens, list(cold.values()), heads, workers)
+
+    def exact_rest(self, seq: Sequence, progress: PrefillProgress, found: list[SegmentEntry | None]) -> None:
+        """Lay out the rest of `seq`'s prompt after its exact run as ONE run, as `full` runs its prompt
+        (cut only by the step budget), all of it fresh work. It leaves no exact snapshot: the linear
+        states at each segment boundary would need the forward cut there, which costs more than
+        full (with exact_repeats a repeat in this order is computed exactly at its second sighting
+        and kept then, as any run is). The missing entries are deferred (`defer`, once its first
+        token is due)."""
+        request, stats = seq.request, seq.stats
+        first = progress.exact
+        deferred: dict[str, tuple[SegmentKey, tuple[int, ...]]] = {}
+        for seg, entry in zip(request.context[first:], found[first:]):
+            if entry is not None:
+                stats.segment_hits += 1  # found, not used: the forward computes it exactly
+                continue
+            stats.segment_misses += 1
+            key = SegmentKey.of(self.fingerprint, seq.seam, seg)
+            deferred.setdefault(key.to_str(), (key, seg))
+        progress.runs.append(Run(tuple(t for s in request.segments[first:] for t in s), progress.start))
+        progress.timing = "forward"
+        progress.deferred = [(key, seg, seq.seam) for key, seg in deferred.values()]
+        stats.exact_forward = True
+
+    def defer(self, progress: PrefillProgress) -> None:
+        """Queue the entries a cold request served exactly left missing as background cold work
+        (shared with cold work already in flight for them); past `config.background_tokens`
+        queued, the oldest is dropped."""
+        for key, seg, seam in progress.deferred:
+            k = key.to_str()
+            cw = self._cold.get(k)
+            if cw is None:
+                cw = self._cold[k] = ColdWork(key, seg, seam)
+            if not cw.background:
+                cw.background = True
+                self.background.append(cw)
+        progress.deferred = []
+        queued = sum(len(cw.segment) for cw in self.background)
+        while self.background and queued > self.config.background_tokens:
+            cw = self.background.popleft()
+            queued -= len(cw.segment)
+            cw.background = False
+            self.background_dropped += 1
+            self._drop_if_unclaimed(cw)
+
+    def pending_background(self) -> list[ColdWork]:
+        """Background cold work still to compute, oldest first (finished or abandoned work leaves the queue)."""
+        if any(cw.entry is not None or self._cold.get(cw.key.to_str()) is not cw for cw in self.background):
+            keep = deque()
+            for cw in self.background:
+                if cw.entry is None and self._cold.get(cw.key.to_str()) is cw:
+                    keep.append(cw)
+                else:
+                    cw.background = False
+            self.background = keep
+        return list(self.background)
+
+    def abandon_background(self, error: BaseException) -> None:
+        """Computing background work failed (`error`, kept in `background_error`): drop it all. Work a
+        sequence waits for stays in flight (its own prefill computes it, and fails there if it must)."""
+        self.background_error = error
+        while self.background:
+            cw = self.background.popleft()
+            cw.background = False
+            cw.part = None if cw.holders <= 0 else cw.part
+            self.background_dropped += 1
+            self._drop_if_unclaimed(cw)
+
+    def finish_background(self, cw: ColdWork) -> None:
+        """`cw` (background work) has its entry: store it, unless sequences wait for it (they hand it over)."""
+        if cw.holders <= 0 and self._cold.get(cw.key.to_str()) is cw:
+            del self._cold[cw.key.to_str()]
+            self.store.insert(cw.key, cw.entry)
 
     # --- results handed back ---------------------------------------------------------------
     def hand_over(self, seqs) -> None:
@@ -154,10 +268,14 @@ class ContextCacheManager:
             return
         for cw, _ in seq.prefill.cold:
             cw.holders -= 1
-            if cw.holders <= 0 and self._cold.get(cw.key.to_str()) is cw:
-                del self._cold[cw.key.to_str()]
-                if cw.ticket is not None and self.pool is not None:
-                    self.pool.cancel(cw.ticket)
+            self._drop_if_unclaimed(cw)
+
+    def _drop_if_unclaimed(self, cw: ColdWork) -> None:
+        """Cancel cold work nobody waits for and no background queue holds."""
+        if cw.holders <= 0 and not cw.background and self._cold.get(cw.key.to_str()) is cw:
+            del self._cold[cw.key.to_str()]
+            if cw.ticket is not None and self.pool is not None:
+                self.pool.cancel(cw.ticket)
 
 
 def _ms(t0: float, t1: float | None = None) -> float:

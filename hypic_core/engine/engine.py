@@ -15,6 +15,9 @@ schedule -> execute -> update:
    batched decode forward (`DecodeBatch`). It leaves next-token logits per sequence.
 3. **update** (hypic_core/engine/output.py): sample, detokenize, apply EOS / stop strings / length
    limits; one `StepOutput` per sequence that produced a token or ended; finished ones leave.
+4. **background**: what is left of the step's token budget goes to deferred cold work, the
+   entries a cold request served by one exact forward left missing (`EngineConfig.cold_prefill`);
+   never in a step that produced a first token, and on the prefill pool when there is one.
 
 One thread should drive `step()` (the gateway's worker does); `generate()` drives it for a
 caller that has no such thread, and several callers may use it at once. Model calls are
@@ -43,6 +46,7 @@ from ..errors import InvalidRequestError, PromptTooLongError
 from ..runner.model_runner import ModelRunner
 from .context_cache import ColdWork, ContextCacheManager
 from .output import OutputProcessor
+from .prefill import CostModel
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import AbortHandle, PrefillProgress, PrefillStats, Run, Sequence, Status, StepOutput
 
@@ -86,7 +90,7 @@ class Engine:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_ids = _eos_ids(model, tokenizer)
         self.output = OutputProcessor(tokenizer)
-        self.kv_bytes_per_token, self.state_bytes = self._footprint()
+        self.kv_bytes_per_token, self.state_bytes, state_elements = self._footprint()
         self._lock = threading.RLock()  # one step (one set of model calls) at a time
         # Parallel cold prefill (hypic_core/prefill_pool): cold entries computed by replicas on other
         # processes. None: computed here, in this thread, as part of each step's token budget.
@@ -94,6 +98,7 @@ class Engine:
             self.fingerprint = hashlib.sha256(f"{self.fingerprint}/split{prefill_pool.split_tokens}".encode()).hexdigest()
         store = store if store is not None else MemorySegmentStore(self.config.memory_budget_bytes)
         self.context = ContextCacheManager(self.runner, store, self.config, self.fingerprint)
+        self.context.cost = CostModel.of(model, self.adapter, state_elements)
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_running, self.config.max_step_tokens,
                                                    self.config.running_budget_bytes), self.context, self.config.scheduling)
         self.pool = self.context.pool = prefill_pool
@@ -144,15 +149,18 @@ class Engine:
     def max_positions(self) -> int:
         return self.adapter.max_positions
 
-    def _footprint(self) -> tuple[int, int]:
-        """(attention K/V bytes per token, linear conv + state bytes per sequence), measured on one token."""
+    def _footprint(self) -> tuple[int, int, int]:
+        """(attention K/V bytes per token, linear conv + state bytes per sequence, linear state elements
+        per sequence), measured on one token."""
         with torch.inference_mode():
             cache = self.runner.new_cache()
             self.runner.forward([0], 0, cache)
             keys, values = self.runner.attention.kv(cache)
             kv = sum(t.numel() * t.element_size() for t in (*keys, *values))
-            state = sum(t.numel() * t.element_size() for pair in self.runner.linear.rows(cache) for t in pair)
-        return kv, state
+            rows = self.runner.linear.rows(cache)
+            state = sum(t.numel() * t.element_size() for pair in rows for t in pair)
+            elements = sum(pair[1].numel() for pair in rows)
+        return kv, state, elements
 
     # --- requests -------------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
@@ -206,13 +214,28 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def has_background_work(self) -> bool:
+        """Deferred cold work is waiting (`step()` computes it, also with no request in the engine)."""
+        return bool(self.context.pending_background())
+
+    def drain_background(self) -> None:
+        """Run steps until no deferred cold work is left (tests, benchmarks: a following request then hits
+        the entries; the gateway's engine thread steps while `has_background_work()`)."""
+        while self.has_background_work():
+            self.step()
+
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one step (see the module docstring); return what it produced, in no particular order."""
         with self._lock, torch.inference_mode():
             scheduled = self.scheduler.schedule()
             executed = self._execute(scheduled)
-            return self._update(scheduled, executed)
+            outputs = self._update(scheduled, executed)
+            try:
+                self._run_background(scheduled, executed)
+            except Exception as exc:  # noqa: BLE001 - no request waits for it: drop it, never fail the step
+                self.context.abandon_background(exc)
+            return outputs
 
     def generate(self, request: GenerationRequest, abort: AbortHandle | None = None,
                  prefilled: PrefillResult | None = None) -> Iterator[StepOutput]:
@@ -423,8 +446,61 @@ class Engine:
                         self.context.keep_exact_run(progress)
             if last:
                 progress.logits = logits
+                if progress.deferred:  # its first token is due: what it left missing becomes background work
+                    self.context.defer(progress)
             _add_ms(stats, progress.timing, t)
         return budget
+
+    def _run_background(self, scheduled: ScheduledStep, executed: Executed) -> None:
+        """Deferred cold work (ContextCacheManager.defer) in what is left of the step's token budget,
+        oldest first: whole segments batched together, a longer one piece by piece over steps, as
+        `_run_cold` computes a request's misses (so the entries are the ones the cold path builds). Not
+        in a step that produced a first token (it would delay it); work a sequence now waits for is
+        left to that sequence's prefill. With a prefill pool, on its workers, outside the budget."""
+        pending = [cw for cw in self.context.pending_background() if cw.holders <= 0]
+        if not pending or any(seq in executed.logits for seq, _ in scheduled.prefills):
+            return
+        if self.pool is not None:
+            return self._run_background_pool(pending, idle=not scheduled.prefills and not scheduled.decodes)
+        budget = self.config.max_step_tokens - len(scheduled.decodes) - sum(grant for _, grant in scheduled.prefills)
+        whole: dict[int, list[ColdWork]] = {}
+        for cw in pending:
+            if budget <= 0:
+                break
+            n = len(cw.segment)
+            if cw.part is None and n <= budget:
+                whole.setdefault(cw.seam, []).append(cw)
+                budget -= n
+                continue
+            cw.part = cw.part or self.runner.start_entry(cw.segment, cw.seam)
+            n = min(budget, cw.part.left)
+            budget -= n
+            entry = self.runner.advance_entry(cw.part, n)
+            if entry is not None:
+                cw.entry, cw.part = entry, None
+                self.context.finish_background(cw)
+        for seam, works in whole.items():
+            for cw, entry in zip(works, self.runner.compute_entries([cw.segment for cw in works], seam,
+                                                                    self.config.max_cold_batch_tokens)):
+                cw.entry = entry
+                self.context.finish_background(cw)
+
+    def _run_background_pool(self, pending: list[ColdWork], idle: bool) -> None:
+        """Deferred cold work on the prefill pool: submitted at once; when the engine has nothing else to
+        do (`idle`), wait for one to arrive."""
+        pool = self.pool
+        new = [cw for cw in pending if cw.ticket is None]
+        for cw, ticket in zip(new, pool.submit([(cw.segment, cw.seam) for cw in new])):
+            cw.ticket = ticket
+        if idle:
+            pool.wait_any([cw.ticket for cw in pending])
+        else:
+            pool.poll()
+        for cw in pending:
+            entry = pool.take(cw.ticket)
+            if entry is not None:
+                cw.entry, cw.ticket = entry, None
+                self.context.finish_background(cw)
 
     def _start_decoding(self, seq: Sequence) -> torch.Tensor:
         """Prefill done: the sequence decodes from the next step; returns its first-token logits."""

@@ -67,6 +67,7 @@ class PrefillStats:
     segment_hits: int = 0
     segment_misses: int = 0
     prefill_steps: int = 0  # engine steps the prefill was spread over (chunked prefill)
+    exact_forward: bool = False  # a cold pic-mode request served by one exact forward (EngineConfig.cold_prefill)
     timings_ms: dict[str, float] = field(default_factory=dict)  # queue, lookup, cold, stitch, prefill
 
     @property
@@ -111,6 +112,7 @@ class PrefillProgress:
     exact: int = 0  # leading context segments done exactly (restored or run); the rest are stitched
     start: int = 0  # where the stitched segments begin (after the exact run)
     timing: str = "stitch"  # the name runs' time is counted under in `PrefillStats.timings_ms`
+    deferred: list = field(default_factory=list)  # (key, segment, seam) of entries to compute after the first token
     logits: torch.Tensor | None = None
 
     def tokens_left(self, seq: "Sequence") -> int:
