@@ -117,6 +117,8 @@ def evaluate(args) -> dict:
     t0 = time.perf_counter()
     for i, pair in enumerate(pairs):
         n_chunks = rng.randint(3, min(10, len(pair.distractors) + 1))
+        if i < args.first:  # another process's share: the draw above keeps the contexts of a whole run
+            continue
         chunks, gold = build_context(pair, n_chunks, seed=args.seed)
         segs = prompt_segments(prompter, pair.question, chunks)
         full = None
@@ -141,7 +143,7 @@ def evaluate(args) -> dict:
         if args.partial:  # what is done so far, for a run cut short
             Path(args.partial).write_text(json.dumps({"done": i + 1, "rows": rows}))
         el = time.perf_counter() - t0
-        print(f"[{i + 1}/{len(pairs)}] {el:.0f} s elapsed, ~{el / (i + 1) * (len(pairs) - i - 1):.0f} s left; "
+        print(f"[{i + 1}/{len(pairs)}] {el:.0f} s elapsed, ~{el / (i + 1 - args.first) * (len(pairs) - i - 1):.0f} s left; "
               f"full: {rows['full'][-1]['answer'][:60]!r}", file=sys.stderr, flush=True)
     return {"model": args.model, "family": engine.adapter.family, "linear_layers": len(engine.adapter.linear_layers),
             "attention_layers": len(engine.adapter.attention_layers), "dtype": str(engine.runner.model.dtype),
@@ -207,6 +209,9 @@ def main() -> None:
     parser.add_argument("--naive-seams", type=int, nargs="*", default=None,
                         help="seams for pic-naive (default: --seams). On a dense model pic-naive equals hypic at every "
                              "seam (no linear layers to compose), so one is enough as a check.")
+    parser.add_argument("--first", type=int, default=0,
+                        help="start at this question (0-based), with the contexts a whole run gives it: a share of "
+                             "the run for a second process, whose --partial rows join the first's")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
