@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from hypic_core.adapters import adapter_for  # noqa: E402
 from hypic_core.algebra.keys import SegmentKey  # noqa: E402
 from hypic_core.cache import DiskTier, MemoryTier, TieredSegmentStore, decode, encode  # noqa: E402
-from hypic_core.engine.model_runner import ModelRunner  # noqa: E402
+from hypic_core.runner.model_runner import ModelRunner  # noqa: E402
 from hypic_core.testing import slow_decay  # noqa: E402
 
 SEAM = 8

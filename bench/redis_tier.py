@@ -34,7 +34,7 @@ from cache_tiers import SEAM, bench_model, time_recompute, timed  # noqa: E402
 from hypic_core.adapters import adapter_for  # noqa: E402
 from hypic_core.algebra.keys import SegmentKey  # noqa: E402
 from hypic_core.cache import DiskTier, MemoryTier, RedisTier, TieredSegmentStore, encode  # noqa: E402
-from hypic_core.engine.model_runner import ModelRunner  # noqa: E402
+from hypic_core.runner.model_runner import ModelRunner  # noqa: E402
 
 
 def local_redis(directory: str) -> tuple[subprocess.Popen, str]:

@@ -354,7 +354,7 @@ def server_summary(d: Sample, k: int, mode: str) -> dict[str, Any]:
     lookups = seg_hit + seg_miss
     tiers = {t: total(d, "hypic_cache_hits_total", tier=t) for t in label_values(d, "hypic_cache_hits_total", "tier")}
     store_lookups = sum(tiers.values()) + total(d, "hypic_cache_misses_total")
-    # The segment store holds chunks only: the system prompt is an exact prefix (prefix snapshots).
+    # The segment store holds chunks only: the system prompt is an exact prefix (exact snapshots).
     chunk_hit = sum(tiers.values()) / store_lookups if store_lookups else None
     queue_names = sorted({n[:-4] for (n, _) in d if re.fullmatch(r"hypic_\w*queue\w*_seconds_sum", n)})
     prefill = hist_mean(d, "hypic_prefill_seconds", mode=mode)

@@ -117,7 +117,7 @@ def run(args) -> tuple[dict[str, list[float]], dict[str, int], int]:
         order.shuffle(perm)
         return [system, *perm, questions[rep % len(questions)]]
 
-    # Warm-up: fills the segment store and the prefix cache with one ordering, and warms kernels.
+    # Warm-up: fills the segment store and the exact runs with one ordering, and warms kernels.
     for mode in ("hypic", "pic-naive", "prefix", "full"):
         ttft(engine, request(7), mode)
     times: dict[str, list[float]] = {m: [] for m in MODES}

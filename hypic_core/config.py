@@ -93,7 +93,7 @@ class EngineConfig:
     """Engine-wide settings.
 
     memory_budget_bytes bounds the in-memory segment store (when the engine builds it);
-    prefix_budget_bytes bounds the exact snapshots of leading segment runs (hypic_core/cache/exact_runs.py);
+    exact_budget_bytes bounds the exact snapshots of leading segment runs (hypic_core/cache/exact_runs.py);
     max_running, max_step_tokens and running_budget_bytes bound the scheduler (hypic_core/engine/scheduler.py).
     exact_repeats (pic modes): past `GenerationRequest.exact_prefix`, restore the longest run of
     leading context segments an exact snapshot holds (a `prefix`-mode request's context, an earlier
@@ -114,7 +114,7 @@ class EngineConfig:
 
     seam: int = DEFAULT_SEAM
     memory_budget_bytes: int = 2 << 30
-    prefix_budget_bytes: int = 512 << 20
+    exact_budget_bytes: int = 512 << 20
     max_cold_batch_tokens: int = 16384
     max_running: int = 8  # sequences prefilling or decoding at once (one batched decode forward)
     max_step_tokens: int = 512  # model tokens per engine step: decode tokens + a chunk of prefill
@@ -127,7 +127,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.seam < 0:
             raise InvalidRequestError("seam", f"must be >= 0, got {self.seam}")
-        if self.memory_budget_bytes < 0 or self.prefix_budget_bytes < 0:
+        if self.memory_budget_bytes < 0 or self.exact_budget_bytes < 0:
             raise InvalidRequestError("memory_budget_bytes", "budgets must be >= 0")
         for name in ("max_cold_batch_tokens", "max_running", "max_step_tokens", "running_budget_bytes"):
             if getattr(self, name) < 1:
@@ -152,7 +152,7 @@ class GenerationRequest:
     seam: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # hypic / pic-naive: the first `exact_prefix` context segments (system prompt, earlier turns)
-    # are computed exactly, or restored from an exact prefix snapshot; only the ones after are stitched.
+    # are computed exactly, or restored from an exact snapshot; only the ones after are stitched.
     exact_prefix: int = 0
     # pic modes with EngineConfig.exact_repeats: reuse (and make) exact snapshots of longer leading
     # runs than `exact_prefix`. False: segments after `exact_prefix` always compose (the accuracy

@@ -159,7 +159,7 @@ def test_chunked_prefill_equals_one_shot(engine, mode):
     small = Engine(engine.model, engine.tokenizer, EngineConfig(seam=3, max_step_tokens=16))
     segs = random_segments((7, 50, 23, 40, 30), vocab=len(engine.tokenizer), seed=21)
     req = GenerationRequest(segs, mode=mode, sampling=SamplingParams(max_tokens=5, top_logprobs=5, ignore_eos=True))
-    for _ in range(2):  # cold, then warm (prefix snapshots and segment entries reused)
+    for _ in range(2):  # cold, then warm (exact snapshots and segment entries reused)
         ref = list(Engine(engine.model, engine.tokenizer, EngineConfig(seam=3)).generate(req))
         got = list(small.generate(req))
         assert [o.token_id for o in got] == [o.token_id for o in ref]

@@ -2,6 +2,8 @@
 
 - the engine core (`hypic_core/`) imports nothing from the gateway (`app`), retrieval, the web
   stack (FastAPI, Starlette, uvicorn), pydantic or FAISS, directly or through what it imports;
+- inside the core, imports point only down the list of rooms (`CORE_ROOMS`), function-level ones
+  included: a room imports its own modules and the rooms below it, never one above;
 - the gateway's service (`app/service/`) never imports the HTTP side (`app/http/`) nor the web
   stack, and knows no HTTP: no `APIError`, `HTTPException` or response classes, no status code
   passed as `status`/`status_code`. It raises domain errors (app/service/errors.py), which
@@ -20,6 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CORE_FORBIDDEN = ("app", "retrieval", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic_core", "pydantic_settings",
                   "faiss")
 SERVICE_FORBIDDEN = ("app.http", "fastapi", "starlette", "uvicorn", "h11")
+# The core's rooms, top to bottom (docs/architecture.md#rooms-by-role): each imports only itself and
+# the rooms below it. "" is the package itself (hypic_core/__init__.py).
+CORE_ROOMS = ("", "testing", "engine", "prefill_pool", "runner", "models", "cache", "adapters", "algebra", "config",
+              "errors")
 HTTP_NAMES = {"APIError", "HTTPException", "JSONResponse", "Response", "StreamingResponse", "Request"}
 
 
@@ -50,6 +56,28 @@ def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[i
 def forbidden_imports(source: str, module: str, is_package: bool, forbidden: tuple[str, ...]) -> list[str]:
     return [f"{module}:{line} imports {name}" for line, name in imported_modules(source, module, is_package)
             if any(name == f or name.startswith(f + ".") for f in forbidden)]
+
+
+def room_of(module: str) -> str:
+    """`hypic_core.engine.engine` -> "engine", `hypic_core.config.Mode` -> "config", `hypic_core` -> ""."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def upward_imports(source: str, module: str, is_package: bool) -> list[str]:
+    """Imports of a core module that point up `CORE_ROOMS` (or into a room the list does not name)."""
+    rank = {room: i for i, room in enumerate(CORE_ROOMS)}
+    here = room_of(module)
+    problems = [] if here in rank else [f"{module} is in no room of CORE_ROOMS"]
+    for line, name in imported_modules(source, module, is_package):
+        if name == "hypic_core" or not name.startswith("hypic_core."):
+            continue  # the package itself (`from .. import x` also yields `hypic_core.x`), or outside the core
+        there = room_of(name)
+        if there not in rank:
+            problems.append(f"{module}:{line} imports {name}, in no room of CORE_ROOMS")
+        elif here in rank and there != here and rank[there] < rank[here]:
+            problems.append(f"{module}:{line} imports {name} ({there}/ is above {here or 'hypic_core'})")
+    return problems
 
 
 def http_knowledge(source: str, module: str) -> list[str]:
@@ -91,6 +119,38 @@ def test_the_checks_find_what_they_look_for():
     assert sorted(http_knowledge(bad, "m")) == ["m:8 passes status_code=429", "m:8 uses APIError"]
     ok = "from hypic_core.errors import InvalidRequestError\nfrom .errors import QueueFullError\nraise QueueFullError(3)\n"
     assert forbidden_imports(ok, "app.service.pipeline", False, SERVICE_FORBIDDEN) == [] and http_knowledge(ok, "m") == []
+
+
+def test_the_room_check_finds_upward_imports():
+    """Upward imports are flagged at module and function level, relative or absolute; its own room,
+    rooms below and the package itself are not."""
+    bad = textwrap.dedent("""
+        from ..engine.sequence import Sequence
+        from ..algebra.entry import SegmentEntry
+        from .store import SegmentStore
+        from .. import config
+
+        def f():
+            import hypic_core.prefill_pool
+            from hypic_core.nowhere import x
+        """)
+    assert upward_imports(bad, "hypic_core.cache.tiered", False) == [
+        "hypic_core.cache.tiered:2 imports hypic_core.engine.sequence (engine/ is above cache)",
+        "hypic_core.cache.tiered:2 imports hypic_core.engine.sequence.Sequence (engine/ is above cache)",
+        "hypic_core.cache.tiered:8 imports hypic_core.prefill_pool (prefill_pool/ is above cache)",
+        "hypic_core.cache.tiered:9 imports hypic_core.nowhere, in no room of CORE_ROOMS",
+        "hypic_core.cache.tiered:9 imports hypic_core.nowhere.x, in no room of CORE_ROOMS"]
+    assert upward_imports(bad, "hypic_core.engine.engine", False) == [
+        "hypic_core.engine.engine:9 imports hypic_core.nowhere, in no room of CORE_ROOMS",
+        "hypic_core.engine.engine:9 imports hypic_core.nowhere.x, in no room of CORE_ROOMS"]
+    assert upward_imports("", "hypic_core.newroom.x", False) == ["hypic_core.newroom.x is in no room of CORE_ROOMS"]
+
+
+def test_core_imports_point_down_the_rooms():
+    problems = []
+    for path, source in sources("hypic_core"):
+        problems += upward_imports(source, module_name(path), path.name == "__init__.py")
+    assert problems == []
 
 
 def test_the_core_imports_no_gateway_web_stack_pydantic_or_faiss():

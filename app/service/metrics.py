@@ -2,7 +2,7 @@
 
 Every series carries a `model_name` label (the served model), added at scrape time. Latencies
 are in seconds. `hypic_prompt_tokens{kind}` partitions every prompt, so the kinds sum to the
-prompt tokens: `exact` (restored from an exact prefix snapshot), `composed` (segment bodies
+prompt tokens: `exact` (restored from an exact snapshot), `composed` (segment bodies
 reused from the cache by position-independent composition), `seam` (seam heads recomputed in
 context), `fresh` (everything else computed for the request: the question, cold segments,
 full/prefix forwards). Segment-store counters are read from `store.stats()` at scrape time, as

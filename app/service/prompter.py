@@ -13,7 +13,7 @@ Two prompt formats (`PromptLayout.format`):
 
       s_0.. = one segment per earlier message (template text and content: the system prompt,
               earlier turns), then the template text before the last user message's content;
-              these are the exact prefix: reused exactly from a prefix snapshot, never composed
+              these are the exact prefix: reused exactly from an exact snapshot, never composed
       s_i = document i (`document_template`)
       q   = the last user content (a /query question through `question_template`), everything
             the template puts after it (the generation prompt), then `answer_prefix`

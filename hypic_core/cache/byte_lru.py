@@ -1,4 +1,4 @@
-"""The one byte-budget LRU every cache in the engine is built on (segment store, memory tiers, prefix snapshots)."""
+"""The one byte-budget LRU every cache in the engine is built on (segment store, memory tiers, exact snapshots)."""
 
 from __future__ import annotations
 

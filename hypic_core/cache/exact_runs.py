@@ -27,14 +27,14 @@ import torch
 from .byte_lru import ByteLRU
 
 
-class PrefixMatch(NamedTuple):
-    snapshot: "PrefixSnapshot | None"
+class ExactMatch(NamedTuple):
+    snapshot: "ExactSnapshot | None"
     segments: int  # leading segments the snapshot covers (0: no match)
     seen: int = 0  # leading segments an earlier request had in this order (>= segments)
 
 
 @dataclass(frozen=True)
-class PrefixSnapshot:
+class ExactSnapshot:
     keys: tuple[torch.Tensor, ...]  # per attention layer [H, N, D], N = boundaries[-1]
     values: tuple[torch.Tensor, ...]
     boundaries: tuple[int, ...]  # token count after each segment
@@ -55,21 +55,21 @@ def chain_hashes(segment_digests: list[str]) -> list[str]:
     return out
 
 
-class PrefixCache:
+class ExactRuns:
     """Snapshots in a `ByteLRU` (`budget_bytes`), every boundary of each indexed by its chain hash,
     and the sightings of up to `max_seen` paths. Thread-safe."""
 
     def __init__(self, budget_bytes: int, max_seen: int = 1 << 16):
         self.budget_bytes = budget_bytes
         self.max_seen = max_seen
-        self._snaps: ByteLRU[int, PrefixSnapshot] = ByteLRU(budget_bytes)
+        self._snaps: ByteLRU[int, ExactSnapshot] = ByteLRU(budget_bytes)
         self._chains: dict[int, list[str]] = {}
         self._index: dict[str, tuple[int, int]] = {}  # chain hash -> (snapshot id, segments it covers)
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._next = 0
         self._lock = threading.Lock()
 
-    def longest(self, chain: list[str]) -> PrefixMatch:
+    def longest(self, chain: list[str]) -> ExactMatch:
         """The snapshot holding the longest matching run of leading segments (`segments` 0: none),
         and how many leading segments of `chain` were seen before (not counting this call)."""
         with self._lock:
@@ -78,8 +78,8 @@ class PrefixCache:
                 hit = self._index.get(chain[j - 1])
                 if hit is not None:
                     sid, n = hit
-                    return PrefixMatch(self._snaps.get(sid), n, max(seen, n))
-            return PrefixMatch(None, 0, seen)
+                    return ExactMatch(self._snaps.get(sid), n, max(seen, n))
+            return ExactMatch(None, 0, seen)
 
     def see(self, chain: list[str]) -> None:
         """Record that a request had every leading run of `chain` (the least recently seen are forgotten)."""
@@ -90,7 +90,7 @@ class PrefixCache:
             while len(self._seen) > self.max_seen:
                 self._seen.popitem(last=False)
 
-    def insert(self, chain: list[str], snap: PrefixSnapshot) -> None:
+    def insert(self, chain: list[str], snap: ExactSnapshot) -> None:
         """Index `snap` (its boundaries are `chain`'s segments); it may push older snapshots out, or
         be dropped itself when larger than the budget."""
         with self._lock:

@@ -5,7 +5,7 @@ schedule -> execute -> update:
 
 1. **schedule** (hypic_core/engine/scheduler.py): one decode token for every running sequence, and a
    token budget of prefill work for sequences part-way through their prefill, then for waiting
-   ones it admits (the scheduler asks the context-cache manager, hypic_core/cache/context_cache.py, to
+   ones it admits (the scheduler asks the context-cache manager, hypic_core/engine/context_cache.py, to
    lay out each one's prefill with the strategy of its mode, hypic_core/engine/prefill.py).
 2. **execute**: the step's model work. Missing canonical entries of every sequence in the step
    are computed together (a segment several sequences need, once); with a prefill pool
@@ -39,12 +39,12 @@ import torch
 from ..adapters import adapter_for
 from ..algebra.entry import SegmentEntry
 from ..algebra.keys import SegmentKey, model_fingerprint
-from ..cache.context_cache import ColdWork, ContextCacheManager
-from ..cache.exact_runs import PrefixCache
+from ..cache.exact_runs import ExactRuns
 from ..cache.store import MemorySegmentStore, SegmentStore
 from ..config import EngineConfig, GenerationRequest
 from ..errors import InvalidRequestError, PromptTooLongError
-from .model_runner import ModelRunner
+from ..runner.model_runner import ModelRunner
+from .context_cache import ColdWork, ContextCacheManager
 from .output import OutputProcessor
 from .prefill import CostModel
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -111,9 +111,9 @@ class Engine:
         return self.context.store
 
     @property
-    def prefix_cache(self) -> PrefixCache:
+    def exact_runs(self) -> ExactRuns:
         """The exact snapshots of leading segment runs (the context-cache manager's)."""
-        return self.context.prefix_cache
+        return self.context.exact_runs
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, store: SegmentStore | None = None,

@@ -5,7 +5,7 @@ It holds the waiting queue (a policy object: hypic_core/engine/request_queue.py)
 one decode token and gives prefill work a token budget (`max_step_tokens` minus the decode
 tokens), first to sequences already part-way through their prefill, then to waiting ones in
 the queue's order. As it admits one it asks the context-cache manager to lay out its prefill
-(hypic_core/cache/context_cache.py), which says how many tokens it really has to run. A long prefill therefore runs
+(hypic_core/engine/context_cache.py), which says how many tokens it really has to run. A long prefill therefore runs
 over several steps while the running streams keep producing a token per step (chunked
 prefill). Admission is bounded by a count (`max_running`) and by memory: the bytes of
 attention K/V and linear state each sequence can hold at most (`Sequence.reserved_bytes`)

@@ -25,7 +25,7 @@ from .detokenizer import IncrementalDetokenizer, StreamDetokenizer
 from .sampling import Sampler
 
 if TYPE_CHECKING:
-    from ..cache.context_cache import ColdWork
+    from .context_cache import ColdWork
 
 _ids = itertools.count()
 
@@ -59,7 +59,7 @@ class PrefillStats:
     seam: int
     prompt_tokens: int = 0
     # What the prompt's tokens got, a partition: prompt_tokens = exact + composed + seam + fresh (a property).
-    exact_tokens: int = 0  # restored from an exact prefix snapshot (identical to recomputing them)
+    exact_tokens: int = 0  # restored from an exact snapshot (identical to recomputing them)
     composed_tokens: int = 0  # segment bodies reused from cache hits by position-independent composition
     seam_tokens: int = 0  # seam heads recomputed in context
     computed_tokens: int = 0  # model work done for this request, in tokens (cold entries + seams + runs); a cold

@@ -61,7 +61,7 @@ class Replica:
         from transformers import AutoModelForCausalLM
 
         from ..adapters import adapter_for
-        from ..engine.model_runner import ModelRunner
+        from ..runner.model_runner import ModelRunner
 
         torch.set_num_threads(threads)
         model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype, local_files_only=True,

@@ -1,5 +1,5 @@
 """Runs the model: plain forwards on a cache, canonical segment entries (whole or piece by piece),
-seam stitching, prefix snapshots, and the batched decode forward.
+seam stitching, exact snapshots, and the batched decode forward.
 
 The runner touches tensors and the transformers cache; it knows nothing of stores, requests
 or queues. Every method expects to be called under `torch.inference_mode()` by the engine.
@@ -17,7 +17,7 @@ from ..adapters import ModelAdapter
 from ..adapters.base import StitchSpan
 from ..algebra.entry import SegmentEntry
 from ..algebra.operators import LinearOperator
-from ..cache.exact_runs import PrefixSnapshot
+from ..cache.exact_runs import ExactSnapshot
 from ..config import Mode
 from .batch import DecodeBatch
 from .layers import AttentionLayers, LinearLayers, LinearRows
@@ -244,13 +244,13 @@ class ModelRunner:
         """Every linear layer's (conv, state), copied: taken at each segment boundary."""
         return self.linear.snapshot(cache)
 
-    def prefix_snapshot(self, cache, boundaries: Sequence[int], linear: Sequence[LinearRows]) -> PrefixSnapshot:
+    def exact_snapshot(self, cache, boundaries: Sequence[int], linear: Sequence[LinearRows]) -> ExactSnapshot:
         """A snapshot of `cache`'s K/V (row 0, copied) with the linear states taken at `boundaries`."""
         keys, values = self.attention.kv(cache)
-        return PrefixSnapshot(tuple(k[0].clone() for k in keys), tuple(v[0].clone() for v in values),
+        return ExactSnapshot(tuple(k[0].clone() for k in keys), tuple(v[0].clone() for v in values),
                               tuple(boundaries), tuple(linear))
 
-    def restore_prefix(self, cache, snap: PrefixSnapshot, n: int) -> int:
+    def restore_exact(self, cache, snap: ExactSnapshot, n: int) -> int:
         """Load the first `n` segments of `snap` into an empty `cache`; return the next position."""
         upto = snap.boundaries[n - 1]
         self.attention.append(cache, [k[None, :, :upto].clone() for k in snap.keys],

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 from ..algebra.entry import SegmentEntry
 from ..algebra.keys import SegmentKey
+from ..cache.exact_runs import ExactRuns, chain_hashes
+from ..cache.store import SegmentStore
 from ..config import EngineConfig
-from ..engine.model_runner import ModelRunner, PartialEntry
-from ..engine.prefill import CostModel, exact_wins, strategy_for
-from ..engine.sequence import PrefillProgress, Run, Sequence
-from .exact_runs import PrefixCache, chain_hashes
-from .store import SegmentStore
+from ..runner.model_runner import ModelRunner, PartialEntry
+from .prefill import CostModel, exact_wins, strategy_for
+from .sequence import PrefillProgress, Run, Sequence
 
 
 @dataclass(eq=False)
@@ -54,7 +54,7 @@ class ContextCacheManager:
         self.store = store
         self.config = config
         self.fingerprint = fingerprint
-        self.prefix_cache = PrefixCache(config.prefix_budget_bytes)
+        self.exact_runs = ExactRuns(config.exact_budget_bytes)
         self.pool = None  # a PrefillPool computing cold entries (hypic_core/prefill_pool), set by the engine
         self._cold: dict[str, ColdWork] = {}
         self.cost: CostModel | None = None  # set by the engine (cold_prefill "auto")
@@ -91,15 +91,15 @@ class ContextCacheManager:
         if not considered:
             return 0
         chain = chain_hashes([SegmentKey.of(self.fingerprint, 0, s).tokens for s in considered])
-        snap, n, seen = self.prefix_cache.longest(chain)
+        snap, n, seen = self.exact_runs.longest(chain)
         if longer:
-            self.prefix_cache.see(chain)
-            repeat = seen if self.prefix_cache.budget_bytes > 0 else 0
+            self.exact_runs.see(chain)
+            repeat = seen if self.exact_runs.budget_bytes > 0 else 0
             n_exact = max(n_exact, n, repeat)
         progress.chain, progress.exact = chain[:n_exact], n_exact
         pos = 0
         if snap is not None:
-            pos = self.runner.restore_prefix(progress.cache, snap, n)
+            pos = self.runner.restore_exact(progress.cache, snap, n)
             progress.boundaries, progress.linear = list(snap.boundaries[:n]), list(snap.linear[:n])
             stats.exact_tokens, stats.segment_hits = pos, n
         progress.reused = n
@@ -258,7 +258,7 @@ class ContextCacheManager:
 
     def keep_exact_run(self, progress: PrefillProgress) -> None:
         """Snapshot the exact run just computed in `progress.cache` for later requests."""
-        self.prefix_cache.insert(progress.chain, self.runner.prefix_snapshot(progress.cache, progress.boundaries,
+        self.exact_runs.insert(progress.chain, self.runner.exact_snapshot(progress.cache, progress.boundaries,
                                                                              progress.linear))
         progress.reused = progress.exact
 
