@@ -14,7 +14,7 @@ through the engine):
   the cold request's background work stored, the chunks in another order.
 
 `--model NAME` adds rows for real checkpoints (a named model or a directory), e.g.
-`smollm2-hybrid-135m` (the issue's target: warm >= 5x faster than full at top_k 6).
+`smollm2-hybrid-135m` (where warm should be 5x faster than full or more at top_k 6).
 
     .venv/bin/python bench/families.py --threads 1 --reps 2
     .venv/bin/python bench/families.py --families --model smollm2-hybrid-135m --chunks 6 --chunk-len 300
