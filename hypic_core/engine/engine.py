@@ -374,24 +374,10 @@ class Engine:
         the pool at once (it orders them longest first), whole and outside the token budgets (the
         work runs on other processes). Finished ones are handed over; when `wait` and no sequence
         could advance without one, block until one arrives."""
-        pool = self.pool
-        new: dict[int, ColdWork] = {}
-        for seq in budgets:
-            for cw, _ in seq.prefill.cold:
-                if cw.entry is None and cw.ticket is None:
-                    new[id(cw)] = cw
-        for cw, ticket in zip(new.values(), pool.submit([(cw.segment, cw.seam) for cw in new.values()])):
-            cw.ticket = ticket
-        pending = [cw for seq in budgets for cw, _ in seq.prefill.cold if cw.entry is None]
+        pending = list({id(cw): cw for seq in budgets for cw, _ in seq.prefill.cold if cw.entry is None}.values())
         t = time.perf_counter()
-        if wait and pending and all(any(cw.entry is None for cw, _ in seq.prefill.cold) for seq in budgets):
-            pool.wait_any([cw.ticket for cw in pending])
-        else:
-            pool.poll()
-        for cw in pending:
-            entry = pool.take(cw.ticket)
-            if entry is not None:
-                cw.entry, cw.ticket = entry, None
+        blocked = all(any(cw.entry is None for cw, _ in seq.prefill.cold) for seq in budgets)
+        self._pool_exchange(pending, wait=wait and bool(pending) and blocked)
         for seq in budgets:
             if seq.prefill.cold:
                 _add_ms(seq.stats, "cold", t)
@@ -488,19 +474,28 @@ class Engine:
     def _run_background_pool(self, pending: list[ColdWork], idle: bool) -> None:
         """Deferred cold work on the prefill pool: submitted at once; when the engine has nothing else to
         do (`idle`), wait for one to arrive."""
+        for cw in self._pool_exchange(pending, wait=idle):
+            self.context.finish_background(cw)
+
+    def _pool_exchange(self, works: list[ColdWork], wait: bool) -> list[ColdWork]:
+        """One round with the prefill pool over `works` (distinct, entries missing): submit those not
+        yet on it, block until one is done (`wait`) or just poll, and take every finished entry
+        into its work; returns the works that got their entry."""
         pool = self.pool
-        new = [cw for cw in pending if cw.ticket is None]
+        new = [cw for cw in works if cw.ticket is None]
         for cw, ticket in zip(new, pool.submit([(cw.segment, cw.seam) for cw in new])):
             cw.ticket = ticket
-        if idle:
-            pool.wait_any([cw.ticket for cw in pending])
+        if wait:
+            pool.wait_any([cw.ticket for cw in works])
         else:
             pool.poll()
-        for cw in pending:
+        done = []
+        for cw in works:
             entry = pool.take(cw.ticket)
             if entry is not None:
                 cw.entry, cw.ticket = entry, None
-                self.context.finish_background(cw)
+                done.append(cw)
+        return done
 
     def _start_decoding(self, seq: Sequence) -> torch.Tensor:
         """Prefill done: the sequence decodes from the next step; returns its first-token logits."""
