@@ -127,19 +127,32 @@ def measure(model: torch.nn.Module, args) -> dict[str, float]:
     ttft(engine, request(7), "hypic")  # warms kernels
     ttft(engine, request(6), "full")
     times: dict[str, list[float]] = {"full": [], "cold": [], "stitch": [], "warm": [], "background": []}
-    paths = set()
+    ratios, paths, work = [], set(), set()
     for rep in range(args.reps):
         segs = request(rep)
-        times["full"].append(ttft(engine, segs, "full"))
-        times["stitch"].append(ttft(cold_engine(model, config, "stitch"), segs, "hypic"))
         cold = cold_engine(model, config, args.cold)
-        t, out = ttft_out(cold, segs, "hypic")
-        times["cold"].append(t)
+        # full and cold alternate which runs first, so neither always follows the other (or the
+        # stitched engine's teardown); their ratio is taken per repetition, as a pair.
+        if rep % 2:
+            t_cold, out = ttft_out(cold, segs, "hypic")
+            t_full, full_out = ttft_out(engine, segs, "full")
+        else:
+            t_full, full_out = ttft_out(engine, segs, "full")
+            t_cold, out = ttft_out(cold, segs, "hypic")
+        times["full"].append(t_full)
+        times["cold"].append(t_cold)
+        ratios.append(t_cold / t_full)
         paths.add("exact" if out.stats.exact_forward else "stitch")
+        if out.stats.exact_forward:  # the same forward as full's: same tokens, same steps
+            work.add((out.stats.computed_tokens, out.stats.prefill_steps) ==
+                     (full_out.stats.computed_tokens, full_out.stats.prefill_steps))
         times["background"].append(drained(cold))
         times["warm"].append(ttft(cold, request(rep + 100), "hypic"))
+        times["stitch"].append(ttft(cold_engine(model, config, "stitch"), segs, "hypic"))
     result = {m: statistics.median(v) * 1000 for m, v in times.items()}
+    result["ratio"], result["ratio_lo"], result["ratio_hi"] = statistics.median(ratios), min(ratios), max(ratios)
     result["path"] = "/".join(sorted(paths))
+    result["same_work"] = "" if not work else ("yes" if work == {True} else "NO")
     return result
 
 
@@ -153,16 +166,18 @@ def report(args, rows: list[tuple[str, str, float, dict[str, float]]]) -> str:
         f"{args.hidden}, fp32, CPU ({args.threads} torch thread{'s' if args.threads > 1 else ''}).  ",
         f"Workload: 32-token system prompt + {args.chunks} chunks x {args.chunk_len} tokens in a new order per "
         f"repetition + 64-token question, seam {args.seam}; median of {args.reps}. Cold: `--cold {args.cold}` "
-        f"(path: what it chose); stitched: the cold entries then the stitch; background: the entries' work "
+        f"(path: what it chose); cold / full: the median of the per-repetition ratios (full and cold alternate "
+        f"which runs first), range: their lowest and highest; same work: the exact path ran full's tokens in "
+        f"full's steps; stitched: the cold entries then the stitch; background: the entries' work "
         f"after the cold request's first token; warm: a new order, hitting what the background stored.",
         "",
-        "| family | adapter | parameters | full (ms) | cold (ms) | path | cold / full | stitched (ms) | stitched / full "
-        "| background (ms) | warm (ms) | full / warm |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| family | adapter | parameters | full (ms) | cold (ms) | path | cold / full | range | same work "
+        "| stitched (ms) | stitched / full | background (ms) | warm (ms) | full / warm |",
+        "|---|---|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for family, adapter, params, t in rows:
         lines.append(f"| {family} | {adapter} | {params / 1e6:.1f}M | {t['full']:.0f} | {t['cold']:.0f} | {t['path']} | "
-                     f"{t['cold'] / t['full']:.2f}x | {t['stitch']:.0f} | {t['stitch'] / t['full']:.2f}x | "
+                     f"{t['ratio']:.2f}x | {t['ratio_lo']:.2f}-{t['ratio_hi']:.2f} | {t['same_work']} | {t['stitch']:.0f} | {t['stitch'] / t['full']:.2f}x | "
                      f"{t['background']:.0f} | {t['warm']:.0f} | {t['full'] / t['warm']:.1f}x |")
     lines.append("<!-- families:end -->")
     return "\n".join(lines)
@@ -195,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows.append((name, adapter, params, times))
         print(f"{name:18s} {adapter:22s} {params / 1e6:6.1f}M  full {times['full']:6.0f}  cold {times['cold']:6.0f} "
               f"({times['path']})  stitched {times['stitch']:6.0f}  background {times['background']:6.0f}  "
-              f"warm {times['warm']:6.0f} ms  cold/full {times['cold'] / times['full']:.2f}x  "
+              f"warm {times['warm']:6.0f} ms  cold/full {times['ratio']:.2f}x ({times['ratio_lo']:.2f}-{times['ratio_hi']:.2f}) "
               f"full/warm {times['full'] / times['warm']:.1f}x  ({time.perf_counter() - t:.0f} s)", flush=True)
         del model
     section = report(args, rows)

@@ -349,3 +349,30 @@ def test_bf16_autocast_step_tracks_the_fp32_step_and_keeps_fp32_gradients(tiny_l
         grads.append(torch.cat([p.grad.flatten() for p in params]))
     assert losses[1] == pytest.approx(losses[0], rel=0.05)
     assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.95
+
+
+def test_teacher_sampling_left_pads_like_one_prompt_at_a_time_and_bf16_tracks_fp32(tiny_llama):
+    """training/hybrid/generate.py's `sample`: a left-padded batch answers each prompt as that prompt
+    alone does (greedy, fp32), cut after the end-of-sequence token; under `--precision bf16` the
+    greedy first tokens of a confident model are fp32's."""
+    import copy
+    from types import SimpleNamespace
+
+    from training.hybrid.generate import sample
+
+    _, llama = tiny_llama
+    model = copy.deepcopy(llama)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # tied to the embeddings: peaked next-token distributions
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 128, (n,), generator=gen).tolist() for n in (5, 9, 13)]
+    batch = sample(model, tok, prompts, 6, 0.0)
+    for p, got in zip(prompts, batch):
+        with torch.no_grad():
+            ref = model.generate(input_ids=torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        if 1 in ref:
+            ref = ref[: ref.index(1) + 1]
+        assert got == ref
+    half = sample(model, tok, prompts, 1, 0.0, bf16=True)
+    assert [h[0] for h in half] == [b[0] for b in batch]
