@@ -178,3 +178,36 @@ def test_importing_the_core_loads_none_of_them():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def documented_core_rooms() -> tuple[list[str], list[str]]:
+    """(rooms in order, files named) of hypic_core/ in docs/architecture.md's "Rooms by role" block:
+    a room's line starts two spaces in (`engine/` or `testing.py`, then what it holds), a deeper
+    indent continues the room above."""
+    import re
+
+    block = (ROOT / "docs" / "architecture.md").read_text().split("## Rooms by role", 1)[1].split("```", 2)[1]
+    lines = block.split("hypic_core/", 1)[1].splitlines()[1:]
+    rooms, files, folder = [], [], ""
+    for line in lines:
+        if line and not line.startswith(" "):
+            break  # the next top-level folder
+        rest = line
+        if re.match(r"  \S", line):
+            names, rest = (re.split(r"\s{2,}", line.strip(), maxsplit=1) + [""])[:2]
+            for name in names.split():
+                rooms.append(name.rstrip("/").removesuffix(".py"))
+                folder = name if name.endswith("/") else ""
+                files += [] if folder else [name]
+        files += [folder + w for w in re.findall(r"[\w.]+\.py\b", rest)] if folder else []
+    return rooms, files
+
+
+def test_the_documented_rooms_are_the_checked_ones_in_their_order():
+    """docs/architecture.md lists the core's rooms top to bottom as CORE_ROOMS ranks them, and every
+    file it names there exists."""
+    rooms, files = documented_core_rooms()
+    assert rooms == [r for r in CORE_ROOMS if r], rooms
+    missing = [f for f in files if not (ROOT / "hypic_core" / f).is_file()]
+    assert not missing, missing
+    assert len(files) > 20, files

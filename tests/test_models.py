@@ -94,6 +94,16 @@ def test_settings_take_the_model_from_the_environment(monkeypatch):
     assert Settings(_env_file=None, model_name="mine").served_model_name == "mine"
 
 
+def test_exact_runs_budget_is_read_under_its_name_and_its_former_one(monkeypatch):
+    from app.service.settings import Settings
+
+    assert Settings(_env_file=None).exact_runs_bytes == 512 << 20
+    monkeypatch.setenv("HYPIC_PREFIX_CACHE_BYTES", "1000")
+    assert Settings(_env_file=None).exact_runs_bytes == 1000
+    monkeypatch.setenv("HYPIC_EXACT_RUNS_BYTES", "2000")  # the current name wins
+    assert Settings(_env_file=None).exact_runs_bytes == 2000
+
+
 def test_models_command_lists_every_named_model():
     from app.cli import cli
 

@@ -54,7 +54,7 @@ def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engin
     """`settings.model` (resolved here unless given) with the configured seam, mode, budgets, dtype and store."""
     model = model or resolve_model(settings.model, settings.models_dir)
     config = EngineConfig(seam=settings.seam, memory_budget_bytes=settings.cache_memory_bytes,
-                          exact_budget_bytes=settings.prefix_cache_bytes, exact_repeats=settings.exact_repeats,
+                          exact_budget_bytes=settings.exact_runs_bytes, exact_repeats=settings.exact_repeats,
                           scheduling=settings.scheduling, cold_prefill=settings.cold_prefill)
     return Engine.from_pretrained(model.path, config, store_from_settings(settings), dtype=settings.dtype, device=settings.device,
                                   model_id=settings.served_model_name, prefill_workers=settings.prefill_workers,

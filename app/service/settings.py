@@ -74,8 +74,10 @@ class Settings(BaseSettings):
     cache_disk_bytes: int = Field(16 << 30, ge=0)
     cache_storage_dtype: str = Field("auto", description="Disk-tier entries: auto (as computed: K/V in the model's dtype, "
                                      "T and E fp32) or bf16 (narrowed); fp32, a former name of auto, is still read.")
-    prefix_cache_bytes: int = Field(512 << 20, ge=0, description="Exact snapshots of leading segment runs (system "
-                                    "prompt, earlier turns, repeated documents, prefix mode).")
+    exact_runs_bytes: int = Field(512 << 20, ge=0, description="Exact snapshots of leading segment runs (system "
+                                  "prompt, earlier turns, repeated documents, prefix mode).")
+    prefix_cache_bytes: int | None = Field(None, ge=0, description="Former name of `exact_runs_bytes` "
+                                           "(HYPIC_PREFIX_CACHE_BYTES), still read when that is unset.")
     exact_repeats: bool = Field(True, description="Documents an earlier request had in the same order (after the system "
                                 "prompt) are computed exactly once and then reused exactly (counted in cached_tokens); "
                                 "false: they always compose.")
@@ -231,6 +233,12 @@ class Settings(BaseSettings):
     def _former_model_path(self) -> "Settings":
         if self.model_path is not None and "model" not in self.model_fields_set:
             self.model = self.model_path
+        return self
+
+    @model_validator(mode="after")
+    def _former_prefix_cache_bytes(self) -> "Settings":
+        if self.prefix_cache_bytes is not None and "exact_runs_bytes" not in self.model_fields_set:
+            self.exact_runs_bytes = self.prefix_cache_bytes
         return self
 
     @field_validator("document_template")
