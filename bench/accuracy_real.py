@@ -147,7 +147,8 @@ def evaluate(args) -> dict:
               f"full: {rows['full'][-1]['answer'][:60]!r}", file=sys.stderr, flush=True)
     return {"model": args.model, "family": engine.adapter.family, "linear_layers": len(engine.adapter.linear_layers),
             "attention_layers": len(engine.adapter.attention_layers), "dtype": str(engine.runner.model.dtype),
-            "n": len(pairs), "max_tokens": args.max_tokens, "seed": args.seed, "seconds": round(time.perf_counter() - t0),
+            "n": len(pairs) - args.first, "first": args.first, "max_tokens": args.max_tokens, "seed": args.seed,
+            "seconds": round(time.perf_counter() - t0),
             "configs": [list(c) for c in cfgs], "rows": rows}
 
 
@@ -201,6 +202,27 @@ def paired_lines(results: dict) -> list[str]:
     return out
 
 
+def _shares_note(results: dict) -> str:
+    k = results.get("processes", 1)
+    return f", as {k} processes side by side (`--first`, `--save`, `--join`)" if k > 1 else ""
+
+
+def join(shares: list[dict]) -> dict:
+    """One run's results from the shares of it that processes side by side computed (`--first`,
+    `--save`): the rows in question order; the wall time of the slowest share."""
+    shares = sorted(shares, key=lambda r: r.get("first", 0))
+    for a, b in zip(shares, shares[1:]):
+        if a["first"] + a["n"] != b["first"]:
+            raise SystemExit(f"shares do not tile the questions: {a['first']}+{a['n']} then {b['first']}")
+        if (a["model"], a["configs"], a["seed"], a["max_tokens"]) != (b["model"], b["configs"], b["seed"], b["max_tokens"]):
+            raise SystemExit("shares come from different runs (model, configs, seed or max tokens differ)")
+    out = dict(shares[0])
+    out["rows"] = {label: [r for sh in shares for r in sh["rows"][label]] for label in shares[0]["rows"]}
+    out["n"], out["first"] = sum(sh["n"] for sh in shares), shares[0]["first"]
+    out["seconds"], out["processes"] = max(sh["seconds"] for sh in shares), len(shares)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -222,13 +244,26 @@ def main() -> None:
     parser.add_argument("--tag", default=None, help="docs/accuracy.md section tag (default: real-<model>)")
     parser.add_argument("--raw", default=None, help="file name in docs/ of the raw rows (default: accuracy_real_<model>.json)")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--save", default=None, help="write this run's results (a share: --first, --n) to this JSON "
+                        "file instead of docs/; --join makes one run of the shares")
+    parser.add_argument("--join", nargs="+", default=None, help="--save files of shares that tile the questions: "
+                        "write the docs section and raw rows of them joined (give the run's other arguments)")
     parser.add_argument("--from-json", action="store_true", help="rewrite the docs section from the saved raw rows "
                         "(docs/accuracy_real_<model>.json) instead of running; give the run's other arguments")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     name = Path(args.model).name
     raw = args.raw or f"accuracy_real_{name}.json"
-    results = json.loads((ROOT / "docs" / raw).read_text()) if args.from_json else evaluate(args)
+    if args.join:
+        results = join([json.loads(Path(f).read_text()) for f in args.join])
+    elif args.from_json:
+        results = json.loads((ROOT / "docs" / raw).read_text())
+    else:
+        results = evaluate(args)
+        if args.save:
+            Path(args.save).write_text(json.dumps(results))
+            print("\n".join(table(results)))
+            return
     naive = "" if args.naive_seams is None else " ".join([" --naive-seams", *map(str, args.naive_seams)])
     naive += " --no-prefix" if args.no_prefix else ""
     naive += f" --tag {args.tag}" if args.tag else ""
@@ -247,7 +282,7 @@ def main() -> None:
         f"{results['attention_layers']} attention layers, {results['dtype']})",
         "",
         f"`{command}` ({results['n']} questions from data/real_qa, 3-10 chunks each, greedy, {results['seconds']} s "
-        f"on this machine's CPU). Raw rows: `docs/{raw}`.",
+        f"on this machine's CPU{_shares_note(results)}). Raw rows: `docs/{raw}`.",
         "",
         *body,
         f"<!-- {tag}:end -->",

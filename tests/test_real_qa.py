@@ -158,3 +158,24 @@ def test_accuracy_table_counts_answers_that_start_with_whitespace_only_where_ful
     assert lines[2].endswith("| 0/3 |") and lines[3].endswith("| 1/3 |")  # the 2nd question's full starts with it too
     del results["rows"]["hypic s=8"][0]["ws"]  # rows of an older run: not recorded
     assert bench.table(results)[3].endswith("| n/a |")
+
+
+def test_shares_of_an_accuracy_run_join_in_question_order():
+    spec = importlib.util.spec_from_file_location("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+
+    def share(first, ids, seconds):
+        return {"model": "m", "configs": [["full", "full", 0]], "seed": 0, "max_tokens": 32, "first": first,
+                "n": len(ids), "seconds": seconds, "rows": {"full": [{"id": i} for i in ids]}}
+
+    joined = bench.join([share(2, [2, 3, 4], 50), share(0, [0, 1], 70)])
+    assert [r["id"] for r in joined["rows"]["full"]] == [0, 1, 2, 3, 4]
+    assert (joined["n"], joined["first"], joined["seconds"], joined["processes"]) == (5, 0, 70, 2)
+    with pytest.raises(SystemExit, match="tile"):
+        bench.join([share(0, [0, 1], 1), share(3, [3], 1)])
+    other = share(2, [2], 1)
+    other["seed"] = 1
+    with pytest.raises(SystemExit, match="different runs"):
+        bench.join([share(0, [0, 1], 1), other])
