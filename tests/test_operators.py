@@ -55,6 +55,28 @@ def test_kernel_operator_matches_naive_from_any_state():
     assert_close("fast decay span", naive_scan(k, v, g, b, initial_state=s0)[0], op.apply(s0[0]), 1e-5)
 
 
+@pytest.mark.parametrize("L,dv", [(150, 24), (64, 16), (7, 16)])
+def test_scan_with_transition_is_the_kernel_and_its_operator(L, dv):
+    """The fused body's kernel (`chunk_scan_with_transition`, T from the UT form) gives the layer
+    kernel's output and final state from any state, and the transition of the reference operator
+    (the kernel run with values [v | 0] from [0 | I]), with grouped keys and a ragged last chunk."""
+    from hypic_core.adapters.gated_deltanet import chunk_scan_with_transition
+
+    adapter = adapter_for(tiny_model("qwen3_5"))
+    kernel = adapter.kernels.fallback("torch_chunk_gated_delta_rule")
+    k, v, g, b = random_span(L, dv=dv, seed=L)  # slow decay: T far from 0
+    q = torch.randn(k.shape, generator=torch.Generator().manual_seed(1))
+    s0 = torch.randn(1, 4, 16, dv)
+    ref_out, ref_state = kernel(q, k, v, g=g, beta=b, initial_state=s0, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
+    out, state, T = chunk_scan_with_transition(q, k, v, g, b, initial_state=s0, use_qk_l2norm_in_kernel=True)
+    assert_close("output", ref_out, out, 1e-6)
+    assert_close("final state", ref_state, state, 1e-6)
+    op = adapter.operator(k, v, g, b, l2norm=True)
+    assert_close("T", op.transition, T[0], 1e-5)
+    assert_close("T S0 + E", naive_scan(k, v, g, b, initial_state=s0)[0], op.end + T[0] @ s0[0], 1e-5)
+
+
 def test_scalar_operators_compose():
     g = torch.Generator().manual_seed(0)
     decays = [torch.rand(3, generator=g) for _ in range(32)]

@@ -4,10 +4,12 @@ Recurrence per value head (state S is [d_k, d_v], keys L2-normalised inside the 
 
     S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T
 
-so A_t = exp(g_t)(I - b_t k_t k_t^T) and T is a dense [H_v, d_k, d_k] matrix. T is computed
-with the layer's own chunked kernel, started from the identity with zero values; E with the
-same kernel from a zero state (always its torch fallback, even where fla is installed:
-adapters/kernels.py). `naive_scan` is the plain sequential reference beside it.
+so A_t = exp(g_t)(I - b_t k_t k_t^T) and T is a dense [H_v, d_k, d_k] matrix. Inside the
+canonical forward (the fused body), `chunk_scan_with_transition` runs the chunked scan and
+multiplies up each chunk's transition from its UT form as it goes. The reference operator
+(`GatedDeltaNetAdapter.operator`) runs the layer's own chunked kernel with values [v | 0] from
+[0 | I], which ends in [E | T] (always its torch fallback, even where fla is installed:
+adapters/kernels.py). `naive_scan` is the plain sequential reference beside both.
 """
 
 from __future__ import annotations
@@ -68,11 +70,12 @@ class GatedDeltaNetAdapter(ModelAdapter):
     def _fused_patches(self, cap: Capture, seam: int, body_lengths: list[int]) -> dict[tuple[Any, str], Callable]:
         """Compute (T, E) inside the canonical forward's own kernel call, batched over rows.
 
-        The kernel runs the seam heads [0, seam) as usual, then the bodies. The recurrence is
-        linear in (state, values) jointly, so running the bodies with values [v | 0] from the
-        state [S_w | I] yields [S_L | T] in the final state: no separate pass per operator.
-        E = S_L - T S_w. Padding tokens get beta = 0 and g = 0, i.e. A_t = I and B_t = 0:
-        they leave the state alone.
+        The kernel runs the seam heads [0, seam) as usual, then the bodies with
+        `chunk_scan_with_transition`: the same chunked scan, which also multiplies up each chunk's
+        [d_k, d_k] transition from the UT form, so the body's T comes with its output and S_L:
+        no separate pass per operator. E = S_L - T S_w. Padding tokens get beta = 0 and g = 0,
+        i.e. A_t = I and B_t = 0: they leave the state alone. (The plain reference, `operator`,
+        runs the layer's kernel with values [v | 0] from [0 | I].)
         """
         mod = self._modeling
         conv_wrapper = self._recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
@@ -91,13 +94,11 @@ class GatedDeltaNetAdapter(ModelAdapter):
             q, k, v, g, beta = (x[:, seam:] for x in (query, key, value, g, beta))
             real = (torch.arange(L - seam)[None, :] < lengths[:, None]).to(value.device)[..., None]  # [B, Lb, 1]
             g, beta = g * real, beta * real
-            values = torch.cat([v, v.new_zeros(B, L - seam, hv, dk)], dim=-1)
-            eye = torch.eye(dk, dtype=torch.float32, device=value.device).expand(B, hv, dk, dk)
-            out, state = scan_fn(q, k, values, g=g, beta=beta, initial_state=torch.cat([s_w, eye], dim=-1),
-                                 output_final_state=True, **kwargs)
-            s_l, T = state[..., :dv], state[..., dv:]
+            out, s_l, T = chunk_scan_with_transition(
+                q, k, v, g, beta, initial_state=s_w, chunk_size=kwargs.get("chunk_size", 64),
+                use_qk_l2norm_in_kernel=kwargs.get("use_qk_l2norm_in_kernel", False))
             cap.operators.append((T, s_l - torch.matmul(T, s_w)))
-            out = torch.cat([*head_out, out[..., :dv]], dim=1).contiguous()
+            out = torch.cat([*head_out, out], dim=1).contiguous()
             return out, (s_l.contiguous() if output_final_state else None)
 
         return {(mod, "causal_conv1d_fn"): conv_wrapper, (mod, "torch_chunk_gated_delta_rule"): scan_wrapper}
@@ -144,6 +145,58 @@ class GatedDeltaNetAdapter(ModelAdapter):
         return (int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim))
 
 
+def chunk_scan_with_transition(query, key, value, g, beta, initial_state=None, chunk_size: int = 64,
+                               use_qk_l2norm_in_kernel: bool = False):
+    """The chunked gated delta rule that also returns the span's transition T: (out, S_L, T) with
+    S_L = T S_0 + E. Shapes as the layer's kernel: query/key [B, L, Hk, dk], value [B, L, Hv, dv],
+    g and beta [B, L, Hv], initial_state [B, Hv, dk, dv]; T is [B, Hv, dk, dk].
+
+    Per chunk c of the UT (WY) form the state update is S <- exp(G_c) S - K_c^T W_c S + K_c^T U_c
+    (K_c the chunk's keys decayed to its end, W_c and U_c the solved keys and values), so the
+    chunk's transition is exp(G_c) I - K_c^T W_c: a [dk, dk] product of quantities the scan
+    already has, and T is their running product. Against running the scan with values [v | 0]
+    from [S_0 | I] (`GatedDeltaNetAdapter.operator`, the reference), no value-width work is
+    doubled: the outputs, the triangular solve and the state reads stay at d_v wide.
+    """
+    dtype, (hk, dk), (B, L, hv, dv) = query.dtype, key.shape[2:], value.shape
+    if hk != hv:
+        query, key = (x.repeat_interleave(hv // hk, dim=2) for x in (query, key))
+    q, k, v, beta, g = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                        for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q = q * dk ** -0.5
+    pad = (chunk_size - L % chunk_size) % chunk_size
+    q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (torch.nn.functional.pad(x, (0, pad)) for x in (beta, g))
+    n = (L + pad) // chunk_size
+    q, k, v = (x.reshape(B, hv, n, chunk_size, x.shape[-1]) for x in (q, k, v))
+    beta, g = beta.reshape(B, hv, n, chunk_size), g.reshape(B, hv, n, chunk_size)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = g.cumsum(-1)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # unit lower-triangular once solved with unitriangular
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q = q * cum.exp()[..., None]
+    k_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
+    S = (torch.zeros(B, hv, dk, dv, device=q.device) if initial_state is None else initial_state.to(torch.float32))
+    T = torch.eye(dk, device=q.device).expand(B, hv, dk, dk)
+    eye = torch.eye(dk, device=q.device)
+    out = torch.empty_like(u)
+    for c in range(n):
+        kt = k_end[:, :, c].transpose(-1, -2)
+        v_new = u[:, :, c] - w[:, :, c] @ S
+        out[:, :, c] = q[:, :, c] @ S + intra[:, :, c] @ v_new
+        S = S * chunk_decay[:, :, c] + kt @ v_new
+        T = (eye * chunk_decay[:, :, c] - kt @ w[:, :, c]) @ T
+    out = out.reshape(B, hv, -1, dv)[:, :, :L].transpose(1, 2).contiguous().to(dtype)
+    return out, S, T
+
+
 def naive_scan(k, v, g, beta, initial_state=None, l2norm: bool = True) -> torch.Tensor:
     """Plain sequential gated delta rule, token by token, fp32. Returns the final state [B, Hv, dk, dv].
 
@@ -165,4 +218,4 @@ def naive_scan(k, v, g, beta, initial_state=None, l2norm: bool = True) -> torch.
     return S
 
 
-__all__ = ["GatedDeltaNetAdapter", "naive_scan"]
+__all__ = ["GatedDeltaNetAdapter", "chunk_scan_with_transition", "naive_scan"]
