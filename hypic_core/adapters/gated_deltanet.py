@@ -35,7 +35,7 @@ _MODELING = {
 
 
 class GatedDeltaNetAdapter(ModelAdapter):
-    entry_state_cost = 20.0  # the identity block [S_w | I] carried through the delta rule (adapters/base.py)
+    entry_state_cost = 20.0  # T's [d_k, d_k] work in the delta rule (fitted when an identity block was carried; adapters/base.py)
     family = "gated-deltanet"
     model_types = tuple(_MODELING)
     kernel_ops = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
