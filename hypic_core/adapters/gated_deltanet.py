@@ -174,18 +174,19 @@ def chunk_scan_with_transition(query, key, value, g, beta, initial_state=None, c
     beta, g = beta.reshape(B, hv, n, chunk_size), g.reshape(B, hv, n, chunk_size)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     cum = g.cumsum(-1)
+    grow = cum.exp()[..., None]  # decay from the chunk's start to each position
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
     system = (k_beta @ k.transpose(-1, -2)) * decay  # unit lower-triangular once solved with unitriangular
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * grow, upper=False, unitriangular=True)
     intra = (q @ k.transpose(-1, -2)) * decay
-    q = q * cum.exp()[..., None]
+    q = q * grow
     k_end = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
     S = (torch.zeros(B, hv, dk, dv, device=q.device) if initial_state is None else initial_state.to(torch.float32))
-    T = torch.eye(dk, device=q.device).expand(B, hv, dk, dk)
     eye = torch.eye(dk, device=q.device)
+    T = eye.expand(B, hv, dk, dk)
     out = torch.empty_like(u)
     for c in range(n):
         kt = k_end[:, :, c].transpose(-1, -2)
