@@ -110,24 +110,27 @@ def test_attention_layers_are_the_measured_ones():
 
 
 def test_assembled_checkpoint_computes_what_training_computed(tiny_llama, tmp_path):
-    """Training's LoRA mixers (random, non-zero corrections) against the merged checkpoint that
-    `assemble` writes from the mixers file and that plain transformers loads."""
+    """Training's LoRA mixers and adapters (random, non-zero corrections) against the merged
+    checkpoint that `assemble` writes from the mixers file and that plain transformers loads."""
     from safetensors.torch import save_file
 
-    from training.hybrid.distill import build_student
+    from training.hybrid.distill import build_student, student_states
 
     path, llama = tiny_llama
     cfg = H.bamba_config(llama.config.to_dict())
     sd = H.load_teacher_state(path)
     gen = torch.Generator().manual_seed(3)
-    states = {}
-    for i in range(cfg.num_hidden_layers):
-        if i in cfg.attn_layer_indices:
-            continue
-        mixer = H.make_mixer(cfg, i, sd)
-        states[i] = {k: v.detach() + 0.05 * torch.randn(v.shape, generator=gen) for k, v in H.mixer_state(mixer).items()}
+    fresh, fresh_params = build_student(cfg, sd, {})
+    states = {i: {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in st.items()} for i, st in student_states(fresh).items()}
+    n_mixers, n_attn = cfg.num_hidden_layers - len(cfg.attn_layer_indices), len(cfg.attn_layer_indices)
+    # per converted layer 10 mixer tensors and 2 x 3 MLP factors; per attention layer 2 x (4 + 3)
+    assert len(fresh_params) == 16 * n_mixers + 14 * n_attn
+    assert all(any(H.is_adapter_key(k) for k in states[i]) for i in cfg.attn_layer_indices)
     student, params = build_student(cfg, sd, states)
-    assert len(params) == 10 * len(states)
+    assert len(params) == len(fresh_params)
+    for i, st in student_states(student).items():  # the states went in as given
+        for k, v in st.items():
+            assert torch.equal(v, states[i][k]), (i, k)
     save_file({f"layers.{i}.{k}": v.contiguous() for i, st in states.items() for k, v in st.items()}, tmp_path / "mixers.safetensors",
               metadata={"attn_layers": json.dumps(cfg.attn_layer_indices)})
     out = H.assemble(path, tmp_path / "mixers.safetensors", tmp_path / "hybrid", stamp={"named": "x"})
@@ -138,9 +141,16 @@ def test_assembled_checkpoint_computes_what_training_computed(tiny_llama, tmp_pa
     with torch.no_grad():
         a, b = student(_ids()).logits, loaded(_ids()).logits
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
-    with torch.no_grad():  # and the corrections matter: the uncorrected hybrid differs
-        fresh, _ = build_student(cfg, sd, {})
-        assert not torch.allclose(fresh.eval()(_ids()).logits, b, atol=1e-3)
+    with torch.no_grad():  # and the corrections matter: without the adapters (mixers kept) it differs
+        no_adapters = {i: {k: v for k, v in st.items() if not H.is_adapter_key(k)} for i, st in states.items()}
+        plain, _ = build_student(cfg, sd, no_adapters)
+        c = plain.eval()(_ids()).logits
+        assert not torch.allclose(c, b, atol=1e-3)
+        # a file without adapter factors assembles to the student with zero corrections
+        save_file({f"layers.{i}.{k}": v.contiguous() for i, st in no_adapters.items() for k, v in st.items()},
+                  tmp_path / "old.safetensors", metadata={"attn_layers": json.dumps(cfg.attn_layer_indices)})
+        old = AutoModelForCausalLM.from_pretrained(H.assemble(path, tmp_path / "old.safetensors", tmp_path / "old"), dtype=torch.float32)
+        assert torch.allclose(c, old.eval()(_ids()).logits, atol=1e-5, rtol=1e-4)
 
 
 def test_exported_mixers_resume_training_and_assemble(tiny_llama, tmp_path):
@@ -149,13 +159,13 @@ def test_exported_mixers_resume_training_and_assemble(tiny_llama, tmp_path):
     recipe or layout is not resumed."""
     from safetensors.torch import load_file, save_file
 
-    from training.hybrid.distill import shipped_states, write_mixers
+    from training.hybrid.distill import build_student, shipped_states, student_states, write_mixers
 
     path, llama = tiny_llama
     cfg = H.bamba_config(llama.config.to_dict(), attn=[0, 4])
     sd = H.load_teacher_state(path)
-    states = {i: {k: v.detach() + 0.01 * i for k, v in H.mixer_state(H.make_mixer(cfg, i, sd)).items()}
-              for i in range(8) if i not in (0, 4)}
+    fresh, _ = build_student(cfg, sd, {})
+    states = {i: {k: v + 0.01 * (i + 1) for k, v in st.items()} for i, st in student_states(fresh).items()}
     write_mixers(states, cfg, 7, tmp_path / "mixers.safetensors")
     back = shipped_states(cfg, tmp_path / "mixers.safetensors")
     assert sorted(back) == sorted(states)

@@ -19,9 +19,13 @@ attention is attention without the softmax, so the projections carry over):
 
 Which layers keep attention is `ATTN_LAYERS`, chosen by measured sensitivity (the model card's
 table; `python -m training.hybrid.sensitivity`). Training (training/hybrid/distill.py) learns
-low-rank corrections (LoRA) to the projections and the small mixer parameters in full; the
+low-rank corrections (LoRA) to the projections and the small mixer parameters in full, and
+LoRA corrections to the teacher's own linears that stay (`ADAPTER_RANKS`: the kept attention
+layers' projections and every layer's MLP), so the layers around a mixer adapt to it; the
 shipped file `mixers.safetensors` holds only those, and `assemble()` rebuilds the full
-checkpoint from the teacher's weights in seconds.
+checkpoint from the teacher's weights in seconds (the corrections merged into the weights, so
+the checkpoint is a plain Bamba one). A file without adapter factors is the same model with
+zero corrections.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ LORA_RANK_OUT = 64
 DT_SHORT = (1 / 64, 1 / 4)  # softplus(dt_bias) of the even heads: memory 1/dt of 4 to 64 tokens
 DT_LONG = (1 / 2048, 1 / 96)  # the odd heads: 96 to 2048 tokens
 RECIPE_VERSION = 2
+# LoRA ranks of the teacher linears that are corrected in training, by the decoder layer's
+# submodule (Bamba names): the kept attention layers' q/k/v/o, every layer's gate/up/down
+ADAPTER_RANKS = {"self_attn": 32, "feed_forward": 16}
+ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
 def attn_layers(n_layers: int) -> list[int]:
@@ -182,6 +191,56 @@ def load_mixer_state(mixer, state: dict[str, torch.Tensor]) -> None:
             tensor.copy_(state[name].to(tensor.dtype))
 
 
+def adapted_linears(config, layer_idx: int) -> list[str]:
+    """The teacher linears of one decoder layer (names under the layer) that carry a LoRA
+    correction: a kept attention layer's projections, and the MLP of every layer."""
+    names = [f"feed_forward.{n}" for n in MLP_PROJ]
+    if layer_idx in config.attn_layer_indices:
+        names = [f"self_attn.{n}" for n in ATTN_PROJ] + names
+    return names
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a layer's trained-state key is an adapter factor (`self_attn.q_proj.down`), not a mixer's."""
+    return key.split(".", 1)[0] in ADAPTER_RANKS
+
+
+def add_adapters(layer, config, layer_idx: int, state: dict[str, torch.Tensor] | None = None) -> list[nn.Parameter]:
+    """Wrap the adapted linears of a decoder layer in LoRALinear (factors from `state` where it
+    has them, else a zero correction); returns the new trainable factors."""
+    params = []
+    for k, name in enumerate(adapted_linears(config, layer_idx)):
+        parent, attr = name.rsplit(".", 1)
+        owner = layer.get_submodule(parent)
+        lin = getattr(owner, attr)
+        if getattr(lin, "bias", None) is not None:
+            raise ValueError(f"layer {layer_idx} {name}: a linear with a bias is not adapted")
+        lora = LoRALinear(lin.weight.detach().float(), ADAPTER_RANKS[parent], seed=10_000 + 16 * layer_idx + k)
+        if state is not None and f"{name}.down" in state:
+            with torch.no_grad():
+                for part in ("down", "up"):
+                    src, dst = state[f"{name}.{part}"], getattr(lora, part)
+                    if src.shape != dst.shape:
+                        raise ValueError(f"layer {layer_idx} {name}.{part}: shape {tuple(src.shape)}, this recipe's is {tuple(dst.shape)}")
+                    dst.copy_(src.to(dst.dtype))
+        setattr(owner, attr, lora)
+        params += [lora.down, lora.up]
+    return params
+
+
+def layer_state(layer) -> dict[str, torch.Tensor]:
+    """What is trained (and shipped) of one decoder layer: its mixer's state (a converted layer
+    with a trainable mixer) and the factors of its adapted linears."""
+    out: dict[str, torch.Tensor] = {}
+    mixer = getattr(layer, "mamba", None)
+    if mixer is not None and isinstance(mixer.in_proj, LoRALinear):
+        out.update(mixer_state(mixer))
+    for name, m in layer.named_modules():
+        if isinstance(m, LoRALinear) and is_adapter_key(name):
+            out[f"{name}.down"], out[f"{name}.up"] = m.down, m.up
+    return out
+
+
 def merged_mixer_weights(config, layer_idx: int, teacher_sd: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The plain BambaMixer weights (names under `mamba.`) for one layer."""
     q, k, v, o = teacher_layer_weights(teacher_sd, layer_idx)
@@ -198,7 +257,8 @@ def merged_mixer_weights(config, layer_idx: int, teacher_sd: dict[str, torch.Ten
 
 def hybrid_state_dict(config, teacher_sd: dict[str, torch.Tensor], mixers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The full Bamba state dict: the teacher's embeddings, norms, MLPs and kept attention layers,
-    with merged mixers at the converted layers. `mixers` is keyed `layers.{i}.{name}`."""
+    with merged mixers at the converted layers and the adapter corrections merged into the
+    teacher's linears. `mixers` is keyed `layers.{i}.{name}`."""
     attn = set(config.attn_layer_indices)
     sd: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": teacher_sd["model.embed_tokens.weight"],
@@ -212,15 +272,17 @@ def hybrid_state_dict(config, teacher_sd: dict[str, torch.Tensor], mixers: dict[
         sd[b + "pre_ff_layernorm.weight"] = teacher_sd[t + "post_attention_layernorm.weight"]
         for n in ("gate_proj", "up_proj", "down_proj"):
             sd[b + f"feed_forward.{n}.weight"] = teacher_sd[t + f"mlp.{n}.weight"]
+        state = {n[len(f"layers.{i}."):]: v for n, v in mixers.items() if n.startswith(f"layers.{i}.")}
         if i in attn:
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            for n in ATTN_PROJ:
                 sd[b + f"self_attn.{n}.weight"] = teacher_sd[t + f"self_attn.{n}.weight"]
-        else:  # a layer without trained mixers is left out (the caller installs its mixer)
-            state = {n[len(f"layers.{i}."):]: v for n, v in mixers.items() if n.startswith(f"layers.{i}.")}
-            if not state:
-                continue
+        elif any(not is_adapter_key(k) for k in state):  # a layer without trained mixers is left out (the caller installs its mixer)
             for n, v in merged_mixer_weights(config, i, teacher_sd, state).items():
                 sd[b + f"mamba.{n}"] = v
+        for name in adapted_linears(config, i):
+            if f"{name}.down" in state:
+                w = sd[b + name + ".weight"]
+                sd[b + name + ".weight"] = w.float() + state[f"{name}.up"].float() @ state[f"{name}.down"].float()
     return {k: v.float().contiguous() for k, v in sd.items()}
 
 

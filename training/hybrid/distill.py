@@ -8,8 +8,11 @@ is fitted alone to reproduce its layer's attention output (normalised MSE). Laye
 independent: `stage1.pt` is rewritten after each one, and a rerun skips the finished ones.
 
 Stage 2, end to end: the assembled hybrid is trained on KL(teacher || hybrid) of the next-token
-distribution at every position, updating only the mixers' trained parameters (LoRA factors of
-the projections; conv, dt, A, D, norm in full). Each step draws one sequence from a mixture of
+distribution at every position, updating the mixers' trained parameters (LoRA factors of
+the projections; conv, dt, A, D, norm in full) and LoRA adapters on the teacher's linears that
+stay (hypic_core/models/hybrid.py `ADAPTER_RANKS`: the kept attention layers' projections, every
+layer's MLP; zero at the start, so a run from adapter-less mixers starts from the same model).
+Each step draws one sequence from a mixture of
 the training text (training/hybrid/data.py: CPython documentation, plain and in the gateway's
 prompt layout) and the teacher's own samples (training/hybrid/generate.py, re-read at every
 checkpoint, so data generated while training runs is used; the samples of earlier runs ship
@@ -28,7 +31,7 @@ the assembled checkpoint; `evaluate` reports perplexity on held-out text for tea
     python -m training.hybrid.distill memory --model smollm2-hybrid-135m
     python -m training.hybrid.distill ship-samples --out var/hybrid   # the teacher's samples into data/distill
 
-Progress goes to stderr; every step's numbers to `<out>/log.jsonl`. One torch thread.
+Progress goes to stderr; every step's numbers to `<out>/log.jsonl`. One torch thread unless `train --threads`.
 """
 
 from __future__ import annotations
@@ -260,7 +263,9 @@ def stage1(args, teacher, tok, cfg, tsd, out: Path) -> dict:
 
 
 def build_student(cfg, tsd, states: dict[int, dict]):
-    """The hybrid with trainable LoRA mixers (mixers from `states`), everything else frozen."""
+    """The hybrid with trainable LoRA mixers and LoRA adapters on the teacher's kept linears
+    (both from `states` where it has them: a state without adapter factors starts them at a zero
+    correction), everything else frozen."""
     from transformers import BambaForCausalLM
 
     model = BambaForCausalLM(cfg)
@@ -269,15 +274,21 @@ def build_student(cfg, tsd, states: dict[int, dict]):
         p.requires_grad_(False)
     trainable = []
     for i, layer in enumerate(model.model.layers):
-        if i in cfg.attn_layer_indices:
-            continue
-        mixer = C.make_mixer(cfg, i, tsd)
-        if i in states:
-            C.load_mixer_state(mixer, states[i])
-        layer.mamba = mixer
-        trainable += list(C.mixer_state(mixer).values())
+        state = states.get(i, {})
+        if i not in cfg.attn_layer_indices:
+            mixer = C.make_mixer(cfg, i, tsd)
+            if any(not C.is_adapter_key(k) for k in state):
+                C.load_mixer_state(mixer, state)
+            layer.mamba = mixer
+            trainable += list(C.mixer_state(mixer).values())
+        trainable += C.add_adapters(layer, cfg, i, state)
     model.tie_weights()
     return model, trainable
+
+
+def student_states(model) -> dict[int, dict]:
+    """The trained state of every layer (mixer and adapters), detached copies."""
+    return {i: {k: v.detach().clone() for k, v in C.layer_state(layer).items()} for i, layer in enumerate(model.model.layers)}
 
 
 def shipped_states(cfg, f: Path = SHIPPED / "mixers.safetensors") -> dict[int, dict] | None:
@@ -348,6 +359,12 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
     model, params = build_student(cfg, tsd, states)
     model.train()
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    if opt_state is not None and len(opt_state["param_groups"][0]["params"]) != len(params):
+        # a checkpoint of fewer trained tensors (written before the adapters): its optimiser
+        # moments do not map onto these parameters; the weights resume, the moments start afresh
+        _say(f"stage2: the checkpoint's optimiser has {len(opt_state['param_groups'][0]['params'])} tensors, "
+             f"this student {len(params)}: optimiser state starts afresh")
+        opt_state = None
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     pool = pools(tok, out, args.window, args.rag_window)
@@ -355,9 +372,7 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
     deadline, t0, last_save = time.time() + args.minutes * 60, time.time(), time.time()
 
     def save():
-        st = {i: {k: v.detach().clone() for k, v in C.mixer_state(model.model.layers[i].mamba).items()}
-              for i in range(cfg.num_hidden_layers) if i not in cfg.attn_layer_indices}
-        _save({"states": st, "step": step, "opt": opt.state_dict(), "attn_layers": list(cfg.attn_layer_indices),
+        _save({"states": student_states(model), "step": step, "opt": opt.state_dict(), "attn_layers": list(cfg.attn_layer_indices),
                "recipe": C.RECIPE_VERSION}, ckpt)
 
     # bf16 autocast halves a step on a CPU with bf16 units (avx512_bf16/AMX); weights, gradients and
@@ -431,13 +446,14 @@ def train(args) -> None:
 
 
 def write_mixers(states: dict[int, dict], cfg, step: int, file: Path) -> None:
-    """The shipped file: bf16 mixer states keyed `layers.{i}.{name}`, with the recipe version,
-    the attention layers and the stage-2 step in its metadata; written atomically."""
+    """The shipped file: bf16 mixer states and adapter factors keyed `layers.{i}.{name}`, with
+    the recipe version, the attention layers, the adapter ranks and the stage-2 step in its
+    metadata; written atomically."""
     from safetensors.torch import save_file
 
     flat = {f"layers.{i}.{k}": v.detach().to(torch.bfloat16).contiguous() for i, st in sorted(states.items()) for k, v in st.items()}
     meta = {"format": "pt", "recipe_version": str(C.RECIPE_VERSION), "attn_layers": json.dumps(list(cfg.attn_layer_indices)),
-            "stage2_step": str(step)}
+            "stage2_step": str(step), "adapter_ranks": json.dumps(C.ADAPTER_RANKS)}
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_name(file.name + ".tmp")
     save_file(flat, str(tmp), metadata=meta)
@@ -561,6 +577,7 @@ def main(argv=None) -> None:
     t.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                    help="stage 2's forwards under bf16 autocast (about 2x faster on a CPU with bf16 units) or fp32")
     t.add_argument("--save-minutes", type=float, default=5)
+    t.add_argument("--threads", type=int, default=1, help="torch threads (1: leaves the other cores to the machine's other work)")
     t.add_argument("--reply-weight", type=float, default=8.0,
                    help="loss weight of a chat or RAG sequence's reply positions against its prompt's (1: plain mean)")
     t.add_argument("--mix", type=_mixture, default=MIXTURE, help="stage 2's pool weights, e.g. docs=0.2,rag=0.8 (default: "
@@ -577,7 +594,7 @@ def main(argv=None) -> None:
     m.add_argument("--model", default="smollm2-hybrid-135m")
     m.add_argument("--json", default=None, help="also write the numbers here")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(getattr(args, "threads", 1))
     if args.cmd == "ship-samples":
         print(json.dumps(ship_samples(Path(args.out))))
         return
