@@ -281,7 +281,9 @@ def test_load_bound_diverts_from_a_saturated_owner(served):
     # A burst of requests for the owner's chunks, all routed before the first finishes (each
     # replica runs one generation at a time): the owner's queue grows by one per request until
     # it exceeds the other replica's by the bound (1), and the rest of the burst spills over.
-    body = {"model": "hypic-tiny", "prompt": "Tell me everything.", "segments": chunks, "max_tokens": 240, "temperature": 0,
+    # Each request is long (480 tokens) so that on an idle machine the owner is still busy when
+    # the probed queue lengths catch up with the burst (at 240 all 8 once finished in time).
+    body = {"model": "hypic-tiny", "prompt": "Tell me everything.", "segments": chunks, "max_tokens": 480, "temperature": 0,
             "ignore_eos": True}
     with ThreadPoolExecutor(8) as pool:
         served = [r.headers["x-hypic-replica"] for r in pool.map(lambda _: _complete(served.url, **body), range(8))]
