@@ -205,6 +205,11 @@ def is_adapter_key(key: str) -> bool:
     return key.split(".", 1)[0] in ADAPTER_RANKS
 
 
+def has_mixer_state(state: dict[str, torch.Tensor]) -> bool:
+    """Whether a layer's trained state holds a mixer (any key that is not an adapter factor)."""
+    return any(not is_adapter_key(k) for k in state)
+
+
 def add_adapters(layer, config, layer_idx: int, state: dict[str, torch.Tensor] | None = None) -> list[nn.Parameter]:
     """Wrap the adapted linears of a decoder layer in LoRALinear (factors from `state` where it
     has them, else a zero correction); returns the new trainable factors."""
@@ -270,13 +275,13 @@ def hybrid_state_dict(config, teacher_sd: dict[str, torch.Tensor], mixers: dict[
         t, b = f"model.layers.{i}.", f"model.layers.{i}."
         sd[b + "input_layernorm.weight"] = teacher_sd[t + "input_layernorm.weight"]
         sd[b + "pre_ff_layernorm.weight"] = teacher_sd[t + "post_attention_layernorm.weight"]
-        for n in ("gate_proj", "up_proj", "down_proj"):
+        for n in MLP_PROJ:
             sd[b + f"feed_forward.{n}.weight"] = teacher_sd[t + f"mlp.{n}.weight"]
         state = {n[len(f"layers.{i}."):]: v for n, v in mixers.items() if n.startswith(f"layers.{i}.")}
         if i in attn:
             for n in ATTN_PROJ:
                 sd[b + f"self_attn.{n}.weight"] = teacher_sd[t + f"self_attn.{n}.weight"]
-        elif any(not is_adapter_key(k) for k in state):  # a layer without trained mixers is left out (the caller installs its mixer)
+        elif has_mixer_state(state):  # a layer without trained mixers is left out (the caller installs its mixer)
             for n, v in merged_mixer_weights(config, i, teacher_sd, state).items():
                 sd[b + f"mamba.{n}"] = v
         for name in adapted_linears(config, i):

@@ -277,7 +277,7 @@ def build_student(cfg, tsd, states: dict[int, dict]):
         state = states.get(i, {})
         if i not in cfg.attn_layer_indices:
             mixer = C.make_mixer(cfg, i, tsd)
-            if any(not C.is_adapter_key(k) for k in state):
+            if C.has_mixer_state(state):
                 C.load_mixer_state(mixer, state)
             layer.mamba = mixer
             trainable += list(C.mixer_state(mixer).values())
