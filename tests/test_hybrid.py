@@ -178,6 +178,10 @@ def test_exported_mixers_resume_training_and_assemble(tiny_llama, tmp_path):
     assert json.loads((out / "config.json").read_text())["attn_layer_indices"] == [0, 4]
     save_file(load_file(tmp_path / "mixers.safetensors"), tmp_path / "old.safetensors", metadata={"recipe_version": "1"})
     assert shipped_states(cfg, tmp_path / "old.safetensors") is None
+    meta = {"recipe_version": str(H.RECIPE_VERSION), "attn_layers": "[0, 4]", "adapter_ranks": json.dumps({"self_attn": 8})}
+    save_file(load_file(tmp_path / "mixers.safetensors"), tmp_path / "ranks.safetensors", metadata=meta)
+    with pytest.raises(SystemExit, match="ranks"):  # other adapter ranks: a clear stop, not a shape error later
+        shipped_states(cfg, tmp_path / "ranks.safetensors")
 
 
 # --------------------------------------------------------------- the shipped model
@@ -334,6 +338,20 @@ def test_stage2_learning_rate_warms_up_then_decays_by_cosine_to_its_end():
     assert learning_rate(5000, 1e-3, 1e-4, 1000) == pytest.approx(1e-4)  # held at the end
     lrs = [learning_rate(s, 1e-3, 1e-4, 1000) for s in range(20, 1001)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_stage2_draws_skip_the_held_back_sequences_and_a_draw_seed_gives_new_draws():
+    from training.hybrid.distill import draw
+
+    pool = {"a": [torch.tensor([i]) for i in range(50)], "b": [torch.tensor([100 + i]) for i in range(50)], "empty": []}
+    mix = (("a", 0.5), ("b", 0.5), ("empty", 1.0))
+    plain = [(k, int(s)) for k, s in (draw(pool, step, 4, mix) for step in range(200))]
+    assert plain == [(k, int(s)) for k, s in (draw(pool, step, 4, mix, seed=0) for step in range(200))]  # 0: the step alone
+    assert {k for k, _ in plain} == {"a", "b"}  # an empty pool is never drawn
+    assert all(v % 100 >= 4 for _, v in plain)  # the first 4 of each pool stay held back
+    seeded = [(k, int(s)) for k, s in (draw(pool, step, 4, mix, seed=4) for step in range(200))]
+    assert seeded == [(k, int(s)) for k, s in (draw(pool, step, 4, mix, seed=4) for step in range(200))]  # reproducible
+    assert sum(a != b for a, b in zip(plain, seeded)) > 150  # another seed: other draws at the same steps
 
 
 def test_bf16_autocast_step_tracks_the_fp32_step_and_keeps_fp32_gradients(tiny_llama):

@@ -168,10 +168,11 @@ def ship_samples(out: Path) -> dict[str, int]:
     return counts
 
 
-def draw(pool: dict[str, list[torch.Tensor]], step: int, held: int, mixture=MIXTURE) -> tuple[str, torch.Tensor]:
+def draw(pool: dict[str, list[torch.Tensor]], step: int, held: int, mixture=MIXTURE, seed: int = 0) -> tuple[str, torch.Tensor]:
     """Step `step`'s sequence: a pool by MIXTURE's weights, then a sequence of it (the first
-    `held` of every pool are held back for validation), both from a generator seeded by the step."""
-    rng = random.Random(step)
+    `held` of every pool are held back for validation), both from a generator seeded by the step
+    and `seed` (a run from the shipped mixers counts steps from 0 again: a new seed gives it new draws)."""
+    rng = random.Random(step if seed == 0 else f"{seed}:{step}")
     names = [n for n, _ in mixture if len(pool.get(n, ())) > held]
     kind = rng.choices(names, weights=[w for n, w in mixture if n in names])[0]
     return kind, pool[kind][rng.randrange(held, len(pool[kind]))]
@@ -302,6 +303,12 @@ def shipped_states(cfg, f: Path = SHIPPED / "mixers.safetensors") -> dict[int, d
         meta = h.metadata() or {}
     if meta.get("recipe_version") != str(C.RECIPE_VERSION) or C.mixers_config(f) != list(cfg.attn_layer_indices):
         return None
+    ranks = json.loads(meta.get("adapter_ranks", "null"))
+    if ranks is not None and ranks != C.ADAPTER_RANKS:
+        # its adapter factors cannot be trained on at this recipe's ranks, and dropping them
+        # would silently start from another model
+        raise SystemExit(f"{f} holds adapters of ranks {ranks}, this recipe trains {C.ADAPTER_RANKS}: "
+                         "train with the ranks it was written with, or from a checkpoint folder of this recipe")
     states: dict[int, dict] = {}
     for name, v in load_file(f).items():
         _, i, key = name.split(".", 2)
@@ -379,7 +386,7 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
     # optimiser state stay fp32, and the KL is taken in fp32 (kl_loss)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
     while step < args.steps and time.time() < deadline:
-        kind, seq = draw(pool, step, args.held, args.mix)
+        kind, seq = draw(pool, step, args.held, args.mix, args.draw_seed)
         ids = seq[None].long()
         ts = time.time()
         with torch.no_grad(), autocast:
@@ -580,6 +587,8 @@ def main(argv=None) -> None:
     t.add_argument("--threads", type=int, default=1, help="torch threads (1: leaves the other cores to the machine's other work)")
     t.add_argument("--reply-weight", type=float, default=8.0,
                    help="loss weight of a chat or RAG sequence's reply positions against its prompt's (1: plain mean)")
+    t.add_argument("--draw-seed", type=int, default=0,
+                   help="seeds stage 2's draws with the step (0: the step alone); give a run from the shipped mixers a new one")
     t.add_argument("--mix", type=_mixture, default=MIXTURE, help="stage 2's pool weights, e.g. docs=0.2,rag=0.8 (default: "
                    + ",".join(f"{n}={w}" for n, w in MIXTURE) + ")")
     x = sub.choices["export"]
