@@ -404,3 +404,27 @@ def test_teacher_sampling_left_pads_like_one_prompt_at_a_time_and_bf16_tracks_fp
         assert got == ref
     half = sample(model, tok, prompts, 1, 0.0, bf16=True)
     assert [h[0] for h in half] == [b[0] for b in batch]
+
+
+def test_progress_counts_stage2_steps_across_machines_and_plots(tmp_path):
+    """A restart from the shipped mixers counts from the steps it restarted from (steps logged
+    after them and lost are not counted); a resume of a checkpoint on the same machine keeps counting."""
+    import pathlib
+
+    from training.hybrid.progress import plot, validations
+
+    def rec(**kw):
+        return json.dumps(kw)
+
+    kl = {"docs": 0.3, "rag": 0.2}
+    lines = [rec(stage=1, layer=3), *(rec(stage=2, step=s) for s in range(1, 11)),  # 10 logged, 8 shipped
+             rec(stage="resume", note="a new machine: restarted from the shipped mixers (stage 1 + 8 stage-2 steps above); steps below count from 0 again"),
+             *(rec(stage=2, step=s) for s in range(1, 6)), rec(stage="validate", step=5, held_kl=kl),
+             rec(stage="resume", note="from the step-5 checkpoint with two threads"),
+             *(rec(stage=2, step=s) for s in range(6, 21)), rec(stage="validate", step=20, held_kl=kl),
+             rec(stage="resume", note="a new machine: from the shipped step-20 mixers (stage 1 + 1,028 stage-2 steps); steps below count from 0 again"),
+             rec(stage=2, step=1), rec(stage="validate", step=1, held_kl=kl), ""]
+    assert [s for s, _ in validations(lines)] == [13, 28, 1029]
+    (tmp_path / "log.jsonl").write_text("\n".join(lines))
+    plot(tmp_path / "log.jsonl", {28: pathlib.Path(__file__).parents[1] / "docs" / "accuracy_real_smollm2-hybrid-135m_r3.json"}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

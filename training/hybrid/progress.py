@@ -1,0 +1,100 @@
+"""The hybrid's distillation progress as a picture: held-back KL per pool, and `full` accuracy
+on data/real_qa as a share of the teacher's, against stage-2 steps counted across machines.
+
+The shipped `training_log.jsonl` restarts its step count each time a new machine continued from
+the shipped mixers (a `"stage": "resume"` line saying the steps "count from 0 again" and naming
+the "stage 1 + N stage-2 steps" it restarted from); this adds those N, so every validation lands
+at its step in the whole run.
+Accuracy points come from `bench/accuracy_real.py --raw` files, each given as STEPS=FILE.
+
+    python -m training.hybrid.progress --accuracy 1890=docs/accuracy_real_smollm2-hybrid-135m_r2.json \\
+        3563=docs/accuracy_real_smollm2-hybrid-135m_r3.json --out docs/hybrid_progress.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LOG = ROOT / "models" / "smollm2-hybrid-135m" / "training_log.jsonl"
+TEACHER = ROOT / "docs" / "accuracy_real_smollm2-135m-instruct_84.json"
+
+
+def validations(lines: list[str]) -> list[tuple[int, dict[str, float]]]:
+    """(stage-2 step in the whole run, held-back KL per pool) of every validation in a log."""
+    offset, last, res = 0, 0, []
+    for line in lines:
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if rec.get("stage") == 2:
+            last = rec["step"]
+        elif rec.get("stage") == "resume" and "count from 0 again" in rec.get("note", ""):
+            # the note names the steps in the mixers it restarted from ("stage 1 + N stage-2
+            # steps"); steps logged after the last shipped file were lost with their machine
+            shipped = re.search(r"stage 1 \+ ([\d,]+) stage-2 steps", rec["note"])
+            offset, last = (int(shipped.group(1).replace(",", "")) if shipped else offset + last), 0
+        elif rec.get("stage") == "validate":
+            last = max(last, rec["step"])  # a validation of shipped mixers whose steps are not in this log
+            res.append((offset + rec["step"], rec["held_kl"]))
+    return res
+
+
+def accuracy(raw: Path, config: str = "full") -> float:
+    """Answer accuracy (share of questions) of one config in a bench/accuracy_real.py raw file."""
+    rows = json.loads(raw.read_text())["rows"][config]
+    return sum(r["acc"] for r in rows) / len(rows)
+
+
+def plot(log: Path, points: dict[int, Path], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vals = validations(log.read_text().splitlines())
+    fig, (ax_kl, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for pool in vals[-1][1]:
+        ax_kl.plot([s for s, _ in vals], [kl[pool] for _, kl in vals], marker="o", label=pool)
+    ax_kl.set_xlabel("stage-2 steps (one sequence each)")
+    ax_kl.set_ylabel("held-back KL(teacher || hybrid)")
+    ax_kl.set_title("held-back KL per pool")
+    ax_kl.legend()
+    teacher = accuracy(TEACHER)
+    steps = sorted(points)
+    shares = [accuracy(points[s]) / teacher for s in steps]
+    ax_acc.plot(steps, [100 * x for x in shares], marker="o", label="hybrid full / teacher full")
+    ax_acc.axhline(75, color="gray", linestyle="--", label="target: 75% of the teacher")
+    for s, x in zip(steps, shares):
+        ax_acc.annotate(f"{100 * x:.0f}%", (s, 100 * x), textcoords="offset points", xytext=(0, 6), ha="center")
+    ax_acc.set_ylim(0, 100)
+    ax_acc.set_xlabel("stage-2 steps (one sequence each)")
+    ax_acc.set_ylabel("% of the teacher's accuracy")
+    ax_acc.set_title(f"real_qa, all 84 questions (teacher {100 * teacher:.1f}%)")
+    ax_acc.legend(loc="upper left")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--log", type=Path, default=LOG)
+    p.add_argument("--accuracy", nargs="*", default=[], help="STEPS=RAW_FILE of bench/accuracy_real.py --raw")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "hybrid_progress.png")
+    args = p.parse_args(argv)
+    points = {}
+    for item in args.accuracy:
+        steps, _, f = item.partition("=")
+        if not f:
+            p.error(f"--accuracy {item!r}: expected STEPS=FILE")
+        points[int(steps)] = Path(f)
+    plot(args.log, points, args.out)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
