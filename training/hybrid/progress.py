@@ -8,7 +8,8 @@ at its step in the whole run.
 Accuracy points come from `bench/accuracy_real.py --raw` files, each given as STEPS=FILE.
 
     python -m training.hybrid.progress --accuracy 1890=docs/accuracy_real_smollm2-hybrid-135m_r2.json \\
-        3563=docs/accuracy_real_smollm2-hybrid-135m_r3.json --out docs/hybrid_progress.png
+        3563=docs/accuracy_real_smollm2-hybrid-135m_r3.json 4970=docs/accuracy_real_smollm2-hybrid-135m_r4.json \\
+        --out docs/hybrid_progress.png
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def plot(log: Path, points: dict[int, Path], out: Path) -> None:
     for s, x in zip(steps, shares):
         ax_acc.annotate(f"{100 * x:.0f}%", (s, 100 * x), textcoords="offset points", xytext=(0, 6), ha="center")
     ax_acc.set_ylim(0, 100)
+    ax_acc.set_xlim(ax_kl.get_xlim())  # the same steps under both panels
     ax_acc.set_xlabel("stage-2 steps (one sequence each)")
     ax_acc.set_ylabel("% of the teacher's accuracy")
     ax_acc.set_title(f"real_qa, all 84 questions (teacher {100 * teacher:.1f}%)")
