@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -107,14 +108,34 @@ def _doc_sequences(tokenizer, seq_len: int, out: Path) -> tuple[list[torch.Tenso
     return plain, prompt, blob["info"]
 
 
+# The teacher sometimes does not answer a RAG prompt: it greets ("I'm ready to help. What's your
+# question?") or repeats "The answer is:" until its budget ends. Trained on, those teach the
+# student not to answer; stage 2 leaves them out of the RAG pool (they stay in data/distill).
+_NON_ANSWER = re.compile(r"^I'm ready to|What's your (?:next )?question\?")
+
+
+def non_answer(reply: str) -> bool:
+    """Whether a teacher reply to a RAG prompt is no answer at all (a greeting, or a loop)."""
+    reply = reply.strip()
+    return bool(_NON_ANSWER.search(reply)) or reply.count("The answer is") >= 2
+
+
+def reply_text(tokenizer, ids: list[int]) -> str:
+    """The text of a sample's last assistant turn (the teacher's reply)."""
+    return tokenizer.decode(ids).rsplit("<|im_start|>assistant", 1)[-1].replace("<|im_end|>", "")
+
+
 def pools(tokenizer, out: Path, window: int, rag_window: int) -> dict[str, list[torch.Tensor]]:
     """Every training sequence by pool: the training text and the teacher's samples in out/gen
-    (a RAG sequence keeps its last `rag_window` tokens, the answer; the others their first `window`)."""
+    (a RAG sequence keeps its last `rag_window` tokens, the answer; the others their first `window`;
+    a RAG sample whose reply is no answer, `non_answer`, is left out)."""
     plain, prompt, _ = _doc_sequences(tokenizer, 512, out)
     res = {"docs": [s[:window] for s in plain], "docs-prompt": [s[:window] for s in prompt]}
     for kind in ("continue", "chat", "rag"):
         res[kind] = []
         for _, ids in _unique_samples(out, kind):
+            if kind == "rag" and non_answer(reply_text(tokenizer, ids)):
+                continue
             ids = ids[-rag_window:] if kind == "rag" else ids[:window]
             if len(ids) >= 16:
                 res[kind].append(torch.tensor(ids, dtype=torch.int32))
