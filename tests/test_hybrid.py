@@ -99,14 +99,71 @@ def test_mixer_starts_as_the_mapped_attention_projections(tiny_llama):
 
 
 def test_attention_layers_are_the_measured_ones():
-    """SmolLM2's 30 layers keep the 15 the sensitivity measurement ranked most sensitive."""
+    """SmolLM2's 30 layers keep attention where the teacher's copying heads are (retrieval score
+    at least the threshold), and of the others the ones the sensitivity measurement ranked most
+    sensitive, 15 in all."""
     import pathlib
 
-    measured = json.loads((pathlib.Path(__file__).parents[1] / "models" / "smollm2-hybrid-135m" / "sensitivity.json").read_text())
+    from training.hybrid.sensitivity import copying_layers
+
+    folder = pathlib.Path(__file__).parents[1] / "models" / "smollm2-hybrid-135m"
+    measured = json.loads((folder / "sensitivity.json").read_text())
+    retrieval = json.loads((folder / "retrieval_heads.json").read_text())
     assert H.attn_layers(30) == measured["attn_layers"] and len(measured["attn_layers"]) == 15
+    copying = copying_layers(retrieval, measured["copy_threshold"])
+    assert copying == measured["copying_layers"] and set(copying) <= set(measured["attn_layers"])
     kl = {int(k): v for k, v in measured["kl_per_layer"].items()}
-    assert max(kl[i] for i in measured["convert"]) <= min(kl[i] for i in measured["attn_layers"])
+    assert max(kl[i] for i in measured["convert"]) <= min(kl[i] for i in measured["attn_layers"] if i not in copying)
     assert H.attn_layers(8) == [1, 3, 5, 7]  # other depths (the tests' tiny models): every other layer
+
+
+def test_layer_choice_keeps_the_protected_layers_and_converts_the_least_sensitive():
+    from training.hybrid.sensitivity import choose, copying_layers
+
+    kl = {0: 0.9, 1: 0.1, 2: 0.3, 3: 0.05, 4: 0.2}
+    assert choose(kl, keep=2) == [1, 3, 4]
+    assert choose(kl, keep=2, protected=[3]) == [1, 2, 4]
+    with pytest.raises(ValueError, match="protected"):
+        choose(kl, keep=1, protected=[0, 1])
+    assert copying_layers({"score": [[0.01, 0.02], [0.3, 0.0], [0.1, 0.15]]}, 0.15) == [1, 2]
+
+
+def test_retrieval_score_counts_heads_that_attend_to_the_token_they_copy():
+    from training.hybrid.retrieval_heads import copy_hits, copy_positions
+
+    ids = [10, 11, 12, 13, 14, 20, 21, 12, 13, 14, 15]  # the reply (from 7) copies "12 13 14" from the prompt
+    assert copy_positions(ids, 7) == [7, 8]  # (12, 13) and (13, 14) occur in the prompt; (14, 15) does not
+    attn = torch.full((3, 11, 11), 0.01)
+    attn[0, 7, 3] = attn[0, 8, 4] = 1.0  # head 0 looks at the next token's place in the prompt (13, then 14)
+    attn[1, 7, 0] = attn[1, 8, 0] = 1.0  # head 1 at the first token
+    attn[2, 7, 3] = attn[2, 8, 8] = 1.0  # head 2 once; its other strongest weight is in the reply, which is not read
+    assert copy_hits(attn, torch.tensor(ids), [7, 8], 7).tolist() == [2, 0, 1]
+
+
+def test_relayer_carries_each_layers_state_to_its_role_in_another_layout(tiny_llama):
+    """A run of one layout continued in another: MLP adapters carry everywhere, a mixer only where
+    the layer stays a mixer, attention adapters only where it stays attention; the new layout's
+    student builds from it (new mixers at their initialisation, new attention at zero correction)."""
+    from training.hybrid.distill import build_student, relayer_states, student_states
+
+    path, llama = tiny_llama
+    sd = H.load_teacher_state(path)
+    old_cfg, new_cfg = H.bamba_config(llama.config.to_dict()), H.bamba_config(llama.config.to_dict(), attn=[0, 3, 5, 6])
+    fresh, _ = build_student(old_cfg, sd, {})
+    states = {i: {k: v + 0.01 * (i + 1) for k, v in st.items()} for i, st in student_states(fresh).items()}
+    moved = relayer_states(states, old_cfg.attn_layer_indices, new_cfg.attn_layer_indices)
+    parts = {i: {k.split(".", 1)[0] if H.is_adapter_key(k) else "mixer" for k in st} for i, st in moved.items()}
+    assert parts[0] == {"feed_forward"}  # mixer -> attention: the teacher's attention, zero correction
+    assert parts[1] == {"feed_forward"}  # attention -> mixer: stage 1 fits it
+    assert parts[3] == {"feed_forward", "self_attn"} and parts[2] == {"feed_forward", "mixer"}
+    student, _ = build_student(new_cfg, sd, moved)
+    got = student_states(student)
+    for i, st in moved.items():
+        for k, v in st.items():
+            assert torch.equal(got[i][k], v), (i, k)
+    assert float(got[0]["self_attn.q_proj.up"].abs().sum()) == 0.0  # LoRA up starts at zero
+    init = H.mixer_state(H.make_mixer(new_cfg, 1, sd))
+    assert all(torch.equal(got[1][k], v) for k, v in init.items())
 
 
 def test_assembled_checkpoint_computes_what_training_computed(tiny_llama, tmp_path):

@@ -37,10 +37,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-# Layers of SmolLM2-135M (30 layers) that keep their attention: the least sensitive 15 become
-# mixers (see the model card's sensitivity table). Other layer counts (the tests' tiny models)
-# keep every other layer, starting with the second.
-ATTN_LAYERS: tuple[int, ...] | None = (0, 1, 2, 3, 4, 11, 12, 13, 16, 19, 20, 21, 23, 24, 27)
+# Layers of SmolLM2-135M (30 layers) that keep their attention: the layers holding the teacher's
+# copying (retrieval) heads (17, 18, 22: training/hybrid/retrieval_heads.py) keep it, and of the
+# others the least sensitive 15 become mixers (the model card's sensitivity table). Other layer
+# counts (the tests' tiny models) keep every other layer, starting with the second.
+ATTN_LAYERS: tuple[int, ...] | None = (0, 1, 2, 3, 11, 13, 16, 17, 18, 19, 20, 21, 22, 23, 24)
 LORA_RANK_IN = 128
 LORA_RANK_OUT = 64
 DT_SHORT = (1 / 64, 1 / 4)  # softplus(dt_bias) of the even heads: memory 1/dt of 4 to 64 tokens

@@ -232,16 +232,17 @@ def stage1(args, teacher, tok, cfg, tsd, out: Path) -> dict:
     layers = [i for i in range(cfg.num_hidden_layers) if i not in cfg.attn_layer_indices]
     state_file = out / "stage1.pt"
     states = torch.load(state_file) if state_file.is_file() else {}
-    if all(i in states for i in layers):
+    if all(C.has_mixer_state(states.get(i, {})) for i in layers):
         return states
     pool = pools(tok, out, args.stage1_window, args.stage1_window)
     rng = random.Random(0)
     cand = [s for n, _ in MIXTURE for s in pool[n] if len(s) >= args.stage1_window]
     rng.shuffle(cand)
     windows = torch.stack(cand[:args.record])
-    record(teacher, windows, layers, out)
+    todo = [i for i in layers if not C.has_mixer_state(states.get(i, {}))]
+    record(teacher, windows, todo, out)
     for i in layers:
-        if i in states:
+        if C.has_mixer_state(states.get(i, {})):
             continue
         acts = torch.load(out / f"acts_{i}.pt")
         x, y = acts["x"], acts["y"]
@@ -274,11 +275,55 @@ def stage1(args, teacher, tok, cfg, tsd, out: Path) -> dict:
         _say(f"stage1 layer {i}: held-back normalised MSE {v0:.4f} -> {v1:.4f}")
         _log(out, {"stage": 1, "layer": i, "val_nmse_init": v0, "val_nmse": v1, "steps": args.stage1_steps,
                    "seconds": time.time() - t0, "time": time.time()})
-        states[i] = {k: v.detach().clone() for k, v in C.mixer_state(mixer).items()}
+        states[i] = {**states.get(i, {}), **{k: v.detach().clone() for k, v in C.mixer_state(mixer).items()}}
         _save(states, state_file)
-    for i in layers:
+    for i in todo:
         (out / f"acts_{i}.pt").unlink(missing_ok=True)
     return states
+
+
+def relayer_states(states: dict[int, dict], old_attn: list[int], new_attn: list[int]) -> dict[int, dict]:
+    """Trained states of one layout carried to another: every layer keeps its MLP adapters; a
+    layer that stays a mixer keeps its mixer, one that stays attention its attention adapters.
+    A layer that becomes attention drops its mixer (the teacher's attention, zero correction); one
+    that becomes a mixer has none yet (stage 1 fits it from the teacher's attention)."""
+    old, new = set(old_attn), set(new_attn)
+    res: dict[int, dict] = {}
+    for i, state in states.items():
+        keep = {}
+        for k, v in state.items():
+            part = k.split(".", 1)[0]
+            if part == "feed_forward" or (part == "self_attn" and i in old and i in new) or (
+                    not C.is_adapter_key(k) and i not in old and i not in new):
+                keep[k] = v
+        res[i] = keep
+    return res
+
+
+def relayer(args) -> None:
+    """Start a run of this recipe's layout (ATTN_LAYERS) from a mixers file of another one:
+    writes RUN/stage1.pt with what carries over (relayer_states); `train` then fits only the
+    layers that became mixers (stage 1) and continues end to end (stage 2, fresh optimiser)."""
+    from safetensors.torch import load_file
+
+    out, src = Path(args.out), Path(args.source)
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "stage1.pt").is_file() or (out / "stage2.pt").is_file():
+        raise SystemExit(f"{out} already holds a run (stage1.pt or stage2.pt): relayer starts a new one")
+    old_attn = C.mixers_config(src)
+    new_attn = C.attn_layers(json.loads((teacher_dir() / "config.json").read_text())["num_hidden_layers"])
+    states: dict[int, dict] = {}
+    for name, v in load_file(src).items():
+        _, i, key = name.split(".", 2)
+        states.setdefault(int(i), {})[key] = v.float()
+    moved = relayer_states(states, old_attn, new_attn)
+    _save(moved, out / "stage1.pt")
+    record = {"stage": "relayer", "from": str(src.relative_to(ROOT) if src.is_relative_to(ROOT) else src),
+              "old_attn_layers": old_attn, "attn_layers": new_attn,
+              "to_attention": sorted(set(new_attn) - set(old_attn)), "to_mixer": sorted(set(old_attn) - set(new_attn)),
+              "time": time.time()}
+    _log(out, record)
+    _say(f"relayer: {record['to_attention']} get attention back, {record['to_mixer']} become mixers (stage 1 fits them)")
 
 
 # ---------------------------------------------------------------- stage 2
@@ -585,7 +630,7 @@ def _mixture(text: str) -> tuple[tuple[str, float], ...]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("train", "export", "validate", "ship-samples"):
+    for name in ("train", "export", "validate", "ship-samples", "relayer"):
         s = sub.add_parser(name)
         s.add_argument("--out", default=str(ROOT / "var" / "hybrid"), help="checkpoints, recorded activations, generated data, log")
         s.add_argument("--window", type=int, default=512, help="tokens of each training sequence (a RAG one: --rag-window)")
@@ -616,6 +661,8 @@ def main(argv=None) -> None:
     x.add_argument("--stage1", action="store_true", help="export stage 1's mixers")
     x.add_argument("--to", default=str(SHIPPED), help="folder of the mixers file (default: the shipped model's)")
     x.add_argument("--assembled", default=None, help="also assemble the full checkpoint here")
+    r = sub.choices["relayer"]
+    r.add_argument("--source", default=str(SHIPPED / "mixers.safetensors"), help="a mixers file of another layout")
     e = sub.add_parser("evaluate")
     e.add_argument("--hybrid", nargs="+", default=["smollm2-hybrid-135m"], help="named models or checkpoint directories")
     e.add_argument("--texts", nargs="+", default=["held_out_prose.txt", "held_out.txt"])
@@ -628,7 +675,7 @@ def main(argv=None) -> None:
     if args.cmd == "ship-samples":
         print(json.dumps(ship_samples(Path(args.out))))
         return
-    {"train": train, "export": export, "validate": validate, "evaluate": evaluate, "memory": memory}[args.cmd](args)
+    {"train": train, "relayer": relayer, "export": export, "validate": validate, "evaluate": evaluate, "memory": memory}[args.cmd](args)
 
 
 if __name__ == "__main__":

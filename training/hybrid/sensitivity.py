@@ -7,7 +7,14 @@ distributions is measured on held-back text (training-style sequences that are n
 data/real_qa). The least sensitive layers are the ones to convert. Cheap: a few hundred tokens
 per layer, one thread.
 
-    python -m training.hybrid.sensitivity --json models/smollm2-hybrid-135m/sensitivity.json
+Plain text rarely needs a fact copied from far back, so this KL barely sees the heads that copy
+from the documents when the model answers; `--retrieval` takes their measurement
+(training/hybrid/retrieval_heads.py) and keeps attention in every layer with a head that copies
+on at least `--copy-threshold` of the answers' copy positions, converting the least sensitive of
+the others. `--reuse` takes the per-layer KL of an earlier run instead of measuring it again.
+
+    python -m training.hybrid.sensitivity --retrieval models/smollm2-hybrid-135m/retrieval_heads.json \
+        --reuse models/smollm2-hybrid-135m/sensitivity.json --json models/smollm2-hybrid-135m/sensitivity.json
 """
 
 from __future__ import annotations
@@ -97,11 +104,28 @@ def measure_set(teacher, cfg, tsd, calib, held, convert: list[int]) -> float:
             teacher.model.layers[i].self_attn = attn
 
 
+def copying_layers(retrieval: dict, threshold: float) -> list[int]:
+    """Layers with a head whose retrieval score (retrieval_heads.py's json) reaches `threshold`."""
+    return [i for i, row in enumerate(retrieval["score"]) if max(row) >= threshold]
+
+
+def choose(per_layer: dict[int, float], keep: int, protected: list[int] = ()) -> list[int]:
+    """The layers to convert: the least sensitive, never a protected one, leaving `keep` attention layers."""
+    order = sorted((i for i in per_layer if i not in set(protected)), key=per_layer.get)
+    n_convert = len(per_layer) - keep
+    if n_convert > len(order):
+        raise ValueError(f"{len(protected)} protected layers leave too few to convert {n_convert}")
+    return sorted(order[:n_convert])
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=256, help="tokens per sequence")
     p.add_argument("--json", default=None)
     p.add_argument("--keep", type=int, default=15, help="attention layers to keep")
+    p.add_argument("--retrieval", default=None, help="retrieval_heads.py's json: its copying layers keep attention")
+    p.add_argument("--copy-threshold", type=float, default=0.15, help="retrieval score that makes a layer a copying one")
+    p.add_argument("--reuse", default=None, help="a json of an earlier run: take its per-layer KL instead of measuring")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from training.hybrid.data import build_sequences
@@ -114,14 +138,20 @@ def main(argv=None) -> None:
     calib, held = torch.tensor(seqs[:2]), torch.tensor(seqs[2:4])  # a plain and a prompt-shaped one, mostly
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.time()
-    per_layer = measure(teacher, cfg, tsd, calib, held, say=say)
-    order = sorted(per_layer, key=per_layer.get)
+    if args.reuse:
+        per_layer = {int(k): v for k, v in json.loads(Path(args.reuse).read_text())["kl_per_layer"].items()}
+    else:
+        per_layer = measure(teacher, cfg, tsd, calib, held, say=say)
     n = cfg.num_hidden_layers
-    convert = sorted(order[: n - args.keep])
+    protected = copying_layers(json.loads(Path(args.retrieval).read_text()), args.copy_threshold) if args.retrieval else []
+    convert = choose(per_layer, args.keep, protected)
     every_other = [i for i in range(n) if i % 2 == 0]
-    sets = {"least sensitive": convert, "every other (0, 2, ...)": every_other}
+    sets = {"chosen": convert, "least sensitive (copying layers not kept)": choose(per_layer, args.keep),
+            "every other (0, 2, ...)": every_other}
     together = {name: measure_set(teacher, cfg, tsd, calib, held, s) for name, s in sets.items()}
-    result = {"tokens_per_layer": int(held.numel()), "seconds": round(time.time() - t0), "kl_per_layer": per_layer,
+    result = {"tokens_per_layer": int(held.numel()), "seconds": round(time.time() - t0), "kl_per_layer_reused": bool(args.reuse),
+              "kl_per_layer": per_layer,
+              "copying_layers": protected, "copy_threshold": args.copy_threshold if args.retrieval else None,
               "convert": convert, "attn_layers": sorted(set(range(n)) - set(convert)),
               "kl_together_init": {k: {"layers": sets[k], "kl": v} for k, v in together.items()}}
     print(json.dumps(result, indent=1))
