@@ -493,7 +493,7 @@ def test_progress_counts_stage2_steps_across_machines_and_plots(tmp_path):
     after them and lost are not counted); a resume of a checkpoint on the same machine keeps counting."""
     import pathlib
 
-    from training.hybrid.progress import plot, validations
+    from training.hybrid.progress import layout_changes, plot, validations
 
     def rec(**kw):
         return json.dumps(kw)
@@ -505,8 +505,12 @@ def test_progress_counts_stage2_steps_across_machines_and_plots(tmp_path):
              rec(stage="resume", note="from the step-5 checkpoint with two threads"),
              *(rec(stage=2, step=s) for s in range(6, 21)), rec(stage="validate", step=20, held_kl=kl),
              rec(stage="resume", note="a new machine: from the shipped step-20 mixers (stage 1 + 1,028 stage-2 steps); steps below count from 0 again"),
-             rec(stage=2, step=1), rec(stage="validate", step=1, held_kl=kl), ""]
-    assert [s for s, _ in validations(lines)] == [13, 28, 1029]
+             rec(stage=2, step=1), rec(stage="validate", step=1, held_kl=kl),
+             rec(stage="resume", note="a new machine: relayered from the shipped mixers (stage 1 + 1,029 stage-2 steps); steps below count from 0 again"),
+             rec(stage="relayer", attn_layers=[0, 2]), rec(stage=1, layer=1), rec(stage="validate", step=0, held_kl=kl),
+             rec(stage=2, step=1), rec(stage=2, step=2), rec(stage="validate", step=2, held_kl=kl), ""]
+    assert [s for s, _ in validations(lines)] == [13, 28, 1029, 1029, 1031]
+    assert layout_changes(lines) == [1029]
     (tmp_path / "log.jsonl").write_text("\n".join(lines))
     plot(tmp_path / "log.jsonl", {28: pathlib.Path(__file__).parents[1] / "docs" / "accuracy_real_smollm2-hybrid-135m_r3.json"}, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -4,7 +4,8 @@ on data/real_qa as a share of the teacher's, against stage-2 steps counted acros
 The shipped `training_log.jsonl` restarts its step count each time a new machine continued from
 the shipped mixers (a `"stage": "resume"` line saying the steps "count from 0 again" and naming
 the "stage 1 + N stage-2 steps" it restarted from); this adds those N, so every validation lands
-at its step in the whole run.
+at its step in the whole run. A `"stage": "relayer"` line (the run moved to another choice of
+attention layers, `distill relayer`) is drawn as a dotted line.
 Accuracy points come from `bench/accuracy_real.py --raw` files, each given as STEPS=FILE.
 
     python -m training.hybrid.progress --accuracy 1890=docs/accuracy_real_smollm2-hybrid-135m_r2.json \\
@@ -24,9 +25,9 @@ LOG = ROOT / "models" / "smollm2-hybrid-135m" / "training_log.jsonl"
 TEACHER = ROOT / "docs" / "accuracy_real_smollm2-135m-instruct_84.json"
 
 
-def validations(lines: list[str]) -> list[tuple[int, dict[str, float]]]:
-    """(stage-2 step in the whole run, held-back KL per pool) of every validation in a log."""
-    offset, last, res = 0, 0, []
+def _walk(lines: list[str]):
+    """(stage-2 step in the whole run, record) of every record of a log."""
+    offset, last = 0, 0
     for line in lines:
         if not line.strip():
             continue
@@ -40,8 +41,19 @@ def validations(lines: list[str]) -> list[tuple[int, dict[str, float]]]:
             offset, last = (int(shipped.group(1).replace(",", "")) if shipped else offset + last), 0
         elif rec.get("stage") == "validate":
             last = max(last, rec["step"])  # a validation of shipped mixers whose steps are not in this log
-            res.append((offset + rec["step"], rec["held_kl"]))
-    return res
+            yield offset + rec["step"], rec
+            continue
+        yield offset + last, rec
+
+
+def validations(lines: list[str]) -> list[tuple[int, dict[str, float]]]:
+    """(stage-2 step in the whole run, held-back KL per pool) of every validation in a log."""
+    return [(step, rec["held_kl"]) for step, rec in _walk(lines) if rec.get("stage") == "validate"]
+
+
+def layout_changes(lines: list[str]) -> list[int]:
+    """Stage-2 steps in the whole run where `distill relayer` moved the run to another layout."""
+    return [step for step, rec in _walk(lines) if rec.get("stage") == "relayer"]
 
 
 def accuracy(raw: Path, config: str = "full") -> float:
@@ -56,8 +68,12 @@ def plot(log: Path, points: dict[int, Path], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    vals = validations(log.read_text().splitlines())
+    lines = log.read_text().splitlines()
+    vals = validations(lines)
     fig, (ax_kl, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for n, step in enumerate(layout_changes(lines)):
+        for ax in (ax_kl, ax_acc):
+            ax.axvline(step, color="black", linestyle=":", label="layers re-chosen (relayer)" if n == 0 else None)
     for pool in vals[-1][1]:
         ax_kl.plot([s for s, _ in vals], [kl[pool] for _, kl in vals], marker="o", label=pool)
     ax_kl.set_xlabel("stage-2 steps (one sequence each)")
