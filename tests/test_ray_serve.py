@@ -275,19 +275,42 @@ def test_same_chunks_land_on_the_same_replica_and_hit_its_cache(served):
     assert usage[2]["cached_tokens"] > usage[0]["cached_tokens"] and usage[2]["composed_tokens"] == 0, usage
 
 
+def _engine_load(url: str, replica: str) -> tuple[float, float]:
+    """(running, waiting) generations in one replica's engine (asked by name)."""
+    response = httpx.get(f"{url}/metrics", headers={"X-Hypic-Replica": replica}, timeout=30)
+    assert response.headers["x-hypic-replica"] == replica
+    values = {}
+    for line in response.text.splitlines():
+        name, _, value = line.rpartition(" ")
+        name = name.split("{", 1)[0]  # hypic_requests_running{model_name="..."} 1.0
+        if name in ("hypic_requests_running", "hypic_requests_waiting"):
+            values[name] = float(value)
+    return values.get("hypic_requests_running", 0.0), values.get("hypic_requests_waiting", 0.0)
+
+
 def test_load_bound_diverts_from_a_saturated_owner(served):
     chunks = [f"Bound {c}: the tower of Tam{c} has {c}{c} bells and a garden on its roof. " * 3 for c in "pqr"]
     owner = _complete(served.url, chunks, "How many bells?").headers["x-hypic-replica"]
-    # A burst of requests for the owner's chunks, all routed before the first finishes (each
-    # replica runs one generation at a time): the owner's queue grows by one per request until
-    # it exceeds the other replica's by the bound (1), and the rest of the burst spills over.
-    # Each request is long (480 tokens) so that on an idle machine the owner is still busy when
-    # the probed queue lengths catch up with the burst (at 240 all 8 once finished in time).
-    body = {"model": "hypic-tiny", "prompt": "Tell me everything.", "segments": chunks, "max_tokens": 480, "temperature": 0,
-            "ignore_eos": True}
-    with ThreadPoolExecutor(8) as pool:
-        served = [r.headers["x-hypic-replica"] for r in pool.map(lambda _: _complete(served.url, **body), range(8))]
-    assert 2 <= served.count(owner) <= 6, served  # without the bound: all 8 on the owner
+    other = next(r for r in served.replicas if r != owner)
+    assert _complete(served.url, chunks[::-1], "Where is the garden?").headers["x-hypic-replica"] == owner  # affinity
+    # Saturate the owner with long generations sent to it by name (each replica runs one at a
+    # time, so one runs and three wait), and wait until its engine reports them: the owner's
+    # queue is then 4 above the other's, over the bound (1), for as long as they run. Requests
+    # for the owner's chunks sent one at a time meanwhile are routed on those queue lengths.
+    busy = {"model": "hypic-tiny", "prompt": "Tell me everything.", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:
+        held = [pool.submit(httpx.post, f"{served.url}/v1/completions", json=busy, headers={"X-Hypic-Replica": owner}, timeout=300)
+                for _ in range(4)]
+        deadline = time.monotonic() + 60
+        while _engine_load(served.url, owner) != (1, 3):
+            assert time.monotonic() < deadline, f"the owner never held 4 generations: {_engine_load(served.url, owner)}"
+            assert not any(f.done() for f in held), "a long generation ended before the owner held all four"
+            time.sleep(0.05)
+        routed = [_complete(served.url, chunks, "How many bells?").headers["x-hypic-replica"] for _ in range(3)]
+        still_busy = not all(f.done() for f in held)
+        assert [f.result().headers["x-hypic-replica"] for f in held] == [owner] * 4
+    assert still_busy, "the owner finished its long generations before the probes were routed"
+    assert routed == [other] * 3, routed  # without the bound: all on the owner, behind the four
 
 
 def test_streaming_query_through_serve(served):
