@@ -81,6 +81,7 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(path)
     teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     turn = tok.convert_tokens_to_ids("<|im_start|>")
+    # the shipped answers only (a run folder without gen/ adds none)
     rag = [ids for _, ids in _unique_samples(ROOT / "var" / "none", "rag") if not non_answer(reply_text(tok, ids))]
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
     hits, total = measure(teacher, rag[: args.samples], turn, say)
