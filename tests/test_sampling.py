@@ -324,7 +324,7 @@ def test_openai_infinite_penalty_is_400(gateway, path, base):
 
 
 @pytest.mark.parametrize("extra", [
-    {"top_k": -1}, {"top_k": 0}, {"top_k": 5, "temperature": 1.0, "seed": 1}, {"min_p": 0.1, "temperature": 1.0},
+    {"top_k": -1}, {"top_k": 0}, {"top_k": 5, "temperature": 1.0, "seed": 1}, {"min_p": 0.1, "temperature": 1.0, "seed": 4},
     {"repetition_penalty": 1.3}, {"repetition_penalty": 0.9, "temperature": 0.8, "seed": 2}, {"min_tokens": 2},
     {"ignore_eos": True}, {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 3, "ignore_eos": False,
                            "temperature": 0.7, "top_p": 0.9, "seed": 3},
