@@ -366,7 +366,7 @@ def test_teacher_samples_ship_merged_and_deduplicated(tmp_path, monkeypatch):
     assert [json.loads(x)["ids"] for x in distill._sample_lines(run, "rag")] == [[1, 2, 3], [4, 5], [6], [4, 5], [6]]
 
 
-def test_rag_pool_leaves_out_teacher_replies_that_do_not_answer(hybrid_dir, tmp_path):
+def test_rag_pool_leaves_out_teacher_replies_that_do_not_answer(hybrid_dir):
     """Only the teacher's reply decides (a document may say anything); a greeting or a loop of
     "The answer is:" is no answer. The shipped pool's first sequences, the held-back validation
     set, are answers, so leaving non-answers out keeps the held-back KL comparable across runs."""
@@ -386,7 +386,7 @@ def test_rag_pool_leaves_out_teacher_replies_that_do_not_answer(hybrid_dir, tmp_
     assert non_answer(reply("I'm ready to assist. What's your next question?"))
     assert non_answer(reply("The answer is:\n\nThe answer is:\n\nThe answer is:"))
     assert not non_answer("The answer is: 42, as the second paragraph says.")
-    shipped = [ids for _, ids in _unique_samples(tmp_path, "rag")]  # a run folder without gen/: the shipped samples
+    shipped = [ids for _, ids in _unique_samples(None, "rag")]  # the shipped samples only
     flags = [non_answer(reply_text(tok, ids)) for ids in shipped]
     assert not any(flags[:8]) and 0 < sum(flags) < len(flags) // 4
 

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.serve_ray.asgi import ForwardedRequest, serve_asgi
 from app.serve_ray.directory import ChunkDirectory, Choice, choose
@@ -279,12 +280,7 @@ def _engine_load(url: str, replica: str) -> tuple[float, float]:
     """(running, waiting) generations in one replica's engine (asked by name)."""
     response = httpx.get(f"{url}/metrics", headers={"X-Hypic-Replica": replica}, timeout=30)
     assert response.headers["x-hypic-replica"] == replica
-    values = {}
-    for line in response.text.splitlines():
-        name, _, value = line.rpartition(" ")
-        name = name.split("{", 1)[0]  # hypic_requests_running{model_name="..."} 1.0
-        if name in ("hypic_requests_running", "hypic_requests_waiting"):
-            values[name] = float(value)
+    values = {sample.name: sample.value for family in text_string_to_metric_families(response.text) for sample in family.samples}
     return values.get("hypic_requests_running", 0.0), values.get("hypic_requests_waiting", 0.0)
 
 

@@ -142,9 +142,10 @@ def pools(tokenizer, out: Path, window: int, rag_window: int) -> dict[str, list[
     return res
 
 
-def _unique_samples(out: Path, kind: str) -> list[tuple[str, list[int]]]:
+def _unique_samples(out: Path | None, kind: str) -> list[tuple[str, list[int]]]:
     """(line, ids) of every readable sample of `kind`, shipped first, each sequence once (the
-    shipped samples and this run's folder may hold the same lines; a torn last line is skipped)."""
+    shipped samples and this run's folder may hold the same lines; a torn last line is skipped).
+    `out` None: the shipped samples only."""
     res, seen = [], set()
     for line in _sample_lines(out, kind):
         try:
@@ -157,7 +158,7 @@ def _unique_samples(out: Path, kind: str) -> list[tuple[str, list[int]]]:
     return res
 
 
-def _sample_lines(out: Path, kind: str) -> list[str]:
+def _sample_lines(out: Path | None, kind: str) -> list[str]:
     """The teacher's samples of `kind`: the ones shipped in data/distill (gzipped, so a machine
     without the previous run's folder trains on them too), then this run's out/gen."""
     import gzip
@@ -166,8 +167,8 @@ def _sample_lines(out: Path, kind: str) -> list[str]:
     shipped = SAMPLES / f"{kind}.jsonl.gz"
     if shipped.is_file():
         lines += gzip.decompress(shipped.read_bytes()).decode().splitlines()
-    f = out / "gen" / f"{kind}.jsonl"
-    if f.is_file():
+    f = out / "gen" / f"{kind}.jsonl" if out is not None else None
+    if f is not None and f.is_file():
         lines += f.read_text().splitlines()
     return lines
 

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def copy_positions(ids: list[int], reply_start: int) -> list[int]:
     """Reply positions p whose next token continues a span of the prompt: (ids[p], ids[p+1])
@@ -81,8 +79,7 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(path)
     teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     turn = tok.convert_tokens_to_ids("<|im_start|>")
-    # the shipped answers only (a run folder without gen/ adds none)
-    rag = [ids for _, ids in _unique_samples(ROOT / "var" / "none", "rag") if not non_answer(reply_text(tok, ids))]
+    rag = [ids for _, ids in _unique_samples(None, "rag") if not non_answer(reply_text(tok, ids))]  # the shipped answers
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
     hits, total = measure(teacher, rag[: args.samples], turn, say)
     score = hits.double() / max(1, total)
