@@ -69,6 +69,33 @@ def test_a_gguf_file_is_converted_into_the_cache_under_its_digest(tmp_path, monk
     assert served_name(str(gguf)) == "My-Model.Q4"
 
 
+def test_two_processes_starting_at_once_convert_a_gguf_file_once(tmp_path, monkeypatch):
+    """The second caller waits for the first's conversion and reuses it; before the lock, it
+    converted again and replaced the directory while the first was loading from it."""
+    import threading
+    import time
+
+    converted = []
+
+    def slow_convert(gguf, target, identity, progress):
+        converted.append(threading.current_thread().name)
+        time.sleep(0.5)
+        target.mkdir()
+        (target / MODEL_STAMP).write_text(json.dumps(identity))
+        return target
+
+    monkeypatch.setattr(registry, "_convert_gguf", slow_convert)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(registry.convert_gguf(gguf, tmp_path / "m"))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [tmp_path / "m", tmp_path / "m"] and len(converted) == 1
+
+
 def test_smollm2_conversion_is_reused(smollm2_dir):
     stamp = json.loads((smollm2_dir / MODEL_STAMP).read_text())
     assert stamp["named"] == "smollm2-135m-instruct" and stamp["gguf"].endswith(".gguf")

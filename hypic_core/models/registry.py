@@ -258,10 +258,20 @@ def convert_gguf(gguf: Path, target: Path, named: str | None = None, progress: C
     """De-quantize `gguf` once into a safetensors checkpoint directory `target` (config, fp32
     weights, tokenizer with its chat template) and return it. A finished conversion of the same
     file (size and digest recorded in `target`) is reused; a half-written one never is: the
-    directory is built beside `target` and renamed into place."""
+    directory is built beside `target` and renamed into place. Two processes starting at once
+    convert it once: the second waits on a lock and then finds the first's stamp (without the
+    lock, the second replaced the directory while the first was loading from it)."""
     identity = {"gguf": str(gguf.resolve()), "size": gguf.stat().st_size, "digest": _file_digest(gguf), "named": named}
     if _stamp_matches(target, identity):
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(target) + ".lock"):
+        if _stamp_matches(target, identity):
+            return target
+        return _convert_gguf(gguf, target, identity, progress)
+
+
+def _convert_gguf(gguf: Path, target: Path, identity: dict, progress: Callable[[str], None] | None) -> Path:
     say = progress or (lambda message: log.info(message))
     say(f"converting {gguf.name} to safetensors in {target} (once; about 30 s)")
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
@@ -273,7 +283,6 @@ def convert_gguf(gguf: Path, target: Path, named: str | None = None, progress: C
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
-    target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     work.chmod(0o755)
     try:
