@@ -391,6 +391,17 @@ def test_rag_pool_leaves_out_teacher_replies_that_do_not_answer(hybrid_dir):
     assert not any(flags[:8]) and 0 < sum(flags) < len(flags) // 4
 
 
+def test_a_looping_rag_reply_is_cut_where_the_loop_starts():
+    from training.hybrid.distill import cut_loop
+
+    prompt = [7, 7, 7, 7, 7, 7, 1]  # the document may repeat itself: only the reply (after turn 1) is looked at
+    answer = [20, 21, 22, 23]
+    assert cut_loop(prompt + answer + [30, 31], 1, n=3) == prompt + answer + [30, 31]
+    assert cut_loop(prompt + answer + answer + answer, 1, n=3) == prompt + answer  # cut at the first repeated 3-gram
+    assert cut_loop(prompt + [5, 5, 5, 5, 5], 1, n=3) == prompt + [5]
+    assert cut_loop([9, 9, 9, 9], 1, n=2) == [9]  # no turn: the whole sequence is the reply
+
+
 def test_reply_weights_weight_the_last_turn_and_kl_loss_weighs_by_them():
     import torch
 

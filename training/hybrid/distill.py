@@ -120,6 +120,22 @@ def non_answer(reply: str) -> bool:
     return bool(_NON_ANSWER.search(reply)) or reply.count("The answer is") >= 2
 
 
+def cut_loop(ids: list[int], turn: int, n: int = 8) -> list[int]:
+    """`ids` up to where its last turn (the teacher's reply) starts repeating itself: the first
+    run of `n` reply tokens that already occurred earlier in the reply, and everything after it.
+    About half of the teacher's greedy RAG replies fall into a loop within their 64 tokens
+    (the same sentence again and again, "M, M, M, ..."); trained on at the reply's weight, the
+    loop teaches the student to loop and dilutes the positions that read the documents."""
+    start = len(ids) - ids[::-1].index(turn) if turn in ids else 0
+    seen = set()
+    for j in range(start, len(ids) - n + 1):
+        gram = tuple(ids[j:j + n])
+        if gram in seen:
+            return ids[:j]
+        seen.add(gram)
+    return ids
+
+
 def reply_text(tokenizer, ids: list[int]) -> str:
     """The text of a sample's last assistant turn (the teacher's reply)."""
     return tokenizer.decode(ids).rsplit("<|im_start|>assistant", 1)[-1].replace("<|im_end|>", "")
@@ -128,14 +144,20 @@ def reply_text(tokenizer, ids: list[int]) -> str:
 def pools(tokenizer, out: Path, window: int, rag_window: int) -> dict[str, list[torch.Tensor]]:
     """Every training sequence by pool: the training text and the teacher's samples in out/gen
     (a RAG sequence keeps its last `rag_window` tokens, the answer; the others their first `window`;
-    a RAG sample whose reply is no answer, `non_answer`, is left out)."""
+    a RAG sample whose reply is no answer, `non_answer`, is left out, and one whose reply loops
+    is cut where the loop starts, `cut_loop`, or left out when less than 8 reply tokens remain)."""
     plain, prompt, _ = _doc_sequences(tokenizer, 512, out)
     res = {"docs": [s[:window] for s in plain], "docs-prompt": [s[:window] for s in prompt]}
+    turn = tokenizer.convert_tokens_to_ids("<|im_start|>")
     for kind in ("continue", "chat", "rag"):
         res[kind] = []
         for _, ids in _unique_samples(out, kind):
-            if kind == "rag" and non_answer(reply_text(tokenizer, ids)):
-                continue
+            if kind == "rag":
+                if non_answer(reply_text(tokenizer, ids)):
+                    continue
+                ids = cut_loop(ids, turn)
+                if len(ids) - ids[::-1].index(turn) < 8 + 2:  # "assistant\n" and 8 tokens of answer
+                    continue
             ids = ids[-rag_window:] if kind == "rag" else ids[:window]
             if len(ids) >= 16:
                 res[kind].append(torch.tensor(ids, dtype=torch.int32))
