@@ -120,13 +120,18 @@ def non_answer(reply: str) -> bool:
     return bool(_NON_ANSWER.search(reply)) or reply.count("The answer is") >= 2
 
 
+def reply_start(ids: list[int], turn: int) -> int:
+    """Where a sample's last turn (after its last `turn` marker) starts; 0 without one."""
+    return len(ids) - ids[::-1].index(turn) if turn in ids else 0
+
+
 def cut_loop(ids: list[int], turn: int, n: int = 8) -> list[int]:
     """`ids` up to where its last turn (the teacher's reply) starts repeating itself: the first
     run of `n` reply tokens that already occurred earlier in the reply, and everything after it.
     About half of the teacher's greedy RAG replies fall into a loop within their 64 tokens
     (the same sentence again and again, "M, M, M, ..."); trained on at the reply's weight, the
     loop teaches the student to loop and dilutes the positions that read the documents."""
-    start = len(ids) - ids[::-1].index(turn) if turn in ids else 0
+    start = reply_start(ids, turn)
     seen = set()
     for j in range(start, len(ids) - n + 1):
         gram = tuple(ids[j:j + n])
@@ -156,7 +161,7 @@ def pools(tokenizer, out: Path, window: int, rag_window: int) -> dict[str, list[
                 if non_answer(reply_text(tokenizer, ids)):
                     continue
                 ids = cut_loop(ids, turn)
-                if len(ids) - ids[::-1].index(turn) < 8 + 2:  # "assistant\n" and 8 tokens of answer
+                if len(ids) - reply_start(ids, turn) < 8 + 2:  # "assistant\n" and 8 tokens of answer
                     continue
             ids = ids[-rag_window:] if kind == "rag" else ids[:window]
             if len(ids) >= 16:
