@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from training.hybrid.distill import reply_start
+
 
 def copy_positions(ids: list[int], reply_start: int) -> list[int]:
     """Reply positions p whose next token continues a span of the prompt: (ids[p], ids[p+1])
@@ -49,14 +51,14 @@ def measure(teacher, samples: list[list[int]], turn: int, say=print) -> tuple[to
     t0 = time.time()
     for n, ids in enumerate(samples):
         x = torch.tensor(ids)
-        reply_start = int((x == turn).nonzero()[-1, 0]) + 3  # after "<|im_start|>assistant\n"
-        positions = copy_positions(ids, reply_start)
+        start = reply_start(ids, turn) + 2  # after "<|im_start|>assistant\n"
+        positions = copy_positions(ids, start)
         if not positions:
             continue
         with torch.no_grad():
             out = teacher(x[None], output_attentions=True)
         for layer, a in enumerate(out.attentions):
-            hits[layer] += copy_hits(a[0].float(), x, positions, reply_start)
+            hits[layer] += copy_hits(a[0].float(), x, positions, start)
         total += len(positions)
         if (n + 1) % 8 == 0:
             say(f"{n + 1}/{len(samples)} answers, {total} copy positions ({time.time() - t0:.0f}s)")
