@@ -525,3 +525,21 @@ def test_progress_counts_stage2_steps_across_machines_and_plots(tmp_path):
     (tmp_path / "log.jsonl").write_text("\n".join(lines))
     plot(tmp_path / "log.jsonl", {28: pathlib.Path(__file__).parents[1] / "docs" / "accuracy_real_smollm2-hybrid-135m_r3.json"}, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_copy_weight_multiplies_the_positions_that_predict_a_copied_span():
+    import torch
+
+    from training.hybrid.distill import copy_weighted, reply_weights
+
+    # prompt: 1 = turn marker, 3 4 = "assistant\n"; the documents hold the span 20 21 22
+    prompt = [5, 20, 21, 22, 6, 1, 3, 4]
+    ids = prompt + [30, 20, 21, 22, 31]  # the reply copies 20 21 22 after a word of its own
+    # position 8 (30) predicts the span's start, 9 and 10 predict its continuation; 11 (22) predicts 31, not copied
+    assert copy_weighted(ids, 1) == [8, 9, 10]
+    assert copy_weighted(prompt + [20, 21], 1) == [7, 8]  # the answer's first token: predicted from "\n"
+    assert copy_weighted([20, 21, 20, 21], 1) == []  # no turn
+    w = reply_weights(torch.tensor(ids), 1, 4.0, copy=3.0)
+    assert w.tolist() == [1, 1, 1, 1, 1, 4, 4, 4, 12, 12, 12, 4, 4]
+    assert reply_weights(torch.tensor(ids), 1, 4.0).tolist() == [1, 1, 1, 1, 1, 4, 4, 4, 4, 4, 4, 4, 4]
+    assert reply_weights(torch.tensor(ids), 1, 1.0, copy=3.0).tolist() == [1] * 8 + [3, 3, 3, 1, 1]

@@ -17,7 +17,8 @@ the training text (training/hybrid/data.py: CPython documentation, plain and in 
 prompt layout) and the teacher's own samples (training/hybrid/generate.py, re-read at every
 checkpoint, so data generated while training runs is used; the samples of earlier runs ship
 in data/distill/*.jsonl.gz). In a chat or RAG sequence the reply's positions weigh
-`--reply-weight` times the prompt's: they are where the student must read the documents. `stage2.pt` (mixers, optimiser,
+`--reply-weight` times the prompt's: they are where the student must read the documents (and
+a RAG reply's positions that predict a word copied from them `--copy-weight` times more). `stage2.pt` (mixers, optimiser,
 step) is written atomically every `--save-minutes`; without any checkpoint in `--out`, stage 2
 starts from the shipped `models/smollm2-hybrid-135m/mixers.safetensors` when it is of this
 recipe (a machine without the previous run's folder still continues from what was shipped).
@@ -139,6 +140,25 @@ def cut_loop(ids: list[int], turn: int, n: int = 8) -> list[int]:
             return ids[:j]
         seen.add(gram)
     return ids
+
+
+def copy_positions(ids: list[int], reply_start: int) -> list[int]:
+    """Reply positions p whose next token continues a span of the prompt: (ids[p], ids[p+1])
+    occurs as a pair in ids[:reply_start]."""
+    pairs = set(zip(ids[: reply_start - 1], ids[1:reply_start]))
+    return [p for p in range(reply_start, len(ids) - 1) if (ids[p], ids[p + 1]) in pairs]
+
+
+def copy_weighted(ids: list[int], turn: int) -> list[int]:
+    """The positions of a RAG sample that predict a token the reply copies from its documents:
+    every token of a reply span whose consecutive pairs occur in the prompt, its first token
+    included (the position before a copy_positions position predicts the span's start, which is
+    where an answer's first word is chosen). Empty without a turn."""
+    if turn not in ids:
+        return []
+    start = reply_start(ids, turn) + 2  # after "assistant\n"
+    hits = copy_positions(ids, start)
+    return sorted(set(hits) | {p - 1 for p in hits if p - 1 >= start - 1})
 
 
 def reply_text(tokenizer, ids: list[int]) -> str:
@@ -419,17 +439,22 @@ def kl_loss(t_logits: torch.Tensor, s_logits: torch.Tensor, weights: torch.Tenso
     return (per * weights).sum() / (weights.sum() * per.shape[0])
 
 
-def reply_weights(ids: torch.Tensor, turn: int, weight: float) -> torch.Tensor | None:
+def reply_weights(ids: torch.Tensor, turn: int, weight: float, copy: float = 1.0) -> torch.Tensor | None:
     """Per-position loss weights for a chat sequence: `weight` from its last turn marker (`turn`,
     the id of <|im_start|>: the assistant's reply, which reads the documents above it) to the end,
     1 before; None for a sequence without a turn. Without it the reply's few dozen positions are
     drowned by the hundreds of document positions, and the student learns to continue text, not
-    to answer from it."""
+    to answer from it. `copy` multiplies the weight of the reply positions that predict a token
+    copied from the documents (`copy_weighted`): the words a question's answer is judged by."""
     where = (ids == turn).nonzero()
-    if weight == 1.0 or len(where) == 0:
+    if (weight == 1.0 and copy == 1.0) or len(where) == 0:
         return None
     w = torch.ones(ids.shape[-1])
     w[int(where[-1, -1]):] = weight
+    if copy != 1.0:
+        positions = copy_weighted(ids.tolist(), turn)
+        if positions:
+            w[torch.tensor(positions)] *= copy
     return w
 
 
@@ -487,7 +512,8 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
             t_logits = teacher(ids).logits
         with autocast:
             s_logits = model(ids).logits
-        weights = reply_weights(ids[0], turn, args.reply_weight) if kind in ("chat", "rag") else None
+        weights = reply_weights(ids[0], turn, args.reply_weight, args.copy_weight if kind == "rag" else 1.0) \
+            if kind in ("chat", "rag") else None
         loss = kl_loss(t_logits, s_logits, weights)
         with torch.no_grad():
             plain = loss if weights is None else kl_loss(t_logits, s_logits)
@@ -681,6 +707,8 @@ def main(argv=None) -> None:
     t.add_argument("--threads", type=int, default=1, help="torch threads (1: leaves the other cores to the machine's other work)")
     t.add_argument("--reply-weight", type=float, default=8.0,
                    help="loss weight of a chat or RAG sequence's reply positions against its prompt's (1: plain mean)")
+    t.add_argument("--copy-weight", type=float, default=1.0,
+                   help="multiplies the reply weight of a RAG reply's positions that predict a token copied from its documents")
     t.add_argument("--draw-seed", type=int, default=0,
                    help="seeds stage 2's draws with the step (0: the step alone); give a run from the shipped mixers a new one")
     t.add_argument("--mix", type=_mixture, default=MIXTURE, help="stage 2's pool weights, e.g. docs=0.2,rag=0.8 (default: "

@@ -24,14 +24,7 @@ from pathlib import Path
 
 import torch
 
-from training.hybrid.distill import reply_start
-
-
-def copy_positions(ids: list[int], reply_start: int) -> list[int]:
-    """Reply positions p whose next token continues a span of the prompt: (ids[p], ids[p+1])
-    occurs as a pair in ids[:reply_start]."""
-    pairs = set(zip(ids[: reply_start - 1], ids[1:reply_start]))
-    return [p for p in range(reply_start, len(ids) - 1) if (ids[p], ids[p + 1]) in pairs]
+from training.hybrid.distill import copy_positions, reply_start
 
 
 def copy_hits(attn: torch.Tensor, ids: torch.Tensor, positions: list[int], reply_start: int) -> torch.Tensor:
