@@ -142,11 +142,11 @@ def cut_loop(ids: list[int], turn: int, n: int = 8) -> list[int]:
     return ids
 
 
-def copy_positions(ids: list[int], reply_start: int) -> list[int]:
-    """Reply positions p whose next token continues a span of the prompt: (ids[p], ids[p+1])
-    occurs as a pair in ids[:reply_start]."""
-    pairs = set(zip(ids[: reply_start - 1], ids[1:reply_start]))
-    return [p for p in range(reply_start, len(ids) - 1) if (ids[p], ids[p + 1]) in pairs]
+def copy_positions(ids: list[int], start: int) -> list[int]:
+    """Reply positions p (from `start`, where the reply starts) whose next token continues a span
+    of the prompt: (ids[p], ids[p+1]) occurs as a pair in ids[:start]."""
+    pairs = set(zip(ids[: start - 1], ids[1:start]))
+    return [p for p in range(start, len(ids) - 1) if (ids[p], ids[p + 1]) in pairs]
 
 
 def copy_weighted(ids: list[int], turn: int) -> list[int]:
