@@ -446,13 +446,13 @@ def reply_weights(ids: torch.Tensor, turn: int, weight: float, copy: float = 1.0
     drowned by the hundreds of document positions, and the student learns to continue text, not
     to answer from it. `copy` multiplies the weight of the reply positions that predict a token
     copied from the documents (`copy_weighted`): the words a question's answer is judged by."""
-    where = (ids == turn).nonzero()
-    if (weight == 1.0 and copy == 1.0) or len(where) == 0:
+    seq = ids.tolist()
+    if (weight == 1.0 and copy == 1.0) or turn not in seq:
         return None
-    w = torch.ones(ids.shape[-1])
-    w[int(where[-1, -1]):] = weight
+    w = torch.ones(len(seq))
+    w[reply_start(seq, turn) - 1:] = weight  # the marker itself included
     if copy != 1.0:
-        positions = copy_weighted(ids.tolist(), turn)
+        positions = copy_weighted(seq, turn)
         if positions:
             w[torch.tensor(positions)] *= copy
     return w

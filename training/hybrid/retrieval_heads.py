@@ -27,13 +27,13 @@ import torch
 from training.hybrid.distill import copy_positions, reply_start
 
 
-def copy_hits(attn: torch.Tensor, ids: torch.Tensor, positions: list[int], reply_start: int) -> torch.Tensor:
-    """Per head, how many of `positions` put their strongest prompt attention on a position
-    holding the next token. attn: [heads, q, k] of one layer."""
-    rows = attn[:, positions, :reply_start]  # [heads, n, prompt]
+def copy_hits(attn: torch.Tensor, ids: torch.Tensor, positions: list[int], start: int) -> torch.Tensor:
+    """Per head, how many of `positions` put their strongest prompt attention (on ids[:start],
+    before the reply) on a position holding the next token. attn: [heads, q, k] of one layer."""
+    rows = attn[:, positions, :start]  # [heads, n, prompt]
     where = rows.argmax(-1)  # [heads, n]
     target = ids[torch.tensor(positions) + 1]  # [n]
-    return (ids[:reply_start][where] == target[None]).sum(-1)
+    return (ids[:start][where] == target[None]).sum(-1)
 
 
 def measure(teacher, samples: list[list[int]], turn: int, say=print) -> tuple[torch.Tensor, int]:
