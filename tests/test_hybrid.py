@@ -101,7 +101,8 @@ def test_mixer_starts_as_the_mapped_attention_projections(tiny_llama):
 def test_attention_layers_are_the_measured_ones():
     """SmolLM2's 30 layers keep attention where the teacher's copying heads are (retrieval score
     at least the threshold), and of the others the ones the sensitivity measurement ranked most
-    sensitive, 15 in all."""
+    sensitive, 15 in all; then the two trained mixers that, alone in the teacher, cost its
+    answers the most (restore.py) got their attention back: 17."""
     import pathlib
 
     from training.hybrid.sensitivity import copying_layers
@@ -109,12 +110,36 @@ def test_attention_layers_are_the_measured_ones():
     folder = pathlib.Path(__file__).parents[1] / "models" / "smollm2-hybrid-135m"
     measured = json.loads((folder / "sensitivity.json").read_text())
     retrieval = json.loads((folder / "retrieval_heads.json").read_text())
-    assert H.attn_layers(30) == measured["attn_layers"] and len(measured["attn_layers"]) == 15
+    restore = json.loads((folder / "restore.json").read_text())
+    assert restore["attn_layers"] == measured["attn_layers"] and len(measured["attn_layers"]) == 15
+    alone = {int(k): v["answer"] for k, v in restore["alone"].items()}
+    assert sorted(alone) == measured["convert"] and len(restore["give_back"]) == 2
+    assert min(alone[i] for i in restore["give_back"]) >= max(v for i, v in alone.items() if i not in restore["give_back"])
+    assert H.attn_layers(30) == sorted(measured["attn_layers"] + restore["give_back"])
     copying = copying_layers(retrieval, measured["copy_threshold"])
     assert copying == measured["copying_layers"] and set(copying) <= set(measured["attn_layers"])
     kl = {int(k): v for k, v in measured["kl_per_layer"].items()}
     assert max(kl[i] for i in measured["convert"]) <= min(kl[i] for i in measured["attn_layers"] if i not in copying)
     assert H.attn_layers(8) == [1, 3, 5, 7]  # other depths (the tests' tiny models): every other layer
+
+
+def test_answer_kl_is_zero_for_the_teacher_itself_and_averages_the_copy_positions_alone():
+    from types import SimpleNamespace
+
+    from training.hybrid.restore import answer_kl
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6, 11)
+    other = logits.clone()
+    other[0, 4] += 3 * torch.randn(11)  # differs at position 4 alone
+    model = lambda ids: SimpleNamespace(logits=logits)  # noqa: E731
+    changed = lambda ids: SimpleNamespace(logits=other)  # noqa: E731
+    answer, ids = [2, 3, 4], torch.zeros(6, dtype=torch.int32)
+    t = [torch.log_softmax(logits[0, answer], -1)]
+    assert answer_kl(t, model, [ids], [(answer, [4])]) == pytest.approx({"answer": 0.0, "copy": 0.0}, abs=1e-6)
+    got = answer_kl(t, changed, [ids], [(answer, [4])])
+    assert got["copy"] > 0 and got["answer"] == pytest.approx(got["copy"] / 3)
+    assert answer_kl(t, changed, [ids], [(answer, [3])])["copy"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_layer_choice_keeps_the_protected_layers_and_converts_the_least_sensitive():
@@ -276,7 +301,8 @@ def test_shipped_hybrid_assembles_once_and_loads_with_plain_transformers(hybrid_
 
 def test_hybrid_engine_has_linear_layers(hybrid):
     assert hybrid.adapter.family == "mamba2" and hybrid.runner.model.config.model_type == "bamba"
-    assert len(hybrid.adapter.linear_layers) == 15 and len(hybrid.adapter.attention_layers) == 15
+    n_attn = len(H.attn_layers(30))
+    assert len(hybrid.adapter.linear_layers) == 30 - n_attn and list(hybrid.adapter.attention_layers) == H.attn_layers(30)
 
 
 def test_hybrid_stitched_prefill_with_a_wide_seam_equals_full(hybrid):

@@ -17,8 +17,8 @@ attention is attention without the softmax, so the projections carry over):
     norm                      <- the gated RMSNorm over each group (the pair of heads), standing in
                                  for the softmax's normaliser; its scale is fitted by least squares
 
-Which layers keep attention is `ATTN_LAYERS`, chosen by measured sensitivity (the model card's
-table; `python -m training.hybrid.sensitivity`). Training (training/hybrid/distill.py) learns
+Which layers keep attention is `ATTN_LAYERS`, chosen by measurement (the model card's tables;
+`python -m training.hybrid.sensitivity`, then `python -m training.hybrid.restore`). Training (training/hybrid/distill.py) learns
 low-rank corrections (LoRA) to the projections and the small mixer parameters in full, and
 LoRA corrections to the teacher's own linears that stay (`ADAPTER_RANKS`: the kept attention
 layers' projections and every layer's MLP), so the layers around a mixer adapt to it; the
@@ -38,10 +38,12 @@ import torch
 from torch import nn
 
 # Layers of SmolLM2-135M (30 layers) that keep their attention: the layers holding the teacher's
-# copying (retrieval) heads (17, 18, 22: training/hybrid/retrieval_heads.py) keep it, and of the
-# others the least sensitive 15 become mixers (the model card's sensitivity table). Other layer
-# counts (the tests' tiny models) keep every other layer, starting with the second.
-ATTN_LAYERS: tuple[int, ...] | None = (0, 1, 2, 3, 11, 13, 16, 17, 18, 19, 20, 21, 22, 23, 24)
+# copying (retrieval) heads (17-24: training/hybrid/retrieval_heads.py) keep it, and of the
+# others the least sensitive 15 become mixers (the model card's sensitivity table); then the two
+# trained mixers that alone cost the teacher's answers the most (8 and 14:
+# training/hybrid/restore.py) got their attention back, leaving 13 mixers. Other layer counts
+# (the tests' tiny models) keep every other layer, starting with the second.
+ATTN_LAYERS: tuple[int, ...] | None = (0, 1, 2, 3, 8, 11, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 24)
 LORA_RANK_IN = 128
 LORA_RANK_OUT = 64
 DT_SHORT = (1 / 64, 1 / 4)  # softplus(dt_bias) of the even heads: memory 1/dt of 4 to 64 tokens

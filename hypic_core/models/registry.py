@@ -121,7 +121,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
         prompt=SMOLLM2_PROMPT,
     ),
     KnownModel(
-        "smollm2-hybrid-135m", "bamba hybrid (15 Mamba2 + 15 attention layers)", "161M",
+        "smollm2-hybrid-135m", "bamba hybrid (13 Mamba2 + 17 attention layers)", "158M",
         "SmolLM2-135M-Instruct distilled into a hybrid here (llama.cpp granitehybrid layout)",
         _smollm2_hybrid,
         install="hypic models install smollm2-hybrid-135m",
