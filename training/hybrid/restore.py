@@ -34,12 +34,12 @@ from hypic_core.models import hybrid as C
 from training.hybrid import distill as D
 
 
-def answer_kl(teacher_logits: list[torch.Tensor], model, seqs: list[torch.Tensor], spans: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+def answer_kl(teacher_logp: list[torch.Tensor], model, seqs: list[torch.Tensor], spans: list[tuple[list[int], list[int]]]) -> dict[str, float]:
     """Mean KL(teacher || model) over the answer positions and over the copy positions of `seqs`
-    (teacher_logits: the teacher's log-probs at each sequence's answer positions)."""
+    (teacher_logp: the teacher's log-probs at each sequence's answer positions)."""
     tot = {"answer": [0.0, 0], "copy": [0.0, 0]}
     with torch.no_grad():
-        for t, s, (answer, copy) in zip(teacher_logits, seqs, spans):
+        for t, s, (answer, copy) in zip(teacher_logp, seqs, spans):
             logp = torch.log_softmax(model(s[None].long()).logits[0, answer].float(), -1)
             per = (t.exp() * (t - logp)).sum(-1)
             tot["answer"][0] += float(per.sum())
@@ -67,16 +67,16 @@ def main(argv=None) -> None:
     t0 = time.time()
     path, teacher, tok = D._load_teacher()
     teacher_cfg = json.loads((path / "config.json").read_text())
-    cfg = C.bamba_config(teacher_cfg)
     tsd = C.load_teacher_state(path)
     ckpt = Path(args.run) / "stage2.pt"
-    if ckpt.is_file():
+    if ckpt.is_file():  # a run of any layout: measured in its own
         blob = torch.load(ckpt)
-        states, step, attn = blob["states"], blob["step"], blob["attn_layers"]
+        states, step, attn = blob["states"], blob["step"], list(blob["attn_layers"])
     else:
-        states, step, attn = D.shipped_states(cfg), None, list(cfg.attn_layer_indices)
-    if list(cfg.attn_layer_indices) != list(attn):
-        raise SystemExit(f"{ckpt} is of attention layers {attn}, this recipe's are {list(cfg.attn_layer_indices)}")
+        shipped = D.SHIPPED / "mixers.safetensors"
+        attn, step = C.mixers_config(shipped), None
+        states = D.shipped_states(C.bamba_config(teacher_cfg, attn=attn), shipped)
+    cfg = C.bamba_config(teacher_cfg, attn=attn)
     turn = tok.convert_tokens_to_ids("<|im_start|>")
     seqs = D.pools(tok, Path(args.run), 512, args.rag_window)["rag"][:args.samples]
     spans, t_logp = [], []
