@@ -1,21 +1,19 @@
-"""Which mixer of the trained hybrid costs the most when it answers: each one given back the
-teacher's attention, one at a time, measured on the teacher's RAG answers.
+"""Which mixer of the trained hybrid costs the most when it answers, measured on the teacher's
+RAG answers: each given back the teacher's attention, and each put alone into the teacher.
 
 `sensitivity.py` chooses the layers to convert on the teacher, before any training, with
 untrained mixers. Once the hybrid is trained that ranking can be out of date: the layers around a
 mixer have adapted to it, and a mixer that looked harmless on plain text may be the one that
-loses a fact between the documents and the answer. Here every mixer of a trained checkpoint is,
-alone, swapped back for the teacher's attention of its layer (zero correction, everything else
-as trained: `distill.relayer_states`), and KL(teacher || hybrid) is measured at the answer
-positions of RAG sequences, and at the ones that predict a word copied from the documents
-(`distill.copy_weighted`: the words an answer is judged by). The layer whose attention lowers
-that KL most is the one to give back. Same sequences, same teacher logits for every layer.
-
-Given back alone, a layer's attention meets neighbours trained around its mixer, so that number
-also measures the adaptation it undoes. `--alone` measures the other side: each trained mixer put
-alone into the teacher (every other layer the teacher's own, no adapters), the harm that mixer
-does by itself to the answers. `--give-back N` names the N mixers that do the most (answer KL
-alone): the layers this recipe's ATTN_LAYERS gives back their attention.
+loses a fact between the documents and the answer. KL(teacher || model) is measured at the
+answer positions of RAG sequences, and at the ones that predict a word copied from the documents
+(`distill.copy_weighted`: the words an answer is judged by); same sequences, same teacher
+log-probs for every model. `--measure restore`: every mixer of a trained checkpoint is, alone,
+swapped back for the teacher's attention of its layer (zero correction, everything else as
+trained: `distill.relayer_states`). Its attention then meets neighbours trained around its mixer,
+so that number also measures the adaptation it undoes. `--measure alone`: each trained mixer is
+put alone into the teacher (every other layer the teacher's own, no adapters), the harm that
+mixer does by itself to the answers. `--give-back N` names the N mixers that do the most (answer
+KL alone): the layers this recipe's ATTN_LAYERS gives back their attention.
 
     python -m training.hybrid.restore --run var/hybrid --samples 24 --give-back 2 --json models/smollm2-hybrid-135m/restore.json
 """
@@ -84,7 +82,7 @@ def main(argv=None) -> None:
         for s in seqs:
             ids = s.tolist()
             answer = list(range(D.reply_start(ids, turn) + 1, len(ids) - 1))  # positions predicting the answer (after "assistant\n")
-            spans.append((answer, [q for q in D.copy_weighted(ids, turn) if q in set(answer)]))
+            spans.append((answer, D.copy_weighted(ids, turn)))  # all of them answer positions
             t_logp.append(torch.log_softmax(teacher(s[None].long()).logits[0, answer].float(), -1))
     say(f"{len(seqs)} RAG sequences, {sum(len(a) for a, _ in spans)} answer positions, {sum(len(c) for _, c in spans)} copy positions")
 
@@ -101,7 +99,6 @@ def main(argv=None) -> None:
     for i in mixers if args.measure != "alone" else []:
         per_layer[i] = measure(sorted(attn + [i]))
         say(f"layer {i:2d} back to attention: answer KL {per_layer[i]['answer']:.4f}, copy KL {per_layer[i]['copy']:.4f}")
-    order = sorted(per_layer, key=lambda i: per_layer[i]["copy"])
     alone = {}
     if args.measure != "restore":
         every = list(range(cfg.num_hidden_layers))
@@ -114,7 +111,7 @@ def main(argv=None) -> None:
     result = {"step": step, "attn_layers": attn, "samples": len(seqs),
               "answer_positions": sum(len(a) for a, _ in spans), "copy_positions": sum(len(c) for _, c in spans),
               "as_trained": base, "restored": {str(i): v for i, v in per_layer.items()},
-              "by_copy_kl": order, "alone": alone,
+              "alone": alone,
               "give_back": sorted(int(i) for i in sorted(alone, key=lambda i: -alone[i]["answer"])[:args.give_back]),
               "seconds": round(time.time() - t0)}
     print(json.dumps(result, indent=1))
