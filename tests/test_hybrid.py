@@ -569,3 +569,46 @@ def test_copy_weight_multiplies_the_positions_that_predict_a_copied_span():
     assert w.tolist() == [1, 1, 1, 1, 1, 4, 4, 4, 12, 12, 12, 4, 4]
     assert reply_weights(torch.tensor(ids), 1, 4.0).tolist() == [1, 1, 1, 1, 1, 4, 4, 4, 4, 4, 4, 4, 4]
     assert reply_weights(torch.tensor(ids), 1, 1.0, copy=3.0).tolist() == [1] * 8 + [3, 3, 3, 1, 1]
+
+
+def test_a_rag_sample_lengthens_to_the_gateways_prompt_with_its_documents_and_reply_kept(hybrid_dir):
+    """rag-long: the teacher's sample comes apart into documents, question and reply and goes back
+    together token for token; lengthened, it is the gateway's /query prompt over 3-10 documents
+    (its own among them, shuffled), within the limit, ending in the teacher's reply unchanged."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from training.hybrid.distill import Lengthener, _unique_samples
+
+    tok = AutoTokenizer.from_pretrained(hybrid_dir)
+    passages = [f"Passage {i} tells of the {w} valley, where the river turns west and the mill stands." * 3
+                for i, w in enumerate(("north", "south", "east", "west", "green", "dry", "high", "low", "old", "new"))]
+    lengthen = Lengthener(tok, passages)
+    shipped = [ids for _, ids in _unique_samples(None, "rag")]
+    parts = [lengthen.split(ids) for ids in shipped]
+    # the first few dozen were written before the Prompter tokenised each document on its own
+    # (one "\n\n" token across a document's end where it now writes two "\n"): they stay short
+    assert sum(p is not None for p in parts) > 0.9 * len(shipped)
+    kept = [(ids, part) for ids, part in zip(shipped, parts) if part is not None]
+    for ids, (docs, question, reply) in kept[:40]:
+        assert lengthen.prompt(docs, question) + reply == ids and 1 <= len(docs) <= 5 and question.endswith("?")
+        longer = lengthen(ids, random.Random(0), 3072)
+        assert longer is not None and len(ids) < len(longer) <= 3072
+        more, question2, reply2 = lengthen.split(longer)
+        assert (question2, reply2) == (question, reply) and max(3, len(docs) + 1) <= len(more) <= 10
+        assert sorted(more) == sorted(docs + [d for d in more if d in passages])  # its own, plus distractors
+    ids, (docs, _, _) = kept[0]
+    tight = lengthen(ids, random.Random(0), len(ids) + 10)  # no distractor fits: its own documents alone
+    assert tight is not None and len(tight) == len(ids) and sorted(lengthen.split(tight)[0]) == sorted(docs)
+
+
+def test_distractor_passages_are_runs_of_whole_paragraphs_clear_of_the_evaluation():
+    from training.hybrid.data import excluded_shingles, shingles
+    from training.hybrid.distill import distractor_passages
+
+    passages = distractor_passages()
+    assert len(passages) > 500
+    assert all(100 <= len(p.split()) <= 250 for p in passages)
+    bad = excluded_shingles()
+    assert not any(shingles(p) & bad for p in passages)

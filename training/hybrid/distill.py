@@ -16,7 +16,11 @@ Each step draws one sequence from a mixture of
 the training text (training/hybrid/data.py: CPython documentation, plain and in the gateway's
 prompt layout) and the teacher's own samples (training/hybrid/generate.py, re-read at every
 checkpoint, so data generated while training runs is used; the samples of earlier runs ship
-in data/distill/*.jsonl.gz). In a chat or RAG sequence the reply's positions weigh
+in data/distill/*.jsonl.gz). The teacher's RAG samples hold 2-5 short documents (median ~330
+tokens); the gateway's prompts, and the real-question benchmark's, hold 3-10 retrieved passages
+(median ~1,500). The `rag-long` pool (`Lengthener`) rebuilds every RAG sample with distractor
+passages up to that length, so the mixers learn to carry a document across ~3,000 tokens; the
+teacher's targets are computed on the longer prompt. In a chat or RAG sequence the reply's positions weigh
 `--reply-weight` times the prompt's: they are where the student must read the documents (and
 a RAG reply's positions that predict a word copied from them `--copy-weight` times more). `stage2.pt` (mixers, optimiser,
 step) is written atomically every `--save-minutes`; without any checkpoint in `--out`, stage 2
@@ -38,6 +42,7 @@ Progress goes to stderr; every step's numbers to `<out>/log.jsonl`. One torch th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -45,6 +50,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -54,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "smollm2-hybrid-135m"
 SAMPLES = ROOT / "data" / "distill"  # the teacher's samples, shipped (ship-samples)
 # stage 2's draw per step: (pool, weight); an empty pool's weight goes to the others
-MIXTURE = (("docs", 0.15), ("docs-prompt", 0.15), ("continue", 0.15), ("chat", 0.15), ("rag", 0.4))
+MIXTURE = (("docs", 0.15), ("docs-prompt", 0.15), ("continue", 0.15), ("chat", 0.15), ("rag", 0.4), ("rag-long", 0.0))
 
 
 def teacher_dir() -> Path:
@@ -166,14 +172,17 @@ def reply_text(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids).rsplit("<|im_start|>assistant", 1)[-1].replace("<|im_end|>", "")
 
 
-def pools(tokenizer, out: Path, window: int, rag_window: int) -> dict[str, list[torch.Tensor]]:
+def pools(tokenizer, out: Path, window: int, rag_window: int, long_window: int = 3072) -> dict[str, list[torch.Tensor]]:
     """Every training sequence by pool: the training text and the teacher's samples in out/gen
     (a RAG sequence keeps its last `rag_window` tokens, the answer; the others their first `window`;
     a RAG sample whose reply is no answer, `non_answer`, is left out, and one whose reply loops
-    is cut where the loop starts, `cut_loop`, or left out when less than 8 reply tokens remain)."""
+    is cut where the loop starts, `cut_loop`, or left out when less than 8 reply tokens remain).
+    `rag-long` holds every kept RAG sample again, `lengthen`ed to 3-10 documents (at most
+    `long_window` tokens): the gateway's prompts are that long, the teacher's samples are not."""
     plain, prompt, _ = _doc_sequences(tokenizer, 512, out)
     res = {"docs": [s[:window] for s in plain], "docs-prompt": [s[:window] for s in prompt]}
     turn = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    kept_rag: list[list[int]] = []
     for kind in ("continue", "chat", "rag"):
         res[kind] = []
         for _, ids in _unique_samples(out, kind):
@@ -183,10 +192,111 @@ def pools(tokenizer, out: Path, window: int, rag_window: int) -> dict[str, list[
                 ids = cut_loop(ids, turn)
                 if len(ids) - reply_start(ids, turn) < 8 + 2:  # "assistant\n" and 8 tokens of answer
                     continue
+                kept_rag.append(ids)
             ids = ids[-rag_window:] if kind == "rag" else ids[:window]
             if len(ids) >= 16:
                 res[kind].append(torch.tensor(ids, dtype=torch.int32))
+    if long_window > 0:
+        res["rag-long"] = []
+        lengthener = Lengthener(tokenizer)
+        for ids in kept_rag:
+            longer = lengthener(ids, random.Random(hash_ids(ids)), long_window)
+            if longer is not None:
+                res["rag-long"].append(torch.tensor(longer, dtype=torch.int32))
     return res
+
+
+def hash_ids(ids: list[int]) -> int:
+    """A seed from a sequence's tokens, the same in every process (Python's hash of a tuple is too,
+    but says nothing of that in its contract)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(json.dumps(ids).encode(), digest_size=8).digest(), "little")
+
+
+class Lengthener:
+    """Rebuilds a teacher RAG sample (the gateway's /query prompt, then the teacher's reply) with
+    more documents: its own, and passages of the training documents drawn as distractors, 3-10 in
+    all (as many as the real-question benchmark's prompts hold) in a shuffled order, so the document the reply
+    reads lands anywhere, up to ~3,000 tokens from the question. The prompt is built by the
+    gateway's Prompter, exactly as /query builds it; the reply's tokens stay as the teacher wrote
+    them (stage 2 asks the teacher anew for its distribution over the longer prompt, so the
+    targets are the teacher's own on that prompt). Distractors: `distractor_passages`."""
+
+    _PROMPT = re.compile(r"<\|im_start\|>user\n(Document: .*)Question: (.*)<\|im_end\|>\n<\|im_start\|>$", re.S)
+
+    def __init__(self, tokenizer, passages: Sequence[str] | None = None) -> None:
+        from app.service.prompter import Prompter
+        from app.service.settings import Settings
+        from hypic_core.models.registry import KNOWN_MODELS
+
+        layout = Settings(_env_file=None, model="smollm2-135m-instruct").prompt_layout(
+            tokenizer, KNOWN_MODELS["smollm2-135m-instruct"].prompt)
+        self.tok, self.prompter = tokenizer, Prompter(tokenizer, layout, 8192)
+        self.turn = tokenizer.convert_tokens_to_ids("<|im_start|>")
+        self.passages = passages if passages is not None else distractor_passages()
+
+    def split(self, ids: list[int]) -> tuple[list[str], str, list[int]] | None:
+        """(documents, question, reply tokens) of a RAG sample, or None unless its prompt is the
+        one the Prompter builds from those documents and question (so `build` gives it back)."""
+        found = self._PROMPT.search(self.tok.decode(ids[:reply_start(ids, self.turn)]))
+        if not found:
+            return None
+        docs = [d[:-2] if d.endswith("\n\n") else d for d in found.group(1).split("Document: ")[1:]]
+        prompt = self.prompt(docs, found.group(2))
+        return (docs, found.group(2), ids[len(prompt):]) if ids[:len(prompt)] == prompt else None
+
+    def prompt(self, docs: list[str], question: str) -> list[int]:
+        from retrieval.document import Chunk, chunk_id_for
+        from retrieval.index import SearchHit
+
+        hits = [SearchHit(float(i), Chunk(chunk_id_for(t), f"c{i}", "", "gen", 0, t, 0)) for i, t in enumerate(docs)]
+        return [t for seg in self.prompter.query(question, hits, reserve=64).segments for t in seg]
+
+    def __call__(self, ids: list[int], rng: random.Random, limit: int) -> list[int] | None:
+        parts = self.split(ids)
+        if parts is None:
+            return None
+        docs, question, reply = parts
+        want = rng.randint(max(3, len(docs) + 1), 10)
+        have = {" ".join(d.split()) for d in docs}
+        docs, size = list(docs), len(ids)
+        while len(docs) < want:
+            extra = rng.choice(self.passages)
+            cost = len(self.tok.encode(extra, add_special_tokens=False)) + 4
+            if " ".join(extra.split()) in have:
+                continue
+            if size + cost > limit:
+                break
+            docs.append(extra)
+            have.add(" ".join(extra.split()))
+            size += cost
+        rng.shuffle(docs)
+        longer = self.prompt(docs, question) + reply
+        return longer if len(longer) <= limit else None
+
+
+@functools.lru_cache(maxsize=1)
+def distractor_passages(lo: int = 100, hi: int = 250) -> tuple[str, ...]:
+    """Passages like the benchmark's retrieved chunks (a few paragraphs of one document, `lo`-`hi`
+    words): runs of consecutive training paragraphs, and this project's docs, clear of data/real_qa."""
+    from training.hybrid.data import documents, excluded_shingles, shingles
+    from training.hybrid.generate import project_docs
+
+    docs, _ = documents()  # already clear of data/real_qa
+    bad = excluded_shingles()
+    res = []
+    for paras in [d.split("\n\n") for d in docs] + [[p for p in project_docs() if not shingles(p) & bad]]:
+        run: list[str] = []
+        for para in paras + [None]:
+            words = sum(len(q.split()) for q in run)
+            if para is None or (run and words + len(para.split()) > hi):
+                if words >= lo:
+                    res.append("\n\n".join(run))
+                run = []
+            if para is not None and len(para.split()) <= hi:
+                run.append(para)
+    return tuple(res)
 
 
 def _unique_samples(out: Path | None, kind: str) -> list[tuple[str, list[int]]]:
@@ -282,7 +392,7 @@ def stage1(args, teacher, tok, cfg, tsd, out: Path) -> dict:
     states = torch.load(state_file) if state_file.is_file() else {}
     if all(C.has_mixer_state(states.get(i, {})) for i in layers):
         return states
-    pool = pools(tok, out, args.stage1_window, args.stage1_window)
+    pool = pools(tok, out, args.stage1_window, args.stage1_window, long_window=0)
     rng = random.Random(0)
     cand = [s for n, _ in MIXTURE for s in pool[n] if len(s) >= args.stage1_window]
     rng.shuffle(cand)
@@ -493,7 +603,7 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
         opt_state = None
     if opt_state is not None:
         opt.load_state_dict(opt_state)
-    pool = pools(tok, out, args.window, args.rag_window)
+    pool = pools(tok, out, args.window, args.rag_window, args.long_window)
     turn = tok.convert_tokens_to_ids("<|im_start|>")
     deadline, t0, last_save = time.time() + args.minutes * 60, time.time(), time.time()
 
@@ -512,8 +622,8 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
             t_logits = teacher(ids).logits
         with autocast:
             s_logits = model(ids).logits
-        weights = reply_weights(ids[0], turn, args.reply_weight, args.copy_weight if kind == "rag" else 1.0) \
-            if kind in ("chat", "rag") else None
+        weights = reply_weights(ids[0], turn, args.reply_weight, args.copy_weight if kind.startswith("rag") else 1.0) \
+            if kind in ("chat", "rag", "rag-long") else None
         loss = kl_loss(t_logits, s_logits, weights)
         with torch.no_grad():
             plain = loss if weights is None else kl_loss(t_logits, s_logits)
@@ -531,7 +641,7 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
         if time.time() - last_save > args.save_minutes * 60:
             save()
             last_save = time.time()
-            pool = pools(tok, out, args.window, args.rag_window)  # new samples from generate.py
+            pool = pools(tok, out, args.window, args.rag_window, args.long_window)  # new samples from generate.py
             _say(f"stage2: checkpoint at step {step}; pools {({k: len(v) for k, v in pool.items()})}")
     save()
     _say(f"stage2 stopped at step {step}; checkpoint {ckpt}")
@@ -545,7 +655,7 @@ def validate(args) -> None:
     cfg = C.bamba_config(json.loads((path / "config.json").read_text()))
     model, _ = build_student(cfg, C.load_teacher_state(path), blob["states"])
     model.eval()
-    pool = pools(tok, out, args.window, args.rag_window)
+    pool = pools(tok, out, args.window, args.rag_window, args.long_window)
     res = {}
     with torch.no_grad():
         for kind, seqs in pool.items():
@@ -689,6 +799,7 @@ def main(argv=None) -> None:
         s.add_argument("--out", default=str(ROOT / "var" / "hybrid"), help="checkpoints, recorded activations, generated data, log")
         s.add_argument("--window", type=int, default=512, help="tokens of each training sequence (a RAG one: --rag-window)")
         s.add_argument("--rag-window", type=int, default=768)
+        s.add_argument("--long-window", type=int, default=3072, help="tokens of a rag-long sequence at most (0: no rag-long pool)")
         s.add_argument("--held", type=int, default=4, help="sequences of each pool held back for validation")
     t = sub.choices["train"]
     t.add_argument("--record", type=int, default=96, help="windows recorded for stage 1")

@@ -76,7 +76,7 @@ def main(argv=None) -> None:
         states = D.shipped_states(C.bamba_config(teacher_cfg, attn=attn), shipped)
     cfg = C.bamba_config(teacher_cfg, attn=attn)
     turn = tok.convert_tokens_to_ids("<|im_start|>")
-    seqs = D.pools(tok, Path(args.run), 512, args.rag_window)["rag"][:args.samples]
+    seqs = D.pools(tok, Path(args.run), 512, args.rag_window, long_window=0)["rag"][:args.samples]
     spans, t_logp = [], []
     with torch.no_grad():
         for s in seqs:
