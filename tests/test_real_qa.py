@@ -179,3 +179,21 @@ def test_shares_of_an_accuracy_run_join_in_question_order():
     other["seed"] = 1
     with pytest.raises(SystemExit, match="different runs"):
         bench.join([share(0, [0, 1], 1), other])
+
+
+def test_accuracy_by_position_counts_answers_by_documents_between_gold_and_question(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_accuracy_by_position", ROOT / "bench" / "accuracy_by_position.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [{"id": "a", "chunks": 3, "gold_at": 2, "acc": True}, {"id": "b", "chunks": 10, "gold_at": 0, "acc": True},
+            {"id": "c", "chunks": 5, "gold_at": 1, "acc": False}, {"id": "d", "chunks": 4, "gold_at": 2, "acc": True}]
+    assert [bench.documents_after_gold(r) for r in rows] == [0, 9, 3, 1]
+    assert bench.by_position(rows) == {"0": (1, 1), "1-2": (1, 1), "3-4": (0, 1), "5-9": (1, 1)}
+    one, other = tmp_path / "accuracy_real_one.json", tmp_path / "accuracy_real_other.json"
+    one.write_text(json.dumps({"rows": {"full": rows}}))
+    other.write_text(json.dumps({"rows": {"full": [dict(r, acc=False) for r in rows]}}))
+    text = bench.table([one, other])
+    assert "| one | other |" in text and "| 5-9 | 1 | 1 | 0 |" in text and text.endswith("| all | 4 | 3 | 0 |")
+    other.write_text(json.dumps({"rows": {"full": rows[:3]}}))
+    with pytest.raises(SystemExit, match="different questions"):
+        bench.table([one, other])
