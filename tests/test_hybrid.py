@@ -612,3 +612,19 @@ def test_distractor_passages_are_runs_of_whole_paragraphs_clear_of_the_evaluatio
     assert all(100 <= len(p.split()) <= 250 for p in passages)
     bad = excluded_shingles()
     assert not any(shingles(p) & bad for p in passages)
+
+
+def test_progress_plot_draws_a_pool_added_by_a_later_run_from_its_first_validation(tmp_path):
+    from training.hybrid import progress
+
+    log = tmp_path / "log.jsonl"
+    lines = [{"stage": 2, "step": s} for s in (1, 2)] + [{"stage": "validate", "step": 2, "held_kl": {"rag": 0.2}},
+             {"stage": "resume", "note": "steps count from 0 again, from the mixers of stage 1 + 2 stage-2 steps"},
+             {"stage": "validate", "step": 0, "held_kl": {"rag": 0.19, "rag-long": 0.3}}, {"stage": 2, "step": 1},
+             {"stage": "validate", "step": 1, "held_kl": {"rag": 0.18, "rag-long": 0.25}}]
+    log.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    assert progress.validations(log.read_text().splitlines()) == [
+        (2, {"rag": 0.2}), (2, {"rag": 0.19, "rag-long": 0.3}), (3, {"rag": 0.18, "rag-long": 0.25})]
+    out = tmp_path / "p.png"
+    progress.plot(log, {}, out)
+    assert out.stat().st_size > 1000

@@ -74,8 +74,9 @@ def plot(log: Path, points: dict[int, Path], out: Path) -> None:
     for n, step in enumerate(layout_changes(lines)):
         for ax in (ax_kl, ax_acc):
             ax.axvline(step, color="black", linestyle=":", label="layers re-chosen (relayer)" if n == 0 else None)
-    for pool in vals[-1][1]:
-        ax_kl.plot([s for s, _ in vals], [kl[pool] for _, kl in vals], marker="o", label=pool)
+    for pool in vals[-1][1]:  # a pool added later (rag-long) starts at its first validation
+        have = [(s, kl[pool]) for s, kl in vals if pool in kl]
+        ax_kl.plot([s for s, _ in have], [v for _, v in have], marker="o", label=pool)
     ax_kl.set_xlabel("stage-2 steps (one sequence each)")
     ax_kl.set_ylabel("held-back KL(teacher || hybrid)")
     ax_kl.set_title("held-back KL per pool")
