@@ -601,6 +601,8 @@ def test_a_rag_sample_lengthens_to_the_gateways_prompt_with_its_documents_and_re
     ids, (docs, _, _) = kept[0]
     tight = lengthen(ids, random.Random(0), len(ids) + 10)  # no distractor fits: its own documents alone
     assert tight is not None and len(tight) == len(ids) and sorted(lengthen.split(tight)[0]) == sorted(docs)
+    lone = Lengthener(tok, passages[:1])  # fewer passages than it wants: it takes what there is and stops
+    assert sorted(lone.split(lone(ids, random.Random(0), 3072))[0]) == sorted(docs + passages[:1])
 
 
 def test_distractor_passages_are_runs_of_whole_paragraphs_clear_of_the_evaluation():

@@ -177,7 +177,7 @@ def pools(tokenizer, out: Path, window: int, rag_window: int, long_window: int =
     (a RAG sequence keeps its last `rag_window` tokens, the answer; the others their first `window`;
     a RAG sample whose reply is no answer, `non_answer`, is left out, and one whose reply loops
     is cut where the loop starts, `cut_loop`, or left out when less than 8 reply tokens remain).
-    `rag-long` holds every kept RAG sample again, `lengthen`ed to 3-10 documents (at most
+    `rag-long` holds every kept RAG sample again, rebuilt by `Lengthener` over 3-10 documents (at most
     `long_window` tokens): the gateway's prompts are that long, the teacher's samples are not."""
     plain, prompt, _ = _doc_sequences(tokenizer, 512, out)
     res = {"docs": [s[:window] for s in plain], "docs-prompt": [s[:window] for s in prompt]}
@@ -207,8 +207,7 @@ def pools(tokenizer, out: Path, window: int, rag_window: int, long_window: int =
 
 
 def hash_ids(ids: list[int]) -> int:
-    """A seed from a sequence's tokens, the same in every process (Python's hash of a tuple is too,
-    but says nothing of that in its contract)."""
+    """A seed from a sequence's tokens, the same in every process and Python version."""
     import hashlib
 
     return int.from_bytes(hashlib.blake2b(json.dumps(ids).encode(), digest_size=8).digest(), "little")
@@ -238,7 +237,7 @@ class Lengthener:
 
     def split(self, ids: list[int]) -> tuple[list[str], str, list[int]] | None:
         """(documents, question, reply tokens) of a RAG sample, or None unless its prompt is the
-        one the Prompter builds from those documents and question (so `build` gives it back)."""
+        one the Prompter builds from those documents and question (so `prompt` gives it back)."""
         found = self._PROMPT.search(self.tok.decode(ids[:reply_start(ids, self.turn)]))
         if not found:
             return None
@@ -261,7 +260,9 @@ class Lengthener:
         want = rng.randint(max(3, len(docs) + 1), 10)
         have = {" ".join(d.split()) for d in docs}
         docs, size = list(docs), len(ids)
-        while len(docs) < want:
+        for _ in range(100):  # draws, duplicates included (a short passage list cannot loop forever)
+            if len(docs) >= want:
+                break
             extra = rng.choice(self.passages)
             cost = len(self.tok.encode(extra, add_special_tokens=False)) + 4
             if " ".join(extra.split()) in have:
@@ -394,7 +395,7 @@ def stage1(args, teacher, tok, cfg, tsd, out: Path) -> dict:
         return states
     pool = pools(tok, out, args.stage1_window, args.stage1_window, long_window=0)
     rng = random.Random(0)
-    cand = [s for n, _ in MIXTURE for s in pool[n] if len(s) >= args.stage1_window]
+    cand = [s for n, _ in MIXTURE for s in pool.get(n, ()) if len(s) >= args.stage1_window]  # no rag-long here
     rng.shuffle(cand)
     windows = torch.stack(cand[:args.record])
     todo = [i for i in layers if not C.has_mixer_state(states.get(i, {}))]
