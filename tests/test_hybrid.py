@@ -592,7 +592,7 @@ def test_a_rag_sample_lengthens_to_the_gateways_prompt_with_its_documents_and_re
     assert sum(p is not None for p in parts) > 0.9 * len(shipped)
     kept = [(ids, part) for ids, part in zip(shipped, parts) if part is not None]
     for ids, (docs, question, reply) in kept[:40]:
-        assert lengthen.prompt(docs, question) + reply == ids and 1 <= len(docs) <= 5 and question.endswith("?")
+        assert lengthen.prompt(question, docs) + reply == ids and 1 <= len(docs) <= 5 and question.endswith("?")
         longer = lengthen(ids, random.Random(0), 3072)
         assert longer is not None and len(ids) < len(longer) <= 3072
         more, question2, reply2 = lengthen.split(longer)

@@ -225,13 +225,9 @@ class Lengthener:
     _PROMPT = re.compile(r"<\|im_start\|>user\n(Document: .*)Question: (.*)<\|im_end\|>\n<\|im_start\|>$", re.S)
 
     def __init__(self, tokenizer, passages: Sequence[str] | None = None) -> None:
-        from app.service.prompter import Prompter
-        from app.service.settings import Settings
-        from hypic_core.models.registry import KNOWN_MODELS
+        from training.hybrid.generate import RagPrompter
 
-        layout = Settings(_env_file=None, model="smollm2-135m-instruct").prompt_layout(
-            tokenizer, KNOWN_MODELS["smollm2-135m-instruct"].prompt)
-        self.tok, self.prompter = tokenizer, Prompter(tokenizer, layout, 8192)
+        self.tok, self.prompt = tokenizer, RagPrompter(tokenizer, 8192)  # prompt(question, docs): the /query prompt
         self.turn = tokenizer.convert_tokens_to_ids("<|im_start|>")
         self.passages = passages if passages is not None else distractor_passages()
 
@@ -242,15 +238,8 @@ class Lengthener:
         if not found:
             return None
         docs = [d[:-2] if d.endswith("\n\n") else d for d in found.group(1).split("Document: ")[1:]]
-        prompt = self.prompt(docs, found.group(2))
+        prompt = self.prompt(found.group(2), docs)
         return (docs, found.group(2), ids[len(prompt):]) if ids[:len(prompt)] == prompt else None
-
-    def prompt(self, docs: list[str], question: str) -> list[int]:
-        from retrieval.document import Chunk, chunk_id_for
-        from retrieval.index import SearchHit
-
-        hits = [SearchHit(float(i), Chunk(chunk_id_for(t), f"c{i}", "", "gen", 0, t, 0)) for i, t in enumerate(docs)]
-        return [t for seg in self.prompter.query(question, hits, reserve=64).segments for t in seg]
 
     def __call__(self, ids: list[int], rng: random.Random, limit: int) -> list[int] | None:
         parts = self.split(ids)
@@ -264,16 +253,16 @@ class Lengthener:
             if len(docs) >= want:
                 break
             extra = rng.choice(self.passages)
-            cost = len(self.tok.encode(extra, add_special_tokens=False)) + 4
-            if " ".join(extra.split()) in have:
+            cost, key = len(self.tok.encode(extra, add_special_tokens=False)) + 4, " ".join(extra.split())
+            if key in have:
                 continue
             if size + cost > limit:
                 break
             docs.append(extra)
-            have.add(" ".join(extra.split()))
+            have.add(key)
             size += cost
         rng.shuffle(docs)
-        longer = self.prompt(docs, question) + reply
+        longer = self.prompt(question, docs) + reply
         return longer if len(longer) <= limit else None
 
 

@@ -84,6 +84,26 @@ def sample(model, tok, prompts: list[list[int]], new_tokens: int, temperature: f
     return res
 
 
+class RagPrompter:
+    """The gateway's /query prompt for SmolLM2 (app/service/prompter.py, its named layout): the
+    token ids of `question` asked over `docs`, in that order, as /query would send them."""
+
+    def __init__(self, tok, context: int) -> None:
+        from app.service.prompter import Prompter
+        from app.service.settings import Settings
+        from hypic_core.models.registry import KNOWN_MODELS
+
+        layout = Settings(_env_file=None, model="smollm2-135m-instruct").prompt_layout(tok, KNOWN_MODELS["smollm2-135m-instruct"].prompt)
+        self.prompter = Prompter(tok, layout, context)
+
+    def __call__(self, question: str, docs: list[str]) -> list[int]:
+        from retrieval.document import Chunk, chunk_id_for
+        from retrieval.index import SearchHit
+
+        hits = [SearchHit(float(i), Chunk(chunk_id_for(t), f"c{i}", "", "gen", 0, t, 0)) for i, t in enumerate(docs)]
+        return [t for seg in self.prompter.query(question, hits, reserve=64).segments for t in seg]
+
+
 def chat_ids(tok, user: str, system: str | None = None) -> list[int]:
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
     return tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
@@ -100,19 +120,13 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=None, help="default: from the lines already written (a rerun continues)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from app.service.prompter import Prompter
-    from app.service.settings import Settings
-    from hypic_core.models.registry import KNOWN_MODELS
-    from retrieval.document import Chunk, chunk_id_for
-    from retrieval.index import SearchHit
     from training.hybrid.distill import _load_teacher
 
     out = Path(args.out) / "gen"
     out.mkdir(parents=True, exist_ok=True)
     _, model, tok = _load_teacher()
     tok.padding_side = "left"
-    layout = Settings(_env_file=None, model="smollm2-135m-instruct").prompt_layout(tok, KNOWN_MODELS["smollm2-135m-instruct"].prompt)
-    prompter = Prompter(tok, layout, 2048)
+    rag_prompt = RagPrompter(tok, 2048)
     bad = excluded_shingles()
     docs, _ = documents()
     paras = [q for d in docs for q in d.split("\n\n") if 30 <= len(q.split()) <= 250] + project_docs()
@@ -161,8 +175,7 @@ def main(argv=None) -> None:
                 question = found.group(1).strip()
                 chunks = [g] + [" ".join(rng.choice(paras).split()[:200]) for _ in range(rng.randint(1, 3))]
                 rng.shuffle(chunks)
-                hits = [SearchHit(float(i), Chunk(chunk_id_for(t), f"c{i}", "", "gen", 0, t, 0)) for i, t in enumerate(chunks)]
-                prompts.append([t for seg in prompter.query(question, hits, reserve=64).segments for t in seg])
+                prompts.append(rag_prompt(question, chunks))
             if prompts:
                 gen = sample(model, tok, prompts, 64, 0.0, bf16)
                 keep(kind, 0.0, [a + b for a, b in zip(prompts, gen)])
