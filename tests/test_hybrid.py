@@ -630,3 +630,46 @@ def test_progress_plot_draws_a_pool_added_by_a_later_run_from_its_first_validati
     out = tmp_path / "p.png"
     progress.plot(log, {}, out)
     assert out.stat().st_size > 1000
+
+
+def test_hypic_view_is_full_with_a_seam_over_every_segment_and_trains_the_reading_of_a_stitched_prompt(tiny_llama):
+    """HypicView: the engine's stitched prefill, then the question and reply with autograd. With a
+    seam longer than every segment it is the student's `full` forward (the exactness invariant);
+    at seam 2 it differs, and its loss reaches the trained parameters."""
+    from training.hybrid.distill import HypicView, build_student
+
+    path, llama = tiny_llama
+    cfg = H.bamba_config(llama.config.to_dict())
+    student, params = build_student(cfg, H.load_teacher_state(path), {})
+    student.train()
+    ids = _ids(70, seed=5)[0].tolist()
+    segments = (tuple(ids[:6]), tuple(ids[6:20]), tuple(ids[20:37]), tuple(ids[37:50]), tuple(ids[50:58]))  # question last
+    with torch.no_grad():
+        full = student(torch.tensor([ids])).logits[0]
+    start, wide = HypicView(seam=64).logits(student, segments, ids)
+    assert student.training  # the engine's eval() is undone
+    assert start == 51 and wide.shape == (len(ids) - 1 - start, full.shape[-1])
+    assert torch.allclose(wide, full[start:-1], atol=1e-4), (wide - full[start:-1]).abs().max()
+    start, narrow = HypicView(seam=2).logits(student, segments, ids)
+    assert not torch.allclose(narrow, full[start:-1], atol=1e-3)
+    narrow.logsumexp(-1).mean().backward()
+    assert sum(float(p.grad.abs().sum()) for p in params if p.grad is not None) > 0
+
+
+def test_hypic_view_segments_a_rag_sample_as_the_gateway_does(hybrid_dir):
+    from transformers import AutoTokenizer
+
+    from training.hybrid.distill import HypicView, _unique_samples
+
+    view = HypicView(AutoTokenizer.from_pretrained(hybrid_dir))
+    found = 0
+    for _, ids in _unique_samples(None, "rag")[-20:]:
+        segments = view.segments(ids)
+        if segments is None:
+            continue
+        found += 1
+        prompt = [t for s in segments for t in s]
+        assert ids[:len(prompt)] == prompt and len(prompt) < len(ids) and len(segments) >= 4  # lead, "Document:" lead, docs, question
+        assert view.lengthener.tok.decode(segments[-1]).startswith("Question: ")
+    assert found >= 15
+    assert view.segments(_unique_samples(None, "rag")[-1][1][-50:]) is None  # a cut sequence is not a prompt

@@ -22,7 +22,11 @@ tokens); the gateway's prompts, and the real-question benchmark's, hold 3-10 ret
 passages up to that length, so the mixers learn to carry a document across ~3,000 tokens; the
 teacher's targets are computed on the longer prompt. In a chat or RAG sequence the reply's positions weigh
 `--reply-weight` times the prompt's: they are where the student must read the documents (and
-a RAG reply's positions that predict a word copied from them `--copy-weight` times more). `stage2.pt` (mixers, optimiser,
+a RAG reply's positions that predict a word copied from them `--copy-weight` times more). With
+`--hypic-weight`, a RAG sequence's question and reply are also run as the gateway's `hypic` mode
+serves them (`HypicView`: the documents stitched from chunks computed alone, `--hypic-seam` tokens
+of each recomputed in context), and the KL to the teacher's full-prompt distribution there is added:
+the student learns to answer from what reuse gives it, not only from a full prefill. `stage2.pt` (mixers, optimiser,
 step) is written atomically every `--save-minutes`; without any checkpoint in `--out`, stage 2
 starts from the shipped `models/smollm2-hybrid-135m/mixers.safetensors` when it is of this
 recipe (a machine without the previous run's folder still continues from what was shipped).
@@ -287,6 +291,68 @@ def distractor_passages(lo: int = 100, hi: int = 250) -> tuple[str, ...]:
             if para is not None and len(para.split()) <= hi:
                 run.append(para)
     return tuple(res)
+
+
+class HypicView:
+    """A RAG sequence as the gateway's `hypic` mode serves it, with gradients where it can have them.
+
+    The prompt's documents are stitched by the engine itself (hypic_core, `Engine.prefill`): each
+    computed alone from an empty state, its first `seam` tokens recomputed in context, the mixers'
+    states composed, as /query computes them; then the question and the reply run over that cache
+    through the same model with autograd on. So a loss on these logits trains how the question and
+    the answer read what hypic serves (the cached documents themselves are computed without
+    gradients: what is trained is the reading, not the writing). With a seam as long as every
+    segment the logits are `full`'s (the engine's exactness invariant; tests/test_hybrid.py).
+    """
+
+    def __init__(self, tokenizer=None, seam: int = 8) -> None:
+        # the tokenizer is needed by `segments` only
+        self.lengthener = Lengthener(tokenizer, passages=()) if tokenizer is not None else None
+        self.seam = seam
+
+    def segments(self, ids: list[int]) -> tuple[tuple[int, ...], ...] | None:
+        """The /query segments of a RAG sequence's prompt (leading segment, documents, question),
+        or None for a sequence that is not one the Prompter builds (cut, or written before it)."""
+        parts = self.lengthener.split(ids)
+        if parts is None:
+            return None
+        docs, question, _ = parts
+        return self.lengthener.prompt.segments(question, docs)
+
+    def logits(self, model, segments: tuple[tuple[int, ...], ...], ids: list[int]) -> tuple[int, torch.Tensor]:
+        """(start, logits [len(ids) - 1 - start, vocab]): the next-token logits at positions
+        start..len(ids)-2 of `ids` (the prompt of `segments`, then the reply), the context stitched
+        in `hypic` mode at `self.seam`, the question from its second token on and the reply run with
+        autograd. The question's first token is part of the engine's prefill (a request needs a
+        question), so the logits start at the one after it."""
+        from hypic_core.config import EngineConfig, GenerationRequest, Mode
+        from hypic_core.engine.engine import Engine
+
+        training = model.training
+        try:  # a fresh engine and store: the weights change every step, so no entry may outlive it
+            engine = Engine(model, None, EngineConfig(seam=self.seam, memory_budget_bytes=1 << 30))
+            request = GenerationRequest(tuple(segments[:-1]) + (segments[-1][:1],), mode=Mode.HYPIC, seam=self.seam)
+            pre = engine.prefill(request)
+        finally:
+            model.train(training)
+        cache = trainable_cache(pre.cache)
+        rest = torch.tensor([ids[pre.position:-1]], dtype=torch.long)
+        pos = torch.arange(pre.position, len(ids) - 1)[None]
+        return pre.position, model(input_ids=rest, position_ids=pos, cache=cache, use_cache=True).logits[0]
+
+
+def trainable_cache(cache):
+    """`cache` (a transformers cache filled under inference mode) with every tensor of every layer
+    cloned into an ordinary tensor, so a forward with autograd may read and update it."""
+    for layer in cache.layers:
+        for name, value in list(vars(layer).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(layer, name, value.clone())
+            elif isinstance(value, dict):
+                for k, v in list(value.items()):
+                    if isinstance(v, torch.Tensor):
+                        value[k] = v.clone()
+    return cache
 
 
 def _unique_samples(out: Path | None, kind: str) -> list[tuple[str, list[int]]]:
@@ -595,6 +661,7 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
         opt.load_state_dict(opt_state)
     pool = pools(tok, out, args.window, args.rag_window, args.long_window)
     turn = tok.convert_tokens_to_ids("<|im_start|>")
+    view = HypicView(tok, args.hypic_seam) if args.hypic_weight > 0 else None
     deadline, t0, last_save = time.time() + args.minutes * 60, time.time(), time.time()
 
     def save():
@@ -617,6 +684,18 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
         loss = kl_loss(t_logits, s_logits, weights)
         with torch.no_grad():
             plain = loss if weights is None else kl_loss(t_logits, s_logits)
+        seen = {}
+        segments = view.segments(seq.tolist()) if view is not None and kind in ("rag", "rag-long") else None
+        if segments is not None:
+            # the same targets for the answer as hypic serves it (HypicView): the teacher's full-prompt
+            # distribution, from the question's second token on, with the same position weights
+            with autocast:
+                start, h_logits = view.logits(model, segments, seq.tolist())
+            hyp = kl_loss(t_logits[:, start:-1], h_logits[None], None if weights is None else weights[start:-1])
+            loss = loss + args.hypic_weight * hyp
+            with torch.no_grad():  # unweighted, beside full's on the same positions: the gap being trained
+                seen = {"hypic_kl": kl_loss(t_logits[:, start:-1], h_logits[None]).item(),
+                        "full_kl_answer": kl_loss(t_logits[:, start:-1], s_logits[:, start:-1]).item()}
         opt.zero_grad()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -625,9 +704,10 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
             gr["lr"] = lr
         opt.step()
         step += 1
-        _log(out, {"stage": 2, "step": step, "kind": kind, "tokens": ids.shape[1], "kl": plain.item(), "loss": loss.item(),
+        _log(out, {"stage": 2, "step": step, "kind": kind, "tokens": ids.shape[1], "kl": plain.item(), "loss": loss.item(), **seen,
                    "grad_norm": float(norm), "lr": lr, "seconds": round(time.time() - ts, 2), "time": time.time()})
-        _say(f"stage2 step {step} {kind:11s} {ids.shape[1]:4d} tok KL {plain.item():.4f} loss {loss.item():.4f} ({time.time() - ts:.1f}s)")
+        gap = f" answer KL full {seen['full_kl_answer']:.4f} hypic {seen['hypic_kl']:.4f}" if seen else ""
+        _say(f"stage2 step {step} {kind:11s} {ids.shape[1]:4d} tok KL {plain.item():.4f} loss {loss.item():.4f}{gap} ({time.time() - ts:.1f}s)")
         if time.time() - last_save > args.save_minutes * 60:
             save()
             last_save = time.time()
@@ -652,6 +732,20 @@ def validate(args) -> None:
             vals = [float(kl_loss(teacher(s[None].long()).logits, model(s[None].long()).logits)) for s in seqs[:args.held]]
             if vals:
                 res[kind] = sum(vals) / len(vals)
+        # the held-back long RAG prompts' question and reply: as `full` computes them and as hypic
+        # serves them at seam 8 (HypicView); the difference is what reuse costs this checkpoint
+        view, answer = HypicView(tok, 8), {"full": [], "hypic": []}
+        for s in pool.get("rag-long", [])[:args.held]:
+            segments = view.segments(s.tolist())
+            if segments is None:
+                continue
+            start, h_logits = view.logits(model, segments, s.tolist())
+            t_logits = teacher(s[None].long()).logits
+            answer["full"].append(float(kl_loss(t_logits[:, start:-1], model(s[None].long()).logits[:, start:-1])))
+            answer["hypic"].append(float(kl_loss(t_logits[:, start:-1], h_logits[None])))
+        for how, vals in answer.items():
+            if vals:
+                res[f"rag-long answer, {how}"] = sum(vals) / len(vals)
     _log(out, {"stage": "validate", "step": blob["step"], "held_kl": res, "time": time.time()})
     print(json.dumps({"step": blob["step"], "held_kl": res}))
 
@@ -812,6 +906,9 @@ def main(argv=None) -> None:
                    help="multiplies the reply weight of a RAG reply's positions that predict a token copied from its documents")
     t.add_argument("--draw-seed", type=int, default=0,
                    help="seeds stage 2's draws with the step (0: the step alone); give a run from the shipped mixers a new one")
+    t.add_argument("--hypic-weight", type=float, default=0.0,
+                   help="adds this times the KL of a RAG sequence's question and reply as hypic serves them (HypicView; 0: off)")
+    t.add_argument("--hypic-seam", type=int, default=8, help="the seam of --hypic-weight's stitched prompts")
     t.add_argument("--mix", type=_mixture, default=MIXTURE, help="stage 2's pool weights, e.g. docs=0.2,rag=0.8 (default: "
                    + ",".join(f"{n}={w}" for n, w in MIXTURE) + ")")
     x = sub.choices["export"]

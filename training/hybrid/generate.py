@@ -96,12 +96,16 @@ class RagPrompter:
         layout = Settings(_env_file=None, model="smollm2-135m-instruct").prompt_layout(tok, KNOWN_MODELS["smollm2-135m-instruct"].prompt)
         self.prompter = Prompter(tok, layout, context)
 
-    def __call__(self, question: str, docs: list[str]) -> list[int]:
+    def segments(self, question: str, docs: list[str]) -> tuple[tuple[int, ...], ...]:
+        """The prompt as /query hands it to the engine: the leading segment, one per document, the question last."""
         from retrieval.document import Chunk, chunk_id_for
         from retrieval.index import SearchHit
 
         hits = [SearchHit(float(i), Chunk(chunk_id_for(t), f"c{i}", "", "gen", 0, t, 0)) for i, t in enumerate(docs)]
-        return [t for seg in self.prompter.query(question, hits, reserve=64).segments for t in seg]
+        return tuple(tuple(seg) for seg in self.prompter.query(question, hits, reserve=64).segments)
+
+    def __call__(self, question: str, docs: list[str]) -> list[int]:
+        return [t for seg in self.segments(question, docs) for t in seg]
 
 
 def chat_ids(tok, user: str, system: str | None = None) -> list[int]:
