@@ -25,8 +25,9 @@ teacher's targets are computed on the longer prompt. In a chat or RAG sequence t
 a RAG reply's positions that predict a word copied from them `--copy-weight` times more). With
 `--hypic-weight`, a RAG sequence's question and reply are also run as the gateway's `hypic` mode
 serves them (`HypicView`: the documents stitched from chunks computed alone, `--hypic-seam` tokens
-of each recomputed in context), and the KL to the teacher's full-prompt distribution there is added:
-the student learns to answer from what reuse gives it, not only from a full prefill. `stage2.pt` (mixers, optimiser,
+of each recomputed in context), and the KL to the teacher's full-prompt distribution there is added,
+so the student's answer is trained on what reuse gives it, not only on a full prefill (the cached
+documents carry no gradient; measured in docs/accuracy.md, it did not close the reuse gap). `stage2.pt` (mixers, optimiser,
 step) is written atomically every `--save-minutes`; without any checkpoint in `--out`, stage 2
 starts from the shipped `models/smollm2-hybrid-135m/mixers.safetensors` when it is of this
 recipe (a machine without the previous run's folder still continues from what was shipped).
