@@ -728,22 +728,22 @@ def validate(args) -> None:
     model.eval()
     pool = pools(tok, out, args.window, args.rag_window, args.long_window)
     res = {}
+    # the held-back long RAG prompts' question and reply are also measured as hypic serves them at
+    # seam 8 (HypicView), beside `full` on the same positions: the difference is what reuse costs
+    view, answer = HypicView(tok, 8), {"full": [], "hypic": []}
     with torch.no_grad():
         for kind, seqs in pool.items():
-            vals = [float(kl_loss(teacher(s[None].long()).logits, model(s[None].long()).logits)) for s in seqs[:args.held]]
+            vals = []
+            for s in seqs[:args.held]:
+                t_logits, s_logits = teacher(s[None].long()).logits, model(s[None].long()).logits
+                vals.append(float(kl_loss(t_logits, s_logits)))
+                segments = view.segments(s.tolist()) if kind == "rag-long" else None
+                if segments is not None:
+                    start, h_logits = view.logits(model, segments, s.tolist())
+                    answer["full"].append(float(kl_loss(t_logits[:, start:-1], s_logits[:, start:-1])))
+                    answer["hypic"].append(float(kl_loss(t_logits[:, start:-1], h_logits[None])))
             if vals:
                 res[kind] = sum(vals) / len(vals)
-        # the held-back long RAG prompts' question and reply: as `full` computes them and as hypic
-        # serves them at seam 8 (HypicView); the difference is what reuse costs this checkpoint
-        view, answer = HypicView(tok, 8), {"full": [], "hypic": []}
-        for s in pool.get("rag-long", [])[:args.held]:
-            segments = view.segments(s.tolist())
-            if segments is None:
-                continue
-            start, h_logits = view.logits(model, segments, s.tolist())
-            t_logits = teacher(s[None].long()).logits
-            answer["full"].append(float(kl_loss(t_logits[:, start:-1], model(s[None].long()).logits[:, start:-1])))
-            answer["hypic"].append(float(kl_loss(t_logits[:, start:-1], h_logits[None])))
         for how, vals in answer.items():
             if vals:
                 res[f"rag-long answer, {how}"] = sum(vals) / len(vals)
