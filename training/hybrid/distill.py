@@ -47,6 +47,7 @@ Progress goes to stderr; every step's numbers to `<out>/log.jsonl`. One torch th
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import math
@@ -336,24 +337,10 @@ class HypicView:
             pre = engine.prefill(request)
         finally:
             model.train(training)
-        cache = trainable_cache(pre.cache)
+        cache = copy.deepcopy(pre.cache)  # outside inference mode: ordinary tensors, which autograd may read and update
         rest = torch.tensor([ids[pre.position:-1]], dtype=torch.long)
         pos = torch.arange(pre.position, len(ids) - 1)[None]
         return pre.position, model(input_ids=rest, position_ids=pos, cache=cache, use_cache=True).logits[0]
-
-
-def trainable_cache(cache):
-    """`cache` (a transformers cache filled under inference mode) with every tensor of every layer
-    cloned into an ordinary tensor, so a forward with autograd may read and update it."""
-    for layer in cache.layers:
-        for name, value in list(vars(layer).items()):
-            if isinstance(value, torch.Tensor):
-                setattr(layer, name, value.clone())
-            elif isinstance(value, dict):
-                for k, v in list(value.items()):
-                    if isinstance(v, torch.Tensor):
-                        value[k] = v.clone()
-    return cache
 
 
 def _unique_samples(out: Path | None, kind: str) -> list[tuple[str, list[int]]]:
