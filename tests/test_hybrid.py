@@ -656,6 +656,55 @@ def test_hypic_view_is_full_with_a_seam_over_every_segment_and_trains_the_readin
     assert sum(float(p.grad.abs().sum()) for p in params if p.grad is not None) > 0
 
 
+def test_hypic_view_with_documents_gives_the_engines_logits_and_trains_what_the_documents_write(tiny_llama):
+    """HypicView(documents=True): the stitch from pieces that keep their graph equals the engine's
+    stitched prefill (at seam 2, where reuse changes the logits, and with a seam over every segment,
+    where both are `full`); and unlike the engine's cache, its loss reaches the documents' own
+    computation: the gradient of the first document's last embedded token, which only reaches the
+    answer through that document's cached K/V and mixer states."""
+    from training.hybrid.distill import HypicView, build_student
+
+    path, llama = tiny_llama
+    cfg = H.bamba_config(llama.config.to_dict())
+    student, params = build_student(cfg, H.load_teacher_state(path), {})
+    student.train()
+    ids = _ids(70, seed=5)[0].tolist()
+    segments = (tuple(ids[:6]), tuple(ids[6:20]), tuple(ids[20:37]), tuple(ids[37:50]), tuple(ids[50:58]))
+    with torch.no_grad():
+        full = student(torch.tensor([ids])).logits[0]
+    start, wide = HypicView(seam=64, documents=True).logits(student, segments, ids)
+    assert start == 51 and student.training
+    assert torch.allclose(wide, full[start:-1], atol=1e-4), (wide - full[start:-1]).abs().max()
+    with torch.no_grad():
+        _, engine = HypicView(seam=2).logits(student, segments, ids)
+    start, narrow = HypicView(seam=2, documents=True).logits(student, segments, ids)
+    assert torch.allclose(narrow, engine, atol=1e-4), (narrow - engine).abs().max()
+    assert not torch.allclose(narrow, full[start:-1], atol=1e-3)
+
+    # what reaches the cache from inside a document: each forward's embedded tokens made a leaf,
+    # the gradient taken at the second segment's last token (a body token at seam 2, computed
+    # alone: it reaches the reply only through that segment's cached K/V and mixer states)
+    leaves = []
+
+    def leaf(module, args, out):
+        if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+            return out
+        leaves.append(out.detach().requires_grad_())
+        return leaves[-1]
+
+    hook = student.get_input_embeddings().register_forward_hook(leaf)
+    try:
+        _, logits = HypicView(seam=2, documents=True).logits(student, segments, ids)
+    finally:
+        hook.remove()
+    doc = next(e for e in leaves if e.shape[1] == len(segments[1]))
+    (grad,) = torch.autograd.grad(logits.logsumexp(-1).mean(), doc)
+    assert float(grad[0, -1].abs().sum()) > 0 and float(grad[0, 2:].abs().sum()) > 0
+    student.zero_grad()
+    narrow.logsumexp(-1).mean().backward()
+    assert sum(float(p.grad.abs().sum()) for p in params if p.grad is not None) > 0
+
+
 def test_hypic_view_segments_a_rag_sample_as_the_gateway_does(hybrid_dir):
     from transformers import AutoTokenizer
 

@@ -33,13 +33,20 @@ class Capture:
     its last `seq_len` columns, preceded by whatever conv state the layer already held.
     `scan_args[i]` are the arguments its recurrence kernel received (reference path);
     `operators[i]` is (T, E) batched over rows, computed inside the kernel call (fused path).
+    `keep_graph`: record the inputs with their autograd graph (entries a loss can train through:
+    training/hybrid/distill.py); by default they are detached, as serving wants.
     """
 
     start: int = 0
     seq_len: int = 0
+    keep_graph: bool = False
     conv_inputs: list[torch.Tensor] = field(default_factory=list)
     scan_args: list[dict[str, Any]] = field(default_factory=list)
     operators: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as recorded: detached unless `keep_graph`."""
+        return t if self.keep_graph else t.detach()
 
 
 class ModelAdapter(ABC):
@@ -101,13 +108,13 @@ class ModelAdapter(ABC):
 
     # --- linear layers ------------------------------------------------------------------
     @contextlib.contextmanager
-    def capture(self, start: int = 0, seq_len: int = 0) -> Iterator[Capture]:
+    def capture(self, start: int = 0, seq_len: int = 0, keep_graph: bool = False) -> Iterator[Capture]:
         """Record every linear layer's per-token inputs during the forward run inside (reference path).
 
         The engine runs one model at a time under its lock; the patch is process-wide for the
-        duration of the block.
+        duration of the block. `keep_graph`: see `Capture`.
         """
-        with self._patched(Capture(start, seq_len), self._capture_patches) as cap:
+        with self._patched(Capture(start, seq_len, keep_graph), self._capture_patches) as cap:
             yield cap
 
     # Fused path: a family that can compute its body operators inside the forward's own kernel
@@ -235,7 +242,7 @@ class ModelAdapter(ABC):
         """Wrap a conv function so every call's pre-conv input is appended to `cap.conv_inputs`."""
 
         def conv_wrapper(hidden_states, *args, **kwargs):
-            cap.conv_inputs.append(hidden_states.detach())
+            cap.conv_inputs.append(cap.keep(hidden_states))
             return conv_fn(hidden_states, *args, **kwargs)
 
         return conv_wrapper

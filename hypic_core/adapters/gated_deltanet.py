@@ -58,7 +58,7 @@ class GatedDeltaNetAdapter(ModelAdapter):
             g = kwargs["g"] if "g" in kwargs else args[0]
             beta = kwargs["beta"] if "beta" in kwargs else args[1]
             cap.scan_args.append(
-                dict(key=key.detach(), value=value.detach(), g=g.detach(), beta=beta.detach(),
+                dict(key=cap.keep(key), value=cap.keep(value), g=cap.keep(g), beta=cap.keep(beta),
                      use_qk_l2norm_in_kernel=kwargs.get("use_qk_l2norm_in_kernel", False))
             )
             return scan_fn(query, key, value, *args, **kwargs)

@@ -56,7 +56,7 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
         scan_fn = self.kernels.fallback("chunk_kimi_delta_attention")
 
         def scan_wrapper(query, key, value, g, beta, *args, **kwargs):
-            cap.scan_args.append(dict(key=key.detach(), value=value.detach(), g=g.detach(), beta=beta.detach(),
+            cap.scan_args.append(dict(key=cap.keep(key), value=cap.keep(value), g=cap.keep(g), beta=cap.keep(beta),
                                       use_qk_l2norm_in_kernel=kwargs.get("use_qk_l2norm_in_kernel", False)))
             return scan_fn(query, key, value, g, beta, *args, **kwargs)
 

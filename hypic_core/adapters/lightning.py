@@ -54,7 +54,7 @@ class LightningAdapter(ModelAdapter):
         def qkv_wrapper(qkv_states, attention_mask):
             out = mask_fn(qkv_states, attention_mask)
             m = self._mixers[len(cap.scan_args)]
-            q, k, v = out.detach().reshape(*out.shape[:2], m.num_attention_heads, 3, m.head_dim).unbind(3)
+            q, k, v = cap.keep(out).reshape(*out.shape[:2], m.num_attention_heads, 3, m.head_dim).unbind(3)
             cap.scan_args.append(dict(key=k, value=v))
             return out
 

@@ -80,7 +80,7 @@ class Mamba2Adapter(ModelAdapter):
 
         def scan_wrapper(hidden_states, dt, A, B, C, *args, **kwargs):
             cap.scan_args.append(dict(
-                x=hidden_states.detach(), dt=dt.detach(), A=A.detach(), B=B.detach(),
+                x=cap.keep(hidden_states), dt=cap.keep(dt), A=cap.keep(A), B=cap.keep(B),
                 chunk_size=kwargs["chunk_size"] if "chunk_size" in kwargs else args[0],
                 dt_bias=kwargs.get("dt_bias"), dt_softplus=kwargs.get("dt_softplus", False),
                 dt_limit=kwargs.get("dt_limit", (0.0, float("inf")))))

@@ -2,7 +2,8 @@
 seam stitching, exact snapshots, and the batched decode forward.
 
 The runner touches tensors and the transformers cache; it knows nothing of stores, requests
-or queues. Every method expects to be called under `torch.inference_mode()` by the engine.
+or queues. Every method expects to be called under `torch.inference_mode()` by the engine (training's
+differentiable stitch calls `compute_entries_reference(keep_graph=True)` and `stitch` with autograd on).
 """
 
 from __future__ import annotations
@@ -121,14 +122,19 @@ class ModelRunner:
             tails = tuple(adapter.conv_tail(cap, p, row, L) for p in range(len(adapter.linear_layers)))
         return SegmentEntry(tuple(segment), w, keys, values, ops, tails)
 
-    def compute_entries_reference(self, segments: Sequence[tuple[int, ...]], seam: int) -> list[SegmentEntry]:
-        """The plain path, one segment at a time with no fused operators: what tests compare against."""
+    def compute_entries_reference(self, segments: Sequence[tuple[int, ...]], seam: int,
+                                  keep_graph: bool = False) -> list[SegmentEntry]:
+        """The plain path, one segment at a time with no fused operators: what tests compare against.
+
+        `keep_graph` (called with autograd on, outside inference mode): the entries keep the graph
+        back to the weights, so a loss on a stitch of them trains what the segments write into the
+        cache (training/hybrid/distill.py `HypicView`)."""
         out: list[SegmentEntry | None] = [None] * len(segments)
         for i, seg in enumerate(segments):
             ids = torch.tensor([seg], dtype=torch.long, device=self.device)
             pos = torch.arange(len(seg), device=self.device)[None]
             cache = self.new_cache()
-            with self.adapter.capture(0, len(seg)) as cap:
+            with self.adapter.capture(0, len(seg), keep_graph) as cap:
                 self.model.base_model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
             out[i] = self._entry(cache, cap, 0, seg, seam, fused=False)
         return out  # type: ignore[return-value]

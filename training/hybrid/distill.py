@@ -26,8 +26,9 @@ a RAG reply's positions that predict a word copied from them `--copy-weight` tim
 `--hypic-weight`, a RAG sequence's question and reply are also run as the gateway's `hypic` mode
 serves them (`HypicView`: the documents stitched from chunks computed alone, `--hypic-seam` tokens
 of each recomputed in context), and the KL to the teacher's full-prompt distribution there is added,
-so the student's answer is trained on what reuse gives it, not only on a full prefill (the cached
-documents carry no gradient; measured in docs/accuracy.md, it did not close the reuse gap). `stage2.pt` (mixers, optimiser,
+so the student's answer is trained on what reuse gives it, not only on a full prefill. Alone, the
+cached documents carry no gradient (measured in docs/accuracy.md, it did not close the reuse gap);
+`--hypic-documents` keeps their graph, so the loss also trains what each document writes. `stage2.pt` (mixers, optimiser,
 step) is written atomically every `--save-minutes`; without any checkpoint in `--out`, stage 2
 starts from the shipped `models/smollm2-hybrid-135m/mixers.safetensors` when it is of this
 recipe (a machine without the previous run's folder still continues from what was shipped).
@@ -302,15 +303,27 @@ class HypicView:
     computed alone from an empty state, its first `seam` tokens recomputed in context, the mixers'
     states composed, as /query computes them; then the question and the reply run over that cache
     through the same model with autograd on. So a loss on these logits trains how the question and
-    the answer read what hypic serves (the cached documents themselves are computed without
-    gradients: what is trained is the reading, not the writing). With a seam as long as every
-    segment the logits are `full`'s (the engine's exactness invariant; tests/test_hybrid.py).
+    the answer read what hypic serves; the cached documents themselves are computed without
+    gradients (what is trained is the reading, not the writing).
+
+    `documents=True` trains the writing too: the same stitch from differentiable pieces, by the
+    engine's own runner (hypic_core/runner/model_runner.py): each document's canonical entry
+    computed alone with its graph kept (`compute_entries_reference(keep_graph=True)`: K/V, the
+    mixers' body operators T and E, conv tails), then one fused stitch forward that rotates the
+    keys, runs every seam head in context and advances the mixers' states S <- T S + E between
+    them, as `Engine.prefill` does for a cold request. A loss then reaches what each document
+    writes into the cache, from how the answer reads it back.
+
+    Either way, with a seam as long as every segment the logits are `full`'s (the engine's
+    exactness invariant), and at any seam the two ways give the same logits (tests/test_hybrid.py).
     """
 
-    def __init__(self, tokenizer=None, seam: int = 8) -> None:
+    def __init__(self, tokenizer=None, seam: int = 8, documents: bool = False) -> None:
         # the tokenizer is needed by `segments` only
         self.lengthener = Lengthener(tokenizer, passages=()) if tokenizer is not None else None
         self.seam = seam
+        self.documents = documents
+        self._runner = None  # (model, ModelRunner) of the last model stitched with documents=True
 
     def segments(self, ids: list[int]) -> tuple[tuple[int, ...], ...] | None:
         """The /query segments of a RAG sequence's prompt (leading segment, documents, question),
@@ -327,6 +340,11 @@ class HypicView:
         in `hypic` mode at `self.seam`, the question from its second token on and the reply run with
         autograd. The question's first token is part of the engine's prefill (a request needs a
         question), so the logits start at the one after it."""
+        if self.documents:
+            cache, position = self._stitch_documents(model, segments)
+            rest = torch.tensor([ids[position:-1]], dtype=torch.long)
+            pos = torch.arange(position, len(ids) - 1)[None]
+            return position, model(input_ids=rest, position_ids=pos, cache=cache, use_cache=True).logits[0]
         from hypic_core.config import EngineConfig, GenerationRequest, Mode
         from hypic_core.engine.engine import Engine
 
@@ -341,6 +359,24 @@ class HypicView:
         rest = torch.tensor([ids[pre.position:-1]], dtype=torch.long)
         pos = torch.arange(pre.position, len(ids) - 1)[None]
         return pre.position, model(input_ids=rest, position_ids=pos, cache=cache, use_cache=True).logits[0]
+
+    def _stitch_documents(self, model, segments: tuple[tuple[int, ...], ...]):
+        """(cache, position): the context and the question's first token stitched in `hypic` mode
+        with every piece's graph kept, as a cold `Engine.prefill` of the same request computes it
+        (all context segments stitched, none exact: /query's RAG prompt has no exact prefix)."""
+        from hypic_core.adapters import adapter_for
+        from hypic_core.config import Mode
+        from hypic_core.runner.model_runner import ModelRunner
+
+        if self._runner is None or self._runner[0] is not model:
+            self._runner = (model, ModelRunner(model, adapter_for(model)))
+        runner = self._runner[1]
+        context, question = tuple(segments[:-1]), tuple(segments[-1][:1])
+        with torch.enable_grad():
+            entries = runner.compute_entries_reference(context, self.seam, keep_graph=True)
+            cache = runner.new_cache()
+            runner.stitch(cache, context, entries, question, Mode.HYPIC)
+        return cache, sum(len(s) for s in context) + len(question)
 
 
 def _unique_samples(out: Path | None, kind: str) -> list[tuple[str, list[int]]]:
@@ -649,7 +685,7 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
         opt.load_state_dict(opt_state)
     pool = pools(tok, out, args.window, args.rag_window, args.long_window)
     turn = tok.convert_tokens_to_ids("<|im_start|>")
-    view = HypicView(tok, args.hypic_seam) if args.hypic_weight > 0 else None
+    view = HypicView(tok, args.hypic_seam, args.hypic_documents) if args.hypic_weight > 0 else None
     deadline, t0, last_save = time.time() + args.minutes * 60, time.time(), time.time()
 
     def save():
@@ -897,6 +933,9 @@ def main(argv=None) -> None:
     t.add_argument("--hypic-weight", type=float, default=0.0,
                    help="adds this times the KL of a RAG sequence's question and reply as hypic serves them (HypicView; 0: off)")
     t.add_argument("--hypic-seam", type=int, default=8, help="the seam of --hypic-weight's stitched prompts")
+    t.add_argument("--hypic-documents", action="store_true",
+                   help="--hypic-weight's loss also trains what the documents write into the cache (their entries "
+                        "keep the graph: HypicView(documents=True)); without it only the reading is trained")
     t.add_argument("--mix", type=_mixture, default=MIXTURE, help="stage 2's pool weights, e.g. docs=0.2,rag=0.8 (default: "
                    + ",".join(f"{n}={w}" for n, w in MIXTURE) + ")")
     x = sub.choices["export"]
