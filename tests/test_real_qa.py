@@ -197,3 +197,30 @@ def test_accuracy_by_position_counts_answers_by_documents_between_gold_and_quest
     other.write_text(json.dumps({"rows": {"full": rows[:3]}}))
     with pytest.raises(SystemExit, match="different questions"):
         bench.table([one, other])
+
+
+def test_hypic_loss_pairs_compares_two_runs_step_by_step_on_the_same_draws(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_hypic_loss_pairs", ROOT / "bench" / "hypic_loss_pairs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def log(path, hypic):
+        lines = [{"stage": 2, "step": 1, "kind": "chat", "tokens": 9, "kl": 0.1}]  # no answer KLs: not a RAG step
+        lines += [{"stage": 2, "step": s, "kind": "rag", "tokens": 100 + s, "full_kl_answer": 0.1, "hypic_kl": h}
+                  for s, h in zip((2, 3, 4), hypic)]
+        path.write_text("\n".join(json.dumps(x) for x in lines) + "\n{\"torn")
+        return path
+
+    before, after = log(tmp_path / "a.jsonl", (0.2, 0.3, 0.4)), log(tmp_path / "b.jsonl", (0.1, 0.2, 0.4))
+    assert sorted(bench.rag_steps(before)) == [2, 3, 4]
+    m, h, lower = bench.paired([0.2, 0.3, 0.4], [0.1, 0.2, 0.4])
+    assert m == pytest.approx(-0.2 / 3) and lower == 2 and h > 0
+    bench.main([str(before), str(after)])
+    out = capsys.readouterr().out
+    assert "3 RAG steps in both (steps 2-4)" in out and "| hypic | 0.3000 | 0.2333 | -0.0667" in out and "| 2/3 |" in out
+    bench.main([str(before), str(after), "--skip", "3"])
+    assert "1 RAG steps in both (steps 4-4)" in capsys.readouterr().out
+    other = tmp_path / "c.jsonl"
+    other.write_text(before.read_text().replace('"tokens": 103', '"tokens": 7'))
+    with pytest.raises(SystemExit, match="not paired"):
+        bench.main([str(before), str(other)])

@@ -710,18 +710,26 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
             plain = loss if weights is None else kl_loss(t_logits, s_logits)
         seen = {}
         segments = view.segments(seq.tolist()) if view is not None and kind in ("rag", "rag-long") else None
+        start = sum(len(s) for s in segments[:-1]) + 1 if segments is not None else 0  # HypicView's first position
+        if segments is not None:
+            with torch.no_grad():  # unweighted, beside hypic's on the same positions below: the gap being trained
+                seen["full_kl_answer"] = kl_loss(t_logits[:, start:-1], s_logits[:, start:-1]).item()
+        opt.zero_grad()
+        loss.backward()  # before the stitched forward: the full forward's graph is freed first (peak memory)
+        del s_logits
         if segments is not None:
             # the same targets for the answer as hypic serves it (HypicView): the teacher's full-prompt
-            # distribution, from the question's second token on, with the same position weights
+            # distribution, from the question's second token on, with the same position weights;
+            # its gradients add to the full loss's
             with autocast:
-                start, h_logits = view.logits(model, segments, seq.tolist())
+                at, h_logits = view.logits(model, segments, seq.tolist())
+            assert at == start, (at, start)
             hyp = kl_loss(t_logits[:, start:-1], h_logits[None], None if weights is None else weights[start:-1])
-            loss = loss + args.hypic_weight * hyp
-            with torch.no_grad():  # unweighted, beside full's on the same positions: the gap being trained
-                seen = {"hypic_kl": kl_loss(t_logits[:, start:-1], h_logits[None]).item(),
-                        "full_kl_answer": kl_loss(t_logits[:, start:-1], s_logits[:, start:-1]).item()}
-        opt.zero_grad()
-        loss.backward()
+            (args.hypic_weight * hyp).backward()
+            loss = loss.detach() + args.hypic_weight * hyp.detach()
+            with torch.no_grad():
+                seen["hypic_kl"] = kl_loss(t_logits[:, start:-1], h_logits[None]).item()
+            del h_logits
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         lr = learning_rate(step, args.lr, args.lr_end, args.decay_steps)
         for gr in opt.param_groups:
