@@ -74,7 +74,9 @@ def plot(log: Path, points: dict[int, Path], out: Path) -> None:
     for n, step in enumerate(layout_changes(lines)):
         for ax in (ax_kl, ax_acc):
             ax.axvline(step, color="black", linestyle=":", label="layers re-chosen (relayer)" if n == 0 else None)
-    for pool in vals[-1][1]:  # a pool added later (rag-long) starts at its first validation
+    # a pool added later (rag-long) starts at its first validation; the held-back long answers'
+    # full/hypic KL ("rag-long answer, ...": validate's reuse gap) are positions of a pool, not pools
+    for pool in (p for p in vals[-1][1] if ", " not in p):
         have = [(s, kl[pool]) for s, kl in vals if pool in kl]
         ax_kl.plot([s for s, _ in have], [v for _, v in have], marker="o", label=pool)
     ax_kl.set_xlabel("stage-2 steps (one sequence each)")
@@ -86,7 +88,9 @@ def plot(log: Path, points: dict[int, Path], out: Path) -> None:
     shares = [accuracy(points[s]) / teacher for s in steps]
     ax_acc.plot(steps, [100 * x for x in shares], marker="o", label="hybrid full / teacher full")
     ax_acc.axhline(75, color="gray", linestyle="--", label="target: 75% of the teacher")
-    for s, x in zip(steps, shares):
+    for i, (s, x) in enumerate(zip(steps, shares)):
+        if i and abs(x - shares[i - 1]) < 1e-9 and s - steps[i - 1] < 500:
+            continue  # the same share a few steps on: one label (they would overprint)
         ax_acc.annotate(f"{100 * x:.0f}%", (s, 100 * x), textcoords="offset points", xytext=(0, 6), ha="center")
     ax_acc.set_ylim(0, 100)
     ax_acc.set_xlim(ax_kl.get_xlim())  # the same steps under both panels
