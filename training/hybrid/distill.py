@@ -362,8 +362,10 @@ class HypicView:
 
     def _stitch_documents(self, model, segments: tuple[tuple[int, ...], ...]):
         """(cache, position): the context and the question's first token stitched in `hypic` mode
-        with every piece's graph kept, as a cold `Engine.prefill` of the same request computes it
-        (all context segments stitched, none exact: /query's RAG prompt has no exact prefix)."""
+        with every piece's graph kept, as a cold `Engine.prefill` of the same request computes it:
+        every context segment stitched, as bench/accuracy_real.py measures hypic and as the engine
+        path above asks (/query computes its leading template segments exactly, `Prompt.exact_prefix`;
+        for the first, at position 0 with nothing before it, that is the same thing)."""
         from hypic_core.adapters import adapter_for
         from hypic_core.config import Mode
         from hypic_core.runner.model_runner import ModelRunner
