@@ -340,11 +340,20 @@ class HypicView:
         in `hypic` mode at `self.seam`, the question from its second token on and the reply run with
         autograd. The question's first token is part of the engine's prefill (a request needs a
         question), so the logits start at the one after it."""
-        if self.documents:
-            cache, position = self._stitch_documents(model, segments)
-            rest = torch.tensor([ids[position:-1]], dtype=torch.long)
-            pos = torch.arange(position, len(ids) - 1)[None]
-            return position, model(input_ids=rest, position_ids=pos, cache=cache, use_cache=True).logits[0]
+        stitch = self._stitch_documents if self.documents else self._stitch_by_engine
+        cache, position = stitch(model, segments)
+        rest = torch.tensor([ids[position:-1]], dtype=torch.long)
+        pos = torch.arange(position, len(ids) - 1)[None]
+        return position, model(input_ids=rest, position_ids=pos, cache=cache, use_cache=True).logits[0]
+
+    @staticmethod
+    def start(segments: tuple[tuple[int, ...], ...]) -> int:
+        """The first position `logits` gives: after the context and the question's first token."""
+        return sum(len(s) for s in segments[:-1]) + 1
+
+    def _stitch_by_engine(self, model, segments: tuple[tuple[int, ...], ...]):
+        """(cache, position): the context and the question's first token prefilled by the engine
+        in `hypic` mode (no gradients), the cache copied out as ordinary tensors."""
         from hypic_core.config import EngineConfig, GenerationRequest, Mode
         from hypic_core.engine.engine import Engine
 
@@ -355,10 +364,8 @@ class HypicView:
             pre = engine.prefill(request)
         finally:
             model.train(training)
-        cache = copy.deepcopy(pre.cache)  # outside inference mode: ordinary tensors, which autograd may read and update
-        rest = torch.tensor([ids[pre.position:-1]], dtype=torch.long)
-        pos = torch.arange(pre.position, len(ids) - 1)[None]
-        return pre.position, model(input_ids=rest, position_ids=pos, cache=cache, use_cache=True).logits[0]
+        # outside inference mode: ordinary tensors, which autograd may read and update
+        return copy.deepcopy(pre.cache), pre.position
 
     def _stitch_documents(self, model, segments: tuple[tuple[int, ...], ...]):
         """(cache, position): the context and the question's first token stitched in `hypic` mode
@@ -378,7 +385,7 @@ class HypicView:
             entries = runner.compute_entries_reference(context, self.seam, keep_graph=True)
             cache = runner.new_cache()
             runner.stitch(cache, context, entries, question, Mode.HYPIC)
-        return cache, sum(len(s) for s in context) + len(question)
+        return cache, self.start(segments)
 
 
 def _unique_samples(out: Path | None, kind: str) -> list[tuple[str, list[int]]]:
@@ -712,7 +719,7 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
             plain = loss if weights is None else kl_loss(t_logits, s_logits)
         seen = {}
         segments = view.segments(seq.tolist()) if view is not None and kind in ("rag", "rag-long") else None
-        start = sum(len(s) for s in segments[:-1]) + 1 if segments is not None else 0  # HypicView's first position
+        start = view.start(segments) if segments is not None else 0
         if segments is not None:
             with torch.no_grad():  # unweighted, beside hypic's on the same positions below: the gap being trained
                 seen["full_kl_answer"] = kl_loss(t_logits[:, start:-1], s_logits[:, start:-1]).item()
