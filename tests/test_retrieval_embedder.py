@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -112,3 +113,20 @@ def test_local_directory_with_cls_pooling(tmp_path, minilm):
         cls = minilm.model(**batch).last_hidden_state[:, 0].numpy()
     np.testing.assert_allclose(vectors, cls / np.linalg.norm(cls, axis=1, keepdims=True), atol=1e-5)
     assert np.abs(vectors - minilm.embed(TEXTS[:2])).max() > 0.01
+
+
+def test_minilm_query_is_not_held_up_by_an_upload_in_flight(minilm):
+    """A one-text embed (a query) answers while a window of long chunks (an upload) is still
+    embedding on another thread: it once waited for the whole window (13 s for 256 chunks)."""
+    window = [f"chunk {i} " + "the harbour of Lyastil trades salt and amber " * 40 for i in range(32)]
+    upload = ThreadPoolExecutor(max_workers=1)
+    try:
+        embedded = upload.submit(minilm.embed, window)
+        time.sleep(0.2)  # tokenized (milliseconds) and into its forward (seconds)
+        query = minilm.embed(["Where does Lyastil trade salt?"])
+        assert not embedded.done(), "the query waited for the upload's window"
+        _assert_unit_rows(query, 1, 384)
+        _assert_unit_rows(embedded.result(), len(window), 384)
+    finally:
+        upload.shutdown()
+    np.testing.assert_allclose(query, minilm.embed(["Where does Lyastil trade salt?"]), atol=1e-6)
