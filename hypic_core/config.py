@@ -160,8 +160,19 @@ class GenerationRequest:
     exact_runs: bool = True
     priority: int = 0  # with EngineConfig.scheduling "priority": lower is admitted first
     keep_logits: bool = False  # the first output carries the first-token logits (the accuracy guard compares them)
+    # A namespace in every cache key the request builds (segment entries, exact snapshots and their
+    # sightings), so that what one salt computed never serves another: the gateway's tenant, set
+    # server-side, never from the request. "" : the unsalted keys.
+    cache_salt: str = ""
+    # False: compute and answer, keep nothing (no entry, snapshot, sighting or deferred work stored);
+    # lookups still read the cache.
+    cache_store: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cache_salt, str):
+            raise InvalidRequestError("cache_salt", f"must be a string, got {type(self.cache_salt).__name__}")
+        if not isinstance(self.cache_store, bool):
+            raise InvalidRequestError("cache_store", f"must be a boolean, got {self.cache_store!r}")
         if not self.segments:
             raise InvalidRequestError("segments", "a request needs at least one segment (the question)")
         segs = []

@@ -242,6 +242,7 @@ class ShadowCheck:
     choices: tuple[Choice, ...]
     greedy: bool
     exact_prefix: int = 0  # leading segments the served request reused exactly (checked as served)
+    cache_salt: str = ""  # the served request's (its tenant's): a check's entries are that tenant's
 
 
 def check_requests(check: ShadowCheck, greedy_tokens: int) -> list[GenerationRequest]:
@@ -250,9 +251,10 @@ def check_requests(check: ShadowCheck, greedy_tokens: int) -> list[GenerationReq
     compares them. exact_runs=False: the check judges composition, so a run the served request may
     have reused exactly (a repeat) is composed here, and the check records no sighting of it."""
     sampling = SamplingParams(max_tokens=greedy_tokens if check.greedy else 1)
-    full = GenerationRequest(check.segments, Mode.FULL, sampling=sampling, keep_logits=True, priority=CHECK_PRIORITY)
+    full = GenerationRequest(check.segments, Mode.FULL, sampling=sampling, keep_logits=True, priority=CHECK_PRIORITY,
+                             cache_salt=check.cache_salt)
     return [full] + [GenerationRequest(check.segments, c.mode, c.seam, sampling, exact_prefix=check.exact_prefix,
-                                       exact_runs=False, keep_logits=True, priority=CHECK_PRIORITY)
+                                       exact_runs=False, keep_logits=True, priority=CHECK_PRIORITY, cache_salt=check.cache_salt)
                      for c in check.choices]
 
 
@@ -380,9 +382,11 @@ class Guard:
         for itself (so windows and metric labels stay a small set whatever seams clients send).
         A prompt with fewer than two context segments is not checked: its
         one segment is computed where it lands, so every mode is exact on it, and its
-        agreement would only flatter the window.
+        agreement would only flatter the window. Nor is a request that keeps nothing (`cache_store`
+        False): its check would store entries of its segments. A check runs under the request's
+        `cache_salt`, so what it stores is the same tenant's.
         """
-        if not self.config.enabled or len(request.context) < 2:
+        if not self.config.enabled or len(request.context) < 2 or not request.cache_store:
             return False
         with self._lock:
             choices = tuple(c for c in dict.fromkeys((self.policy.base, self.policy.serving)) if c.mode not in EXACT_MODES)
@@ -393,7 +397,7 @@ class Guard:
                 self._queue.popleft()
                 self._dropped += 1
                 self._metrics.dropped.inc()
-            self._queue.append(ShadowCheck(request.segments, choices, greedy, request.exact_prefix))
+            self._queue.append(ShadowCheck(request.segments, choices, greedy, request.exact_prefix, request.cache_salt))
             self._metrics.pending.set(len(self._queue))
         self._wake()
         return True

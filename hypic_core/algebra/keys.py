@@ -3,6 +3,10 @@
 A key hashes everything that changes an entry's bytes: the model fingerprint (id, config,
 weights digest, dtype, tokenizer), the cache schema version, the seam width and the
 segment's token ids. The entry keeps its token ids, compared on every hit.
+
+A `salt` (a namespace the caller sets, e.g. the gateway's tenant, never taken from a request)
+makes keys of the same tokens differ, so an entry stored under one salt never serves another;
+the empty salt gives the unsalted key strings of before.
 """
 
 from __future__ import annotations
@@ -22,14 +26,17 @@ class SegmentKey:
     seam: int
     tokens: str  # sha256 of the int32 token ids
     schema: int = SCHEMA_VERSION
+    salt: str = ""  # a namespace (the gateway's tenant); "" for none
 
     @classmethod
-    def of(cls, model_fingerprint: str, seam: int, token_ids: tuple[int, ...]) -> "SegmentKey":
+    def of(cls, model_fingerprint: str, seam: int, token_ids: tuple[int, ...], salt: str = "") -> "SegmentKey":
         data = torch.tensor(token_ids, dtype=torch.int32).numpy().tobytes()
-        return cls(model_fingerprint, seam, hashlib.sha256(data).hexdigest())
+        return cls(model_fingerprint, seam, hashlib.sha256(data).hexdigest(), salt=salt)
 
     def to_str(self) -> str:
-        return f"hypic/v{self.schema}/{self.model[:24]}/w{self.seam}/{self.tokens}"
+        # The salt appears only as a digest: a key string in a shared tier does not name the tenant.
+        salted = f"/s{hashlib.sha256(self.salt.encode()).hexdigest()[:32]}" if self.salt else ""
+        return f"hypic/v{self.schema}/{self.model[:24]}/w{self.seam}{salted}/{self.tokens}"
 
     def __str__(self) -> str:
         return self.to_str()

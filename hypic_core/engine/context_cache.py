@@ -40,6 +40,7 @@ class ColdWork:
     entry: SegmentEntry | None = None
     ticket: int | None = None  # set while a prefill pool computes it
     background: bool = False  # deferred by a cold request served exactly: kept even when nobody waits for it
+    keep: bool = False  # stored once computed: some sequence that needs it stores (`cache_store`)
 
     @property
     def left(self) -> int:
@@ -90,13 +91,13 @@ class ContextCacheManager:
         considered = request.context if longer else request.context[:n_exact]
         if not considered:
             return 0
-        chain = chain_hashes([SegmentKey.of(self.fingerprint, 0, s).tokens for s in considered])
+        chain = chain_hashes([self.key(seq, s, 0).to_str() for s in considered])
         snap, n, seen = self.exact_runs.longest(chain)
-        if longer:
+        if longer and request.cache_store:
             self.exact_runs.see(chain)
             repeat = seen if self.exact_runs.budget_bytes > 0 else 0
             n_exact = max(n_exact, n, repeat)
-        progress.chain, progress.exact = chain[:n_exact], n_exact
+        progress.chain, progress.exact = (chain[:n_exact] if request.cache_store else []), n_exact
         pos = 0
         if snap is not None:
             pos = self.runner.restore_exact(progress.cache, snap, n)
@@ -109,13 +110,17 @@ class ContextCacheManager:
             pos += len(seg)
         return pos
 
+    def key(self, seq: Sequence, segment: tuple[int, ...], seam: int | None = None) -> SegmentKey:
+        """The cache key of `segment` for `seq`: its seam (or `seam`) and its request's `cache_salt`."""
+        return SegmentKey.of(self.fingerprint, seq.seam if seam is None else seam, segment, seq.request.cache_salt)
+
     def lookup(self, seq: Sequence, first: int) -> list[SegmentEntry | None]:
         """The canonical entries of context segments `first`.. in the store (a hit is verified against
         its token ids), one per context segment (None before `first` and for a miss)."""
         context = seq.request.context
         found: list[SegmentEntry | None] = [None] * len(context)
         for i, seg in enumerate(context[first:], start=first):
-            found[i] = self.store.lookup(SegmentKey.of(self.fingerprint, seq.seam, seg), seg)
+            found[i] = self.store.lookup(self.key(seq, seg), seg)
         return found
 
     def entries(self, seq: Sequence, progress: PrefillProgress, found: list[SegmentEntry | None]) -> None:
@@ -132,13 +137,14 @@ class ContextCacheManager:
                 stats.composed_tokens += entry.body_length
                 continue
             stats.segment_misses += 1
-            key = SegmentKey.of(self.fingerprint, seq.seam, seg)
+            key = self.key(seq, seg)
             k = key.to_str()
             if k not in wanted:
                 cw = self._cold.get(k)
                 if cw is None:
                     cw = self._cold[k] = ColdWork(key, seg, seq.seam)
                 cw.holders += 1
+                cw.keep = cw.keep or request.cache_store
                 wanted[k] = (cw, [])
             wanted[k][1].append(i)
         progress.cold = list(wanted.values())
@@ -160,7 +166,7 @@ class ContextCacheManager:
         cold: dict[str, tuple[int, int]] = {}
         for seg, entry in zip(request.context[progress.exact:], stitched):
             if entry is None:
-                k = SegmentKey.of(self.fingerprint, seq.seam, seg).to_str()
+                k = self.key(seq, seg).to_str()
                 cw = self._cold.get(k)
                 done = 0 if cw is None or cw.part is None else cw.part.done
                 cold[k] = (len(seg), len(seg) if cw is not None and cw.entry is not None else done)
@@ -183,11 +189,11 @@ class ContextCacheManager:
                 stats.segment_hits += 1  # found, not used: the forward computes it exactly
                 continue
             stats.segment_misses += 1
-            key = SegmentKey.of(self.fingerprint, seq.seam, seg)
+            key = self.key(seq, seg)
             deferred.setdefault(key.to_str(), (key, seg))
         progress.runs.append(Run(tuple(t for s in request.segments[first:] for t in s), progress.start))
         progress.timing = "forward"
-        progress.deferred = [(key, seg, seq.seam) for key, seg in deferred.values()]
+        progress.deferred = [(key, seg, seq.seam) for key, seg in deferred.values()] if request.cache_store else []
         stats.exact_forward = True
 
     def defer(self, progress: PrefillProgress) -> None:
@@ -199,6 +205,7 @@ class ContextCacheManager:
             cw = self._cold.get(k)
             if cw is None:
                 cw = self._cold[k] = ColdWork(key, seg, seam)
+            cw.keep = True
             if not cw.background:
                 cw.background = True
                 self.background.append(cw)
@@ -252,14 +259,16 @@ class ContextCacheManager:
                     continue
                 for i in slots:
                     progress.entries[i] = cw.entry
-                if self._cold.pop(cw.key.to_str(), None) is cw:
+                if self._cold.pop(cw.key.to_str(), None) is cw and cw.keep:
                     self.store.insert(cw.key, cw.entry)
             progress.cold = still
 
     def keep_exact_run(self, progress: PrefillProgress) -> None:
-        """Snapshot the exact run just computed in `progress.cache` for later requests."""
-        self.exact_runs.insert(progress.chain, self.runner.exact_snapshot(progress.cache, progress.boundaries,
-                                                                             progress.linear))
+        """Snapshot the exact run just computed in `progress.cache` for later requests (none for a
+        request that keeps nothing: its `chain` is empty)."""
+        if progress.chain:
+            self.exact_runs.insert(progress.chain, self.runner.exact_snapshot(progress.cache, progress.boundaries,
+                                                                                 progress.linear))
         progress.reused = progress.exact
 
     def release(self, seq: Sequence) -> None:

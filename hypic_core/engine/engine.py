@@ -276,9 +276,9 @@ class Engine:
                 self._advance(seq, budgets[seq])
         return PrefillResult(seq.prefill.cache, request.prompt_tokens, seq.prefill.logits, seq.stats)
 
-    def segment_entries(self, segments: tuple[tuple[int, ...], ...], seam: int) -> EntryLookup:
-        """Canonical entries for `segments` (misses computed together and stored), with hit flags."""
-        keys = [SegmentKey.of(self.fingerprint, seam, s) for s in segments]
+    def segment_entries(self, segments: tuple[tuple[int, ...], ...], seam: int, salt: str = "") -> EntryLookup:
+        """Canonical entries for `segments` under `salt` (misses computed together and stored), with hit flags."""
+        keys = [SegmentKey.of(self.fingerprint, seam, s, salt) for s in segments]
         found = [self.store.lookup(k, s) for k, s in zip(keys, segments)]
         hits = [e is not None for e in found]
         todo = list(dict.fromkeys(s for s, e in zip(segments, found) if e is None))
