@@ -10,6 +10,7 @@ from .errors import InvalidRequestError
 
 DEFAULT_SEAM = 8  # the reference implementation's default seam width
 COLD_PREFILL = ("stitch", "exact", "auto")  # EngineConfig.cold_prefill
+DECODE_STEPS = ("module", "lean")  # EngineConfig.decode_step
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias positive ones
 
 
@@ -123,6 +124,9 @@ class EngineConfig:
     scheduling: str = "fcfs"  # the waiting queue's policy: "fcfs" or "priority" (hypic_core/engine/request_queue.py)
     cold_prefill: str = "stitch"  # "stitch", "exact" or "auto" (see above)
     background_tokens: int = 1 << 20  # deferred cold work queued at most, in segment tokens
+    # The batched decode forward: "lean" (hypic_core/runner/decode_step.py: fused weights, closed-form
+    # one-token updates; a family it does not cover keeps the module path) or "module" (the HF modules).
+    decode_step: str = "module"
 
     def __post_init__(self) -> None:
         if self.seam < 0:
@@ -138,6 +142,8 @@ class EngineConfig:
             raise InvalidRequestError("cold_prefill", f"must be one of {', '.join(COLD_PREFILL)}, got {self.cold_prefill!r}")
         if self.background_tokens < 0:
             raise InvalidRequestError("background_tokens", f"must be >= 0, got {self.background_tokens}")
+        if self.decode_step not in DECODE_STEPS:
+            raise InvalidRequestError("decode_step", f"must be one of {', '.join(DECODE_STEPS)}, got {self.decode_step!r}")
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,8 @@ class Engine:
         self.adapter = adapter_for(model)
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.runner = ModelRunner(model, self.adapter, pad_token_id=pad or 0)
+        if self.config.decode_step != "module":
+            self.runner.use_decode_step(self.config.decode_step)
         self.model_id = model_id
         self.fingerprint = model_fingerprint(model, model_id, tokenizer)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])

@@ -33,11 +33,12 @@ _GRAIN = 64  # K/V column capacity is a multiple of this
 class DecodeBatch:
     """Row slots of the running sequences. `keys` are the callers' sequence handles, in row order."""
 
-    def __init__(self, model: torch.nn.Module, adapter, attention: AttentionLayers, linear: LinearLayers):
+    def __init__(self, model: torch.nn.Module, adapter, attention: AttentionLayers, linear: LinearLayers, step=None):
         self.model = model
         self.adapter = adapter
         self.attention = attention
         self.linear = linear
+        self.step = step  # a lean decode step (runner/decode_step.py) run instead of the model's forward; None: the module path
         self.keys: list[Any] = []
         self.lengths: list[int] = []  # real K/V columns per row
         self.cache = None  # the transformers cache the forward runs on; its layers point at the buffers
@@ -171,6 +172,11 @@ class DecodeBatch:
         b = len(self.keys)
         width = max(self.lengths) + 1
         self.reserve(b, width)
+        if self.step is not None:  # writes each row's new column into the buffers itself
+            logits = self.step(self, token_ids, positions)
+            self.lengths = [n + 1 for n in self.lengths]
+            self._point(width)
+            return logits
         cols = torch.tensor(self.lengths, dtype=torch.long, device=dev)
         same = self.lengths[0] if min(self.lengths) == width - 1 else None  # every row writes the same column
         self._step = (torch.arange(b, device=dev), cols, width, same)

@@ -58,6 +58,17 @@ class ModelRunner:
     def new_cache(self) -> DynamicCache:
         return self.adapter.new_cache()
 
+    decode_step = "module"  # what the batched decode forward runs: "lean" or "module" (use_decode_step)
+
+    def use_decode_step(self, kind: str) -> str:
+        """Run the batched decode on the lean step ("lean") or the HF modules ("module"); returns what runs
+        (a family the lean step does not cover keeps "module": runner/decode_step.py `uncovered_reason`)."""
+        from .decode_step import LeanDecodeStep
+
+        self.batch.step = LeanDecodeStep.build(self.model, self.adapter) if kind == "lean" else None
+        self.decode_step = "lean" if self.batch.step is not None else "module"
+        return self.decode_step
+
     def forward(self, token_ids: Sequence[int], start: int, cache: DynamicCache, logits: bool = False):
         """Run `token_ids` at positions start.. on top of `cache` (mutated).
 

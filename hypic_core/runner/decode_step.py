@@ -1,0 +1,333 @@
+"""The lean decode step: one forward of B sequences x 1 token, written for decode instead of the HF module graph.
+
+What it does per step that the module path does per layer or per token:
+- weights fused once at construction (QKV; gate-up; a Gated DeltaNet layer's qkv/z/b/a projections),
+  the modules' own parameters made views into the fused ones, so memory is not doubled and the
+  module path (the reference) reads the same numbers;
+- rotary cos/sin and the padding mask (an additive bias [B, 1, 1, W], none when every row has the
+  same length) built once per step and shared by every attention layer;
+- each attention layer writes its new key/value column straight into the `DecodeBatch` row
+  buffers and attends over their live columns with grouped matmuls (no repeat of K/V, no cache
+  object, no mask builder);
+- every linear layer advances its row buffers in place with the closed-form one-token update:
+  conv state shifted by one column and the depthwise conv as one multiply-sum; Mamba2
+  S <- exp(dt a) S + dt x B^T; Gated DeltaNet S <- exp(g)(I - b k k^T) S + b k v^T.
+
+Families it covers (`LeanDecodeStep.build` returns None with the reason otherwise, and the batch
+keeps the module path): dense llama / qwen3, Gated DeltaNet qwen3_5 (+ its MoE variant, whose
+sparse MLP runs as its module), Mamba2 bamba. Not covered: qwen3_next and olmo_hybrid (other
+GDN projection layouts / post-norms), granitemoehybrid, nemotron_h, zamba2, falcon_h1 (Mamba2
+with multipliers, shared or parallel blocks), kimi_linear (KDA + MLA), minimax (lightning).
+
+The module path (`DecodeBatch.forward` without a step) stays the reference:
+tests/test_decode_step.py holds fp32 logits within 1e-4 and greedy tokens identical step for
+step over joins and leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+_COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "bamba")
+_NULL = contextlib.nullcontext()
+
+
+def uncovered_reason(model: torch.nn.Module) -> str | None:
+    """Why the lean step cannot run `model` (None: it can)."""
+    model_type = getattr(model.config, "model_type", "?")
+    if model_type not in _COVERED:
+        return f"model type {model_type!r} has no lean decode step (covered: {', '.join(_COVERED)})"
+    if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"attention implementation {model.config._attn_implementation!r}"
+    return None
+
+
+def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linears on the same input; each module's parameters become
+    views of it (same numbers, one copy in memory)."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                          for m in linears])
+    at = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = weight[at:at + n]
+        if m.bias is not None:
+            m.bias.data = bias[at:at + n]
+        at += n
+    return weight, bias
+
+
+class _Norm:
+    """RMSNorm as the module computes it: w * normed.to(dtype) (llama, bamba, qwen3) or, zero-centred,
+    (normed * (1 + w)).to(dtype) (qwen3_5). Which one is read off the module by a numeric probe."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.weight = module.weight.detach()
+        self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+        probe = torch.randn(3, self.weight.shape[-1], dtype=self.weight.dtype, device=self.weight.device)
+        with torch.no_grad():
+            ref = module(probe)
+            normed = probe.float() * torch.rsqrt(probe.float().pow(2).mean(-1, keepdim=True) + self.eps)
+            self.centred = not torch.allclose(ref.float(), (self.weight * normed.to(probe.dtype)).float(), atol=1e-5)
+        if self.centred:
+            self.one_plus = 1.0 + self.weight.float()
+            if not torch.allclose(ref.float(), (normed * self.one_plus).to(probe.dtype).float(), atol=1e-5):
+                raise ValueError(f"{type(module).__name__}: not an RMSNorm the lean step knows")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.one_plus).to(x.dtype) if self.centred else self.weight * h.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [B, N, D] on its first cos.shape[-1] dims; cos/sin [B, 1, rot]."""
+    rot = cos.shape[-1]
+    r = x[..., :rot]
+    half = rot // 2
+    out = r * cos + torch.cat([-r[..., half:], r[..., :half]], dim=-1) * sin
+    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
+
+
+class _Step:
+    """What a step shares across layers: rows, the column each row writes, the read width, rotary, mask."""
+
+    __slots__ = ("b", "cols", "rows", "same", "width", "cos", "sin", "bias")
+
+
+class _Attention:
+    """Full attention (llama / qwen3 / qwen3_5 gated / bamba) on the batch's K/V row buffers."""
+
+    def __init__(self, attn: torch.nn.Module, j: int, config):
+        self.j = j
+        self.D = int(attn.head_dim)
+        self.H = int(config.num_attention_heads)
+        self.Hkv = int(config.num_key_value_heads)
+        self.gated = attn.q_proj.out_features == 2 * self.H * self.D
+        self.nq = attn.q_proj.out_features
+        self.w, self.b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.q_norm = _Norm(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None
+        self.k_norm = _Norm(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None
+        self.scale = float(attn.scaling)
+        self.o_w, self.o_b = attn.o_proj.weight.detach(), attn.o_proj.bias
+
+    def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
+        B, H, Hkv, D = s.b, self.H, self.Hkv, self.D
+        q, k, v = F.linear(x, self.w, self.b).split([self.nq, Hkv * D, Hkv * D], dim=-1)
+        gate = None
+        if self.gated:  # per head [query | gate]
+            qg = q.view(B, H, 2 * D)
+            q, gate = qg[..., :D], qg[..., D:].reshape(B, H * D)
+        q, k, v = q.reshape(B, H, D), k.view(B, Hkv, D), v.view(B, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if s.cos is not None:
+            q, k = _rope(q, s.cos, s.sin), _rope(k, s.cos, s.sin)
+        kb, vb = batch._k[self.j], batch._v[self.j]
+        if s.same is not None:
+            kb[:B, :, s.same] = k
+            vb[:B, :, s.same] = v
+        else:
+            kb[s.rows, :, s.cols] = k
+            vb[s.rows, :, s.cols] = v
+        keys, values = kb[:B, :, :s.width], vb[:B, :, :s.width]
+        scores = torch.matmul(q.view(B, Hkv, H // Hkv, D), keys.transpose(-1, -2)) * self.scale  # [B, Hkv, G, W]
+        if s.bias is not None:
+            scores = scores + s.bias
+        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values).reshape(B, H * D)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return F.linear(out, self.o_w, self.o_b)
+
+
+def _conv_step(conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Shift x [B, C] into the conv state rows `conv` [B, C, K] (in place); return silu(depthwise conv) [B, C]."""
+    window = torch.cat([conv[:, :, 1:], x[:, :, None].to(conv.dtype)], dim=-1)
+    conv.copy_(window)
+    out = (window.to(weight.dtype) * weight).sum(-1)
+    if bias is not None:
+        out = out + bias
+    return F.silu(out)
+
+
+class _Mamba2:
+    """Bamba's Mamba2 mixer, one token: S <- exp(dt a) S + dt x B^T, y = S C + D x, gated group RMSNorm."""
+
+    def __init__(self, m: torch.nn.Module, p: int):
+        self.p = p
+        self.w, self.b = m.in_proj.weight.detach(), m.in_proj.bias
+        self.I, self.C, self.H, self.P = int(m.intermediate_size), int(m.conv_dim), int(m.num_heads), int(m.head_dim)
+        self.G, self.N = int(m.n_groups), int(m.ssm_state_size)
+        self.conv_w = m.conv1d.weight.detach()[:, 0]  # [C, K]
+        self.conv_b = m.conv1d.bias
+        self.A = -torch.exp(m.A_log.detach().float())
+        self.dt_bias, self.D = m.dt_bias.detach(), m.D.detach()
+        self.norm_w, self.norm_eps = m.norm.weight.detach(), float(m.norm.variance_epsilon)
+        self.o_w, self.o_b = m.out_proj.weight.detach(), m.out_proj.bias
+
+    def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
+        B, H, P, G, N = s.b, self.H, self.P, self.G, self.N
+        dtype = x.dtype
+        gate, xbc, dt = F.linear(x, self.w, self.b).split([self.I, self.C, H], dim=-1)
+        xbc = _conv_step(batch._conv[self.p][:B], xbc, self.conv_w, self.conv_b)
+        hs, Bm, Cm = xbc.split([self.I, G * N, G * N], dim=-1)
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype))  # [B, H] (the module's decode path clamps nothing)
+        dA = torch.exp(dt.float() * self.A)  # [B, H]
+        hs = hs.view(B, H, P)
+        Bh = Bm.view(B, G, 1, N).expand(B, G, H // G, N).reshape(B, H, 1, N)
+        Ch = Cm.view(B, G, 1, N).expand(B, G, H // G, N).reshape(B, H, N, 1)
+        state = batch._state[self.p][:B]
+        dBx = (dt[..., None, None] * Bh) * hs[..., None]  # [B, H, P, N]
+        if state.dtype == torch.float32:
+            state.mul_(dA[..., None, None]).add_(dBx)
+            new = state
+        else:
+            new = state.float() * dA[..., None, None] + dBx
+            state.copy_(new)
+        y = torch.matmul(new.to(Ch.dtype), Ch)[..., 0] + hs * self.D[:, None]  # [B, H, P]
+        y = y.reshape(B, H * P).float() * F.silu(gate.float())
+        yg = y.view(B, G, -1)
+        yg = yg * torch.rsqrt(yg.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        y = self.norm_w * yg.view(B, -1).to(dtype)
+        return F.linear(y.to(dtype), self.o_w, self.o_b)
+
+
+class _GatedDeltaNet:
+    """qwen3_5's Gated DeltaNet mixer, one token: S <- exp(g) S; S <- S + k (b (v - S^T k))^T; o = S^T q."""
+
+    def __init__(self, m: torch.nn.Module, p: int):
+        self.p = p
+        self.w, self.b = _fuse([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+        self.Hk, self.Hv, self.dk, self.dv = int(m.num_k_heads), int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim)
+        self.key_dim, self.value_dim, self.C = int(m.key_dim), int(m.value_dim), int(m.conv_dim)
+        self.conv_w = m.conv1d.weight.detach()[:, 0]
+        self.conv_b = m.conv1d.bias
+        self.neg_A = -m.A_log.detach().float().exp()
+        self.dt_bias = m.dt_bias.detach()
+        self.norm_w, self.norm_eps = m.norm.weight.detach(), float(m.norm.variance_epsilon)
+        self.o_w, self.o_b = m.out_proj.weight.detach(), m.out_proj.bias
+
+    def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
+        B, Hk, Hv, dk, dv = s.b, self.Hk, self.Hv, self.dk, self.dv
+        dtype = x.dtype
+        qkv, z, b, a = F.linear(x, self.w, self.b).split([self.C, self.value_dim, Hv, Hv], dim=-1)
+        qkv = _conv_step(batch._conv[self.p][:B], qkv, self.conv_w, self.conv_b)
+        q, k, v = qkv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = q.view(B, Hk, dk), k.view(B, Hk, dk), v.view(B, Hv, dv)
+        if Hk != Hv:
+            q, k = q.repeat_interleave(Hv // Hk, dim=1), k.repeat_interleave(Hv // Hk, dim=1)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q = q / (dk ** 0.5)
+        beta = b.sigmoid().float()
+        g = self.neg_A * F.softplus(a.float() + self.dt_bias)  # [B, Hv]
+        state = batch._state[self.p][:B]
+        S = state if state.dtype == torch.float32 else state.float()
+        S.mul_(g.exp()[..., None, None])
+        kv_mem = torch.matmul(k[:, :, None, :], S)[:, :, 0]  # [B, Hv, dv]
+        delta = (v - kv_mem) * beta[..., None]
+        S.add_(k[..., None] * delta[:, :, None, :])
+        out = torch.matmul(q[:, :, None, :], S)[:, :, 0]  # [B, Hv, dv]
+        if S is not state:
+            state.copy_(S)
+        o = out.to(dtype).float()
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        o = (self.norm_w * o.to(dtype)) * F.silu(z.view(B, Hv, dv).float())
+        return F.linear(o.to(dtype).reshape(B, Hv * dv), self.o_w, self.o_b)
+
+
+class _MLP:
+    """silu(gate) * up, down, with gate and up fused; any other MLP (MoE) runs as its module."""
+
+    def __init__(self, mlp: torch.nn.Module):
+        self.module = None
+        act = getattr(mlp, "act_fn", None)
+        probe = torch.randn(8)
+        if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) and act is not None \
+                and torch.allclose(act(probe), F.silu(probe)):
+            self.n = mlp.gate_proj.out_features
+            self.w, self.b = _fuse([mlp.gate_proj, mlp.up_proj])
+            self.d_w, self.d_b = mlp.down_proj.weight.detach(), mlp.down_proj.bias
+        else:
+            self.module = mlp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.module is not None:
+            return self.module(x[:, None])[:, 0]
+        gate, up = F.linear(x, self.w, self.b).split([self.n, self.n], dim=-1)
+        return F.linear(F.silu(gate) * up, self.d_w, self.d_b)
+
+
+class LeanDecodeStep:
+    """`step(batch, token_ids, positions) -> logits [B, vocab] (fp32)`: one decode forward on a
+    `DecodeBatch`'s rows (the batch has reserved room for the new column; it advances `lengths`).
+
+    `ranges = True` wraps each part in a torch.profiler `record_function` (bench/decode.py splits the
+    step by layer kind with it)."""
+
+    def __init__(self, model: torch.nn.Module, adapter):
+        base = model.base_model
+        self.model = model
+        self.embed = base.embed_tokens.weight.detach()
+        self.rotary = getattr(base, "rotary_emb", None)
+        self.final_norm = _Norm(getattr(base, "norm", None) or base.final_layernorm)
+        self.lm_w = model.get_output_embeddings().weight.detach()
+        self.lm_b = model.get_output_embeddings().bias
+        attn_j = {i: j for j, i in enumerate(adapter.attention_layers)}
+        lin_p = {i: p for p, i in enumerate(adapter.linear_layers)}
+        self.layers = []
+        for i, layer in enumerate(base.layers[: adapter.num_layers]):
+            norm2 = getattr(layer, "post_attention_layernorm", None) or layer.pre_ff_layernorm
+            if getattr(layer, "self_attn", None) is not None and i in attn_j:
+                mixer, kind = _Attention(layer.self_attn, attn_j[i], model.config), "attention"
+            elif getattr(layer, "mamba", None) is not None:
+                mixer, kind = _Mamba2(layer.mamba, lin_p[i]), "mamba2"
+            elif getattr(layer, "linear_attn", None) is not None:
+                mixer, kind = _GatedDeltaNet(layer.linear_attn, lin_p[i]), "gated_deltanet"
+            else:
+                raise ValueError(f"layer {i} ({type(layer).__name__}): no mixer the lean step knows")
+            mlp = getattr(layer, "mlp", None) or layer.feed_forward
+            self.layers.append((_Norm(layer.input_layernorm), mixer, kind, _Norm(norm2), _MLP(mlp)))
+        self.ranges = False
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, adapter) -> "LeanDecodeStep | None":
+        """The step for `model`, or None when its family is not covered (`uncovered_reason`)."""
+        return None if uncovered_reason(model) else cls(model, adapter)
+
+    def _range(self, name: str):
+        return torch.profiler.record_function(name) if self.ranges else _NULL
+
+    def __call__(self, batch, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        dev = self.embed.device
+        s = _Step()
+        s.b = b = len(batch.keys)
+        s.width = max(batch.lengths) + 1
+        s.same = batch.lengths[0] if min(batch.lengths) == s.width - 1 else None
+        s.rows = s.cols = s.bias = s.cos = s.sin = None
+        if s.same is None:  # rows of different lengths: each writes its own column, reads through a mask
+            s.cols = torch.tensor(batch.lengths, dtype=torch.long, device=dev)
+            s.rows = torch.arange(b, device=dev)
+            hide = torch.arange(s.width, device=dev)[None, :] > s.cols[:, None]
+            s.bias = torch.zeros(hide.shape, dtype=self.embed.dtype, device=dev).masked_fill_(
+                hide, float("-inf"))[:, None, None, :]
+        with self._range("embed+rope"):
+            h = F.embedding(torch.tensor(list(token_ids), dtype=torch.long, device=dev), self.embed)
+            if self.rotary is not None:
+                pos = torch.tensor(list(positions), dtype=torch.long, device=dev)[:, None]
+                cos, sin = self.rotary(h[:, None], pos)
+                s.cos, s.sin = cos.view(b, 1, -1), sin.view(b, 1, -1)
+        for norm1, mixer, kind, norm2, mlp in self.layers:
+            with self._range(kind):
+                h = h + mixer(norm1(h), batch, s)
+            with self._range("mlp"):
+                h = h + mlp(norm2(h))
+        with self._range("lm_head"):
+            return F.linear(self.final_norm(h), self.lm_w, self.lm_b).float()
