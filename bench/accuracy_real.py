@@ -11,8 +11,16 @@ same first token), and `cont KL`: the mean KL(full || mode) of the next-token di
 full's answer (up to --max-tokens tokens), teacher-forced, so a config is judged on the whole
 answer and not on its first token alone. 95% confidence intervals: Wilson for proportions, t-free normal for means.
 
+Configurations beyond the plain seams (`--variants`, the attention-side ladder of issue 49), each
+`SEAM[/FRACTION][+p]`: hypic with the seam head max(SEAM, ceil(FRACTION * chunk length))
+(`EngineConfig.seam_fraction`), and with `+p` every entry computed after the prompt's fixed head
+(`EngineConfig.entry_prefix`: the chat template's system part and the user turn's opening, what
+precedes the first document in every prompt). Each variant runs on its own engine over the same
+loaded model. Every config is also paired per question against `full` (answers lost and gained, the
+accuracy difference with a paired 95% interval) and against `hypic s=8` (first-token KL difference).
+
 Run:  .venv/bin/python bench/accuracy_real.py --model smollm2-135m-instruct
-      [--n 84] [--seams 0 2 4 8 16 32] [--naive-seams 8] [--max-tokens 32] [--tag real-smollm2]
+      [--n 84] [--seams 0 2 4 8 16 32] [--naive-seams 8] [--variants 8+p 8/0.15] [--max-tokens 32] [--tag real-smollm2]
 Writes its section into docs/accuracy.md (between <!-- TAG:begin/end -->) and the raw rows to
 docs/accuracy_real_<model>.json; progress goes to stderr.
 """
@@ -46,11 +54,25 @@ from retrieval.document import Chunk, chunk_id_for  # noqa: E402
 from retrieval.index import SearchHit  # noqa: E402
 
 
-def configs(seams: list[int], naive_seams: list[int], prefix: bool = True) -> list[tuple[str, str, int]]:
-    out = [("full", "full", 0)] + ([("prefix", "prefix", 0)] if prefix else [])
-    out += [(f"pic-naive s={s}", "pic-naive", s) for s in naive_seams]
-    out += [(f"hypic s={s}", "hypic", s) for s in seams]
+def configs(seams: list[int], naive_seams: list[int], prefix: bool = True,
+            variants: list[str] = ()) -> list[tuple[str, str, int, float, bool]]:
+    """(label, mode, seam, seam fraction, entry prefix) of every configuration, `full` first."""
+    out = [("full", "full", 0, 0.0, False)] + ([("prefix", "prefix", 0, 0.0, False)] if prefix else [])
+    out += [(f"pic-naive s={s}", "pic-naive", s, 0.0, False) for s in naive_seams]
+    out += [(f"hypic s={s}", "hypic", s, 0.0, False) for s in seams]
+    out += [variant(v) for v in variants]
     return out
+
+
+def variant(spec: str) -> tuple[str, str, int, float, bool]:
+    """`SEAM[/FRACTION][+p]` -> a hypic config (see the module docstring)."""
+    body, plus, flag = spec.partition("+")
+    if plus and flag != "p":
+        raise SystemExit(f"variant {spec!r}: only '+p' (entry prefix) may follow the seam")
+    seam, _, frac = body.partition("/")
+    fraction = float(frac) if frac else 0.0
+    label = f"hypic s={int(seam)}" + (f" f={fraction:g}" if fraction else "") + (" +prefix" if plus else "")
+    return label, "hypic", int(seam), fraction, bool(plus)
 
 
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
@@ -103,16 +125,32 @@ def prompt_segments(prompter: Prompter, question: str, chunks: list[str]) -> tup
     return tuple(prompt.segments)
 
 
+def entry_prefix(prompter: Prompter) -> tuple[int, ...]:
+    """What precedes the first document in every /query prompt: its exact-prefix segments (the chat
+    template's system part and the user turn's opening), joined."""
+    head = prompter.query("?", [], reserve=0)
+    return tuple(t for seg in head.segments[: head.exact_prefix] for t in seg)
+
+
 def evaluate(args) -> dict:
     model = resolve(args.model)
     settings = Settings(_env_file=None, model=args.model)
-    engine = Engine.from_pretrained(model.path, EngineConfig(seam=8, memory_budget_bytes=8 << 30), dtype=args.dtype,
+    budget = (8 << 30) if not args.variants else (512 << 20)  # several engines (and processes): each keeps less
+    engine = Engine.from_pretrained(model.path, EngineConfig(seam=8, memory_budget_bytes=budget), dtype=args.dtype,
                                     model_id=settings.served_model_name)
     layout = settings.prompt_layout(engine.tokenizer, model.known.prompt if model.known else None)
     prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
+    head = entry_prefix(prompter)
+    engines = {(0.0, False): engine}  # (seam fraction, entry prefix) -> an engine over the same model
+    for _, _, _, fraction, prefixed in configs([], [], False, args.variants or []):
+        engines.setdefault((fraction, prefixed), Engine(
+            engine.model, engine.tokenizer, EngineConfig(seam=8, memory_budget_bytes=budget, seam_fraction=fraction,
+                                                         entry_prefix=head if prefixed else ()),
+            model_id=settings.served_model_name))
     pairs = load_real_qa()[: args.n]
-    cfgs = configs(args.seams, args.seams if args.naive_seams is None else args.naive_seams, not args.no_prefix)
-    rows: dict[str, list[dict]] = {label: [] for label, _, _ in cfgs}
+    cfgs = configs(args.seams, args.seams if args.naive_seams is None else args.naive_seams, not args.no_prefix,
+                   args.variants or [])
+    rows: dict[str, list[dict]] = {label: [] for label, *_ in cfgs}
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     for i, pair in enumerate(pairs):
@@ -121,8 +159,10 @@ def evaluate(args) -> dict:
             continue
         chunks, gold = build_context(pair, n_chunks, seed=args.seed)
         segs = prompt_segments(prompter, pair.question, chunks)
+        assert tuple(t for s in segs[:2] for t in s)[: len(head)] == head, "the prompt does not open with the entry prefix"
         full = None
-        for label, mode, seam in cfgs:
+        for label, mode, seam, fraction, prefixed in cfgs:
+            engine = engines[(fraction, prefixed)]
             request = GenerationRequest(segs, mode=mode, seam=seam, sampling=SamplingParams(max_tokens=args.max_tokens))
             pre = engine.prefill(request)
             forked = copy.deepcopy(pre.cache)
@@ -138,14 +178,14 @@ def evaluate(args) -> dict:
             _, f1 = score(text, pair.answer, pair.aliases)
             rows[label].append({"id": pair.id, "chunks": n_chunks, "gold_at": gold, "answer": text,
                                 "acc": contains(text, pair.answers), "f1": f1, "agree": text == full[0],
-                                "ws": raw[:1].isspace(),
+                                "ws": raw[:1].isspace(), "seam_tokens": pre.stats.seam_tokens,
                                 "kl": kl(full[1], pre.logits), "cont_kl": mean_kl(full[3], cont), "top1": int(pre.logits.argmax()) == int(full[1].argmax())})
         if args.partial:  # what is done so far, for a run cut short
             Path(args.partial).write_text(json.dumps({"done": i + 1, "rows": rows}))
         el = time.perf_counter() - t0
         print(f"[{i + 1}/{len(pairs)}] {el:.0f} s elapsed, ~{el / (i + 1 - args.first) * (len(pairs) - i - 1):.0f} s left; "
               f"full: {rows['full'][-1]['answer'][:60]!r}", file=sys.stderr, flush=True)
-    return {"model": args.model, "family": engine.adapter.family, "linear_layers": len(engine.adapter.linear_layers),
+    return {"model": args.model, "family": engine.adapter.family, "entry_prefix_tokens": len(head), "linear_layers": len(engine.adapter.linear_layers),
             "attention_layers": len(engine.adapter.attention_layers), "dtype": str(engine.runner.model.dtype),
             "n": len(pairs) - args.first, "first": args.first, "max_tokens": args.max_tokens, "seed": args.seed,
             "seconds": round(time.perf_counter() - t0),
@@ -157,7 +197,7 @@ def table(results: dict) -> list[str]:
              "| answer KL (+-95%) | top-1 agree % | starts with whitespace where full does not |",
              "|---|---|---|---|---|---|---|---|"]
     full_ws = [r.get("ws") for r in results["rows"]["full"]]
-    for label, _, _ in results["configs"]:
+    for label, *_ in results["configs"]:
         rows = results["rows"][label]
         n = len(rows)
         acc = sum(r["acc"] for r in rows)
@@ -170,7 +210,36 @@ def table(results: dict) -> list[str]:
                      f"| {100 * agree / n:.1f} ({alo:.1f}-{ahi:.1f}) | {k:.4f} (+-{khalf:.4f}) | {c:.4f} (+-{chalf:.4f}) "
                      f"| {100 * statistics.fmean(r['top1'] for r in rows):.1f} | {_ws_cell(rows, full_ws)} |")
     lines += paired_lines(results)
+    lines += against_full_lines(results)
     return lines
+
+
+def against_full_lines(results: dict) -> list[str]:
+    """Each config paired per question with `full` (answers lost, gained, the accuracy difference with a
+    paired 95% interval), and with `hypic s=8` where it ran (the first-token KL difference: what a rung
+    adds over the old default); the mean seam tokens a prompt recomputed (warm cost)."""
+    rows = results["rows"]
+    full = rows["full"]
+    base = rows.get("hypic s=8")
+    out = ["", "| paired, per question | answers lost to full | gained | acc - full, points (+-95%) "
+           "| first-token KL - hypic s=8 (+-95%) | lower than hypic s=8 on | seam tokens / prompt |",
+           "|---|---|---|---|---|---|---|"]
+    for label, *_ in results["configs"]:
+        if label == "full":
+            continue
+        r = rows[label]
+        lost = sum(f["acc"] and not x["acc"] for f, x in zip(full, r))
+        gained = sum(x["acc"] and not f["acc"] for f, x in zip(full, r))
+        m, half = mean_ci([100.0 * (x["acc"] - f["acc"]) for f, x in zip(full, r)])
+        kl_cells = ["", ""]
+        if base is not None and label != "hypic s=8":
+            diff = [x["kl"] - b["kl"] for x, b in zip(r, base)]
+            km, khalf = mean_ci(diff)
+            kl_cells = [f"{km:+.4f} (+-{khalf:.4f})", f"{sum(d < 0 for d in diff)}/{len(diff)}"]
+        seam = [x["seam_tokens"] for x in r if "seam_tokens" in x]
+        seam_cell = f"{statistics.fmean(seam):.0f}" if len(seam) == len(r) else "n/a"
+        out.append(f"| {label} | {lost} | {gained} | {m:+.1f} (+-{half:.1f}) | " + " | ".join(kl_cells) + f" | {seam_cell} |")
+    return out
 
 
 def _ws_cell(rows: list[dict], full_ws: list) -> str:
@@ -185,7 +254,7 @@ def _ws_cell(rows: list[dict], full_ws: list) -> str:
 def paired_lines(results: dict) -> list[str]:
     """hypic minus pic-naive per question at every seam both ran (the same prompts, so the paired
     difference is far tighter than the two rows' intervals): what composing the linear states adds."""
-    labels = {(mode, seam): label for label, mode, seam in results["configs"]}
+    labels = {(mode, seam): label for label, mode, seam, *variant in results["configs"] if not any(variant)}
     seams = sorted(s for (m, s) in labels if m == "hypic" and ("pic-naive", s) in labels)
     if not seams:
         return []
@@ -231,6 +300,9 @@ def main() -> None:
     parser.add_argument("--naive-seams", type=int, nargs="*", default=None,
                         help="seams for pic-naive (default: --seams). On a dense model pic-naive equals hypic at every "
                              "seam (no linear layers to compose), so one is enough as a check.")
+    parser.add_argument("--variants", nargs="*", default=None,
+                        help="hypic configs SEAM[/FRACTION][+p]: a seam fraction of each chunk beside the fixed width, "
+                             "+p: entries computed after the prompt's fixed head (see the module docstring)")
     parser.add_argument("--first", type=int, default=0,
                         help="start at this question (0-based), with the contexts a whole run gives it: a share of "
                              "the run for a second process, whose --partial rows join the first's")
@@ -266,6 +338,7 @@ def main() -> None:
             return
     naive = "" if args.naive_seams is None else " ".join([" --naive-seams", *map(str, args.naive_seams)])
     naive += " --no-prefix" if args.no_prefix else ""
+    naive += " ".join([" --variants", *args.variants]) if args.variants else ""
     naive += f" --tag {args.tag}" if args.tag else ""
     naive += f" --raw {args.raw}" if args.raw else ""
     command = (f".venv/bin/python bench/accuracy_real.py --model {args.model} --n {args.n} --seams {' '.join(map(str, args.seams))}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import reprlib
 from dataclasses import dataclass, field
 
@@ -111,6 +112,10 @@ class EngineConfig:
     cost more than it. The gateway defaults to "auto" (`HYPIC_COLD_PREFILL`); off here for the same
     reason as exact_repeats (the answer would depend on what the cache holds).
     background_tokens bounds the tokens of deferred cold work queued (the oldest is dropped past it).
+    entry_prefix (pic modes): every canonical entry is computed as its segment would sit after these
+    tokens (the prompt's fixed head), keeping only the segment's own K/V and body operators (T, E from
+    a zero state); a stitched request's first context segment is then computed exactly (it sits after
+    nothing). seam_fraction widens each segment's seam head to a share of its length (`head_width`).
     """
 
     seam: int = DEFAULT_SEAM
@@ -127,6 +132,11 @@ class EngineConfig:
     # The batched decode forward: "lean" (hypic_core/runner/decode_step.py: fused weights, closed-form
     # one-token updates; a family it does not cover keeps the module path) or "module" (the HF modules).
     decode_step: str = "module"
+    # Canonical entries computed after this fixed head (token ids: BOS and the chat template's system
+    # part), whose own K/V and state are then dropped; part of every entry key. () : computed alone.
+    entry_prefix: tuple[int, ...] = ()
+    # A segment's seam head is max(seam, ceil(seam_fraction * its length)) tokens (at most all of it).
+    seam_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.seam < 0:
@@ -144,6 +154,14 @@ class EngineConfig:
             raise InvalidRequestError("background_tokens", f"must be >= 0, got {self.background_tokens}")
         if self.decode_step not in DECODE_STEPS:
             raise InvalidRequestError("decode_step", f"must be one of {', '.join(DECODE_STEPS)}, got {self.decode_step!r}")
+        object.__setattr__(self, "entry_prefix", tuple(int(t) for t in self.entry_prefix))
+        if not 0.0 <= self.seam_fraction <= 1.0:  # NaN fails too
+            raise InvalidRequestError("seam_fraction", f"must be in [0, 1], got {self.seam_fraction!r}")
+
+    def head_width(self, seam: int, length: int) -> int:
+        """The seam width a segment of `length` tokens gets under the fixed width `seam` and `seam_fraction`:
+        max(seam, ceil(seam_fraction * length)); the head recomputed is at most the segment (min with length)."""
+        return max(seam, math.ceil(self.seam_fraction * length))
 
 
 @dataclass(frozen=True)

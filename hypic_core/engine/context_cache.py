@@ -111,8 +111,15 @@ class ContextCacheManager:
         return pos
 
     def key(self, seq: Sequence, segment: tuple[int, ...], seam: int | None = None) -> SegmentKey:
-        """The cache key of `segment` for `seq`: its seam (or `seam`) and its request's `cache_salt`."""
-        return SegmentKey.of(self.fingerprint, seq.seam if seam is None else seam, segment, seq.request.cache_salt)
+        """The cache key of `segment` for `seq`: its seam head (`head`, or `seam`), its request's
+        `cache_salt` and the engine's entry prefix (an entry computed after another is never served)."""
+        seam = self.head(seq, segment) if seam is None else seam
+        return SegmentKey.of(self.fingerprint, seam, segment, seq.request.cache_salt, self.config.entry_prefix)
+
+    def head(self, seq: Sequence, segment: tuple[int, ...]) -> int:
+        """The seam head `segment` gets in `seq`: its seam width, or `config.seam_fraction` of it (entries
+        of one head width are the same bytes whichever rule gave it, so they share a key)."""
+        return self.config.head_width(seq.seam, len(segment))
 
     def lookup(self, seq: Sequence, first: int) -> list[SegmentEntry | None]:
         """The canonical entries of context segments `first`.. in the store (a hit is verified against
@@ -142,7 +149,7 @@ class ContextCacheManager:
             if k not in wanted:
                 cw = self._cold.get(k)
                 if cw is None:
-                    cw = self._cold[k] = ColdWork(key, seg, seq.seam)
+                    cw = self._cold[k] = ColdWork(key, seg, key.seam)
                 cw.holders += 1
                 cw.keep = cw.keep or request.cache_store
                 wanted[k] = (cw, [])
@@ -170,7 +177,7 @@ class ContextCacheManager:
                 cw = self._cold.get(k)
                 done = 0 if cw is None or cw.part is None else cw.part.done
                 cold[k] = (len(seg), len(seg) if cw is not None and cw.entry is not None else done)
-        heads = sum(min(seq.seam, len(s)) for s in request.context[progress.exact:]) + len(request.question)
+        heads = sum(min(self.head(seq, s), len(s)) for s in request.context[progress.exact:]) + len(request.question)
         workers = self.pool.alive if self.pool is not None else 1
         return exact_wins(self.cost, progress.start, request.prompt_tokens, list(cold.values()), heads, workers)
 
@@ -193,7 +200,7 @@ class ContextCacheManager:
             deferred.setdefault(key.to_str(), (key, seg))
         progress.runs.append(Run(tuple(t for s in request.segments[first:] for t in s), progress.start))
         progress.timing = "forward"
-        progress.deferred = [(key, seg, seq.seam) for key, seg in deferred.values()] if request.cache_store else []
+        progress.deferred = [(key, seg, key.seam) for key, seg in deferred.values()] if request.cache_store else []
         stats.exact_forward = True
 
     def defer(self, progress: PrefillProgress) -> None:

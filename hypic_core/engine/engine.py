@@ -84,7 +84,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.adapter = adapter_for(model)
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-        self.runner = ModelRunner(model, self.adapter, pad_token_id=pad or 0)
+        self.runner = ModelRunner(model, self.adapter, pad_token_id=pad or 0, entry_prefix=self.config.entry_prefix)
         if self.config.decode_step != "module":
             self.runner.use_decode_step(self.config.decode_step)
         self.model_id = model_id
@@ -96,6 +96,8 @@ class Engine:
         self._lock = threading.RLock()  # one step (one set of model calls) at a time
         # Parallel cold prefill (hypic_core/prefill_pool): cold entries computed by replicas on other
         # processes. None: computed here, in this thread, as part of each step's token budget.
+        if prefill_pool is not None and self.config.entry_prefix:
+            raise ValueError("entry_prefix is not supported with a prefill pool yet (its replicas compute entries alone)")
         if prefill_pool is not None and prefill_pool.split_tokens:  # its entries approximate the canonical ones
             self.fingerprint = hashlib.sha256(f"{self.fingerprint}/split{prefill_pool.split_tokens}".encode()).hexdigest()
         store = store if store is not None else MemorySegmentStore(self.config.memory_budget_bytes)
@@ -280,7 +282,7 @@ class Engine:
 
     def segment_entries(self, segments: tuple[tuple[int, ...], ...], seam: int, salt: str = "") -> EntryLookup:
         """Canonical entries for `segments` under `salt` (misses computed together and stored), with hit flags."""
-        keys = [SegmentKey.of(self.fingerprint, seam, s, salt) for s in segments]
+        keys = [SegmentKey.of(self.fingerprint, seam, s, salt, self.config.entry_prefix) for s in segments]
         found = [self.store.lookup(k, s) for k, s in zip(keys, segments)]
         hits = [e is not None for e in found]
         todo = list(dict.fromkeys(s for s, e in zip(segments, found) if e is None))

@@ -120,12 +120,17 @@ class StitchedPrefill:
     """`hypic` / `pic-naive`: an exact run of leading segments (restored or computed), then every other
     context segment's canonical entry (looked up, or computed as cold work) stitched with its seam
     head recomputed in context, then the question. A cold request (`EngineConfig.cold_prefill`:
-    every entry missing, or the cost model's choice) runs the rest of its prompt exactly instead."""
+    every entry missing, or the cost model's choice) runs the rest of its prompt exactly instead.
+    With an entry prefix (`EngineConfig.entry_prefix`) the first context segment is always in the
+    exact run: it sits after nothing, and entries are computed as segments sit after the prefix."""
 
     def plan(self, context, seq: Sequence, progress: PrefillProgress) -> None:
         request = seq.request
         longer = request.exact_runs and context.config.exact_repeats
-        progress.start = context.exact_run(seq, progress, request.exact_prefix, longer=longer)
+        n_exact = request.exact_prefix
+        if context.config.entry_prefix and request.context:
+            n_exact = max(n_exact, 1)
+        progress.start = context.exact_run(seq, progress, n_exact, longer=longer)
         found = context.lookup(seq, progress.exact)
         if context.exact_forward_wins(seq, progress, found):
             # Cold: ONE exact forward over the rest of the prompt, as `full` runs it (its answer);
@@ -134,7 +139,7 @@ class StitchedPrefill:
             return
         context.entries(seq, progress, found)
         progress.stitch_pending = True
-        seq.stats.seam_tokens = sum(min(seq.seam, len(s)) for s in request.context[progress.exact:])
+        seq.stats.seam_tokens = sum(min(context.head(seq, s), len(s)) for s in request.context[progress.exact:])
 
 
 STRATEGIES: dict[Mode, PrefillStrategy] = {Mode.FULL: FullPrefill(), Mode.PREFIX: PrefixPrefill(),

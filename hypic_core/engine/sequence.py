@@ -117,7 +117,7 @@ class PrefillProgress:
 
     def tokens_left(self, seq: "Sequence") -> int:
         cold = sum(cw.left for cw, _ in self.cold)
-        stitch = (sum(min(seq.seam, len(s)) for s in seq.request.context[self.exact:]) + len(seq.request.question)
+        stitch = (seq.stats.seam_tokens + len(seq.request.question)
                   if self.stitch_pending else 0)
         return cold + stitch + sum(len(r.ids) - r.done for r in self.runs)
 

@@ -46,10 +46,14 @@ class PartialEntry:
 class ModelRunner:
     """Owns one model and its adapter."""
 
-    def __init__(self, model: torch.nn.Module, adapter: ModelAdapter, pad_token_id: int = 0):
+    def __init__(self, model: torch.nn.Module, adapter: ModelAdapter, pad_token_id: int = 0,
+                 entry_prefix: Sequence[int] = ()):
         self.model = model
         self.adapter = adapter
         self.pad_token_id = pad_token_id
+        # Canonical entries are computed after these tokens (EngineConfig.entry_prefix); their own
+        # K/V and state are dropped, the segment's keys rotated back to local positions.
+        self.entry_prefix = tuple(int(t) for t in entry_prefix)
         self.device = model.device
         self.attention = AttentionLayers(adapter)
         self.linear = LinearLayers(adapter)
@@ -84,7 +88,9 @@ class ModelRunner:
 
     # --- canonical entries ----------------------------------------------------------------
     def compute_entries(self, segments: Sequence[tuple[int, ...]], seam: int, max_batch_tokens: int) -> list[SegmentEntry]:
-        """Canonical entries of `segments`, each computed alone from an empty state at positions 0..L-1.
+        """Canonical entries of `segments`, each computed alone from an empty state at positions 0..L-1
+        (after `entry_prefix`, when set: the segment at positions P..P+L-1 behind it, its keys then
+        rotated back to 0..L-1, its body operators T and E from the recorded inputs, E from a zero state).
 
         Segments are batched (right-padded: causal layers never see the padding of earlier
         tokens) in groups of at most `max_batch_tokens` padded tokens, longest first; a
@@ -105,16 +111,19 @@ class ModelRunner:
         return out  # type: ignore[return-value]
 
     def _compute_group(self, segs, seam: int, out: list, slots: list[int]) -> None:
-        width = max(len(s) for s in segs)
+        prefix = self.entry_prefix
+        P = len(prefix)
+        longest = max(len(s) for s in segs)
+        width = P + longest
         ids = torch.full((len(segs), width), self.pad_token_id, dtype=torch.long, device=self.device)
         for row, s in enumerate(segs):
-            ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+            ids[row, : P + len(s)] = torch.tensor(prefix + tuple(s), dtype=torch.long)
         pos = torch.arange(width, device=self.device)[None].expand(len(segs), -1)
         cache = self.new_cache()
         adapter = self.adapter
-        fused = bool(adapter.linear_layers) and adapter.supports_fused_body and width > seam
+        fused = bool(adapter.linear_layers) and adapter.supports_fused_body and longest > seam
         if fused:  # one forward; the body operators are computed inside its linear layers' kernel calls
-            with adapter.capture_body(seam, [max(0, len(s) - seam) for s in segs], width) as cap:
+            with adapter.capture_body(P + seam, [max(0, len(s) - seam) for s in segs], width) as cap:
                 self.model.base_model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
         else:  # reference: one plain forward, operators computed afterwards from its recorded inputs
             with adapter.capture(0, width) as cap:
@@ -123,15 +132,28 @@ class ModelRunner:
             out[slot] = self._entry(cache, cap, row, s, seam, fused)
 
     def _entry(self, cache, cap, row: int, segment: tuple[int, ...], seam: int, fused: bool) -> SegmentEntry:
+        """Row `row`'s entry from a forward over `entry_prefix` + `segment` (positions 0..P+L-1)."""
         adapter = self.adapter
-        L = len(segment)
+        P, L = len(self.entry_prefix), len(segment)
         w = min(seam, L)
-        keys, values = self.attention.slice(cache, row, w, L)
+        keys, values = self._body_kv(cache, row, P + w, P + L)
         ops, tails = (), ()
         if adapter.linear_layers and w < L:
-            ops = tuple(adapter.fused_operators(cap, row) if fused else adapter.span_operators(cap, row, w, L))
-            tails = tuple(adapter.conv_tail(cap, p, row, L) for p in range(len(adapter.linear_layers)))
+            ops = tuple(adapter.fused_operators(cap, row) if fused else adapter.span_operators(cap, row, P + w, P + L))
+            tails = tuple(self._own_tail(adapter.conv_tail(cap, p, row, P + L), L) for p in range(len(adapter.linear_layers)))
         return SegmentEntry(tuple(segment), w, keys, values, ops, tails)
+
+    def _body_kv(self, cache, row: int, start: int, end: int):
+        """K/V columns [start, end) of row `row`, keys rotated back by the entry prefix's length (to local positions)."""
+        keys, values = self.attention.slice(cache, row, start, end)
+        P = len(self.entry_prefix)
+        if P:
+            keys = tuple(self.adapter.rotate_keys(k, -P) for k in keys)
+        return keys, values
+
+    def _own_tail(self, tail: torch.Tensor, length: int) -> torch.Tensor:
+        """A conv tail cut to the segment's own inputs (a segment shorter than the kernel: not the prefix's)."""
+        return tail if tail.shape[-1] <= length else tail[..., -length:].clone()
 
     def compute_entries_reference(self, segments: Sequence[tuple[int, ...]], seam: int,
                                   keep_graph: bool = False) -> list[SegmentEntry]:
@@ -142,17 +164,21 @@ class ModelRunner:
         cache (training/hybrid/distill.py `HypicView`)."""
         out: list[SegmentEntry | None] = [None] * len(segments)
         for i, seg in enumerate(segments):
-            ids = torch.tensor([seg], dtype=torch.long, device=self.device)
-            pos = torch.arange(len(seg), device=self.device)[None]
+            ids = torch.tensor([self.entry_prefix + tuple(seg)], dtype=torch.long, device=self.device)
+            pos = torch.arange(ids.shape[1], device=self.device)[None]
             cache = self.new_cache()
-            with self.adapter.capture(0, len(seg), keep_graph) as cap:
+            with self.adapter.capture(0, ids.shape[1], keep_graph) as cap:
                 self.model.base_model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
             out[i] = self._entry(cache, cap, 0, seg, seam, fused=False)
         return out  # type: ignore[return-value]
 
     def start_entry(self, segment: tuple[int, ...], seam: int) -> PartialEntry:
-        """Begin computing `segment`'s canonical entry piece by piece (see `advance_entry`)."""
-        return PartialEntry(tuple(segment), min(seam, len(segment)), self.new_cache())
+        """Begin computing `segment`'s canonical entry piece by piece (see `advance_entry`); with an
+        entry prefix, the prefix runs first on the entry's own cache."""
+        cache = self.new_cache()
+        if self.entry_prefix:
+            self.forward(self.entry_prefix, 0, cache)
+        return PartialEntry(tuple(segment), min(seam, len(segment)), cache)
 
     def advance_entry(self, part: PartialEntry, max_tokens: int) -> SegmentEntry | None:
         """Run the next (up to) `max_tokens` tokens of `part`; return the entry once the segment is done.
@@ -160,16 +186,16 @@ class ModelRunner:
         Equals `compute_entries_reference` of the whole segment up to float rounding: the
         pieces run on one cache, and their body operators compose exactly.
         """
-        seg, w = part.segment, part.seam
+        seg, w, P = part.segment, part.seam, len(self.entry_prefix)
         start, end = part.done, min(len(seg), part.done + max(1, max_tokens))
         n = end - start
         head = min(max(w - start, 0), n)  # the piece's tokens still in the seam head
         ids = torch.tensor([seg[start:end]], dtype=torch.long, device=self.device)
-        pos = torch.arange(start, end, device=self.device)[None]
+        pos = torch.arange(P + start, P + end, device=self.device)[None]
         # As in `_compute_group`: the piece's body operators inside its own kernel calls where
         # the family can (no second pass per layer), else from the recorded inputs afterwards.
         fused = bool(len(self.linear)) and self.adapter.supports_fused_body and n > head
-        capture = (self.adapter.capture_body(head, [n - head], n, start) if fused else self.adapter.capture(start, n))
+        capture = (self.adapter.capture_body(head, [n - head], n, P + start) if fused else self.adapter.capture(P + start, n))
         with capture as cap:
             self.model.base_model(input_ids=ids, position_ids=pos, cache=part.cache, use_cache=True)
         part.done = end
@@ -178,11 +204,12 @@ class ModelRunner:
             part.operators = ops if part.operators is None else [a.then(b) for a, b in zip(part.operators, ops)]
         if end < len(seg):
             return None
-        keys, values = self.attention.slice(part.cache, 0, w, len(seg))
+        keys, values = self._body_kv(part.cache, 0, P + w, P + len(seg))
         ops, tails = (), ()
         if len(self.linear) and w < len(seg):
             ops = tuple(part.operators)
-            tails = tuple(self.adapter.conv_tail(cap, p, 0, len(seg)) for p in range(len(self.linear)))
+            tails = tuple(self._own_tail(self.adapter.conv_tail(cap, p, 0, P + len(seg)), len(seg))
+                          for p in range(len(self.linear)))
         return SegmentEntry(seg, w, keys, values, ops, tails)
 
     # --- stitching --------------------------------------------------------------------------
