@@ -12,7 +12,9 @@ attention K/V and linear state each sequence can hold at most (`Sequence.reserve
 must fit in `running_budget_bytes` together; a sequence that does not fit now waits.
 
 Thread-safety: `add` and `abort` may be called from any thread; everything else from the
-engine thread.
+engine thread. The lock guards the waiting queue and moves between it and `active` only: no
+lookup, plan or model work runs under it, so `add` (called on the HTTP event loop) never
+waits for a disk or Redis read.
 """
 
 from __future__ import annotations
@@ -104,28 +106,31 @@ class Scheduler:
             aborted = [s for s in (*self.waiting, *self.active) if s.abort.aborted]
             for s in aborted:
                 self._remove(s)
-            decodes = [s for s in self.active if s.status is Status.RUNNING]
-            budget = cfg.max_step_tokens - len(decodes) if decodes else cfg.max_step_tokens
-            prefills: list[tuple[Sequence, int]] = []
-            for s in self.active:
-                if s.status is Status.PREFILLING and budget > 0:
-                    grant = min(max(s.prefill_left, 1), budget)
-                    prefills.append((s, grant))
-                    budget -= grant
-            reserved = self.reserved_bytes
-            while self.waiting and budget > 0 and len(self.active) < cfg.max_running:
-                s = self.waiting.peek()
-                if reserved + s.reserved_bytes > cfg.running_budget_bytes:
-                    break  # in the queue's order: later ones do not overtake it
-                self.waiting.pop()
-                self.active.append(s)
-                reserved += s.reserved_bytes
-                s.status, s.first_scheduled = Status.PREFILLING, time.perf_counter()
-                if self.context_cache is not None:
-                    self.context_cache.plan(s)
+        decodes = [s for s in self.active if s.status is Status.RUNNING]
+        budget = cfg.max_step_tokens - len(decodes) if decodes else cfg.max_step_tokens
+        prefills: list[tuple[Sequence, int]] = []
+        for s in self.active:
+            if s.status is Status.PREFILLING and budget > 0:
                 grant = min(max(s.prefill_left, 1), budget)
                 prefills.append((s, grant))
                 budget -= grant
+        reserved = self.reserved_bytes
+        while budget > 0 and len(self.active) < cfg.max_running:
+            with self._lock:  # held only to move one sequence from `waiting` to `active`
+                s = self.waiting.peek() if self.waiting else None
+                if s is None or reserved + s.reserved_bytes > cfg.running_budget_bytes:
+                    break  # in the queue's order: later ones do not overtake it
+                self.waiting.pop()
+                self.active.append(s)
+            reserved += s.reserved_bytes
+            s.status, s.first_scheduled = Status.PREFILLING, time.perf_counter()
+            if self.context_cache is not None:
+                # Outside the lock: laying out a prefill may read the disk or a shared tier, and
+                # `add` (the HTTP event loop's) must never wait for that.
+                self.context_cache.plan(s)
+            grant = min(max(s.prefill_left, 1), budget)
+            prefills.append((s, grant))
+            budget -= grant
         return ScheduledStep(aborted, prefills, decodes)
 
     def finish(self, seq: Sequence) -> None:
