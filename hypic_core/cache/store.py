@@ -88,6 +88,17 @@ class SegmentStore(ABC):
     @abstractmethod
     def stats(self) -> StoreStats: ...
 
+    @property
+    def slow(self) -> bool:
+        """Whether a lookup may wait on a disk or network read (the engine then looks up off its
+        thread: hypic_core/engine/lookups.py). Default: no, all in memory."""
+        return False
+
+    def lookup_memory(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None:
+        """`lookup` in memory only, never waiting on I/O; a miss is not counted (the caller counted
+        one already). Default: `lookup` (a store that is all memory)."""
+        return self.lookup(key, token_ids)
+
     def close(self) -> None:
         """Release the store's resources (a tiered store finishes queued disk writes). Default: none."""
 

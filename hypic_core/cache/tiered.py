@@ -117,6 +117,20 @@ class TieredSegmentStore(SegmentStore):
             self._stats.misses += 1
         return None
 
+    @property
+    def slow(self) -> bool:
+        return bool(self.stored)
+
+    def lookup_memory(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None:
+        k, t0 = key.to_str(), time.perf_counter()
+        with self._lock:
+            found = self._lookup_memory(k, tuple(token_ids), t0)
+        if found is _COLLISION:
+            log.warning("segment %s: stored token ids differ from the lookup's; evicted", k)
+            self._delete_stored(key)
+            return None
+        return None if found is None else found.to(self.device)
+
     def _lookup_memory(self, k: str, token_ids: tuple[int, ...], t0: float):
         """(Lock held.) The memory tiers' entry, promoted to the hot tier; None; or _COLLISION."""
         for tier in self._tiers:

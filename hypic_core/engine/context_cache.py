@@ -22,7 +22,7 @@ from ..algebra.entry import SegmentEntry
 from ..algebra.keys import SegmentKey
 from ..cache.exact_runs import ExactRuns, chain_hashes
 from ..cache.store import SegmentStore
-from ..config import EngineConfig
+from ..config import EngineConfig, Mode
 from ..runner.model_runner import ModelRunner, PartialEntry
 from .prefill import CostModel, exact_wins, strategy_for
 from .sequence import PrefillProgress, Run, Sequence
@@ -124,11 +124,21 @@ class ContextCacheManager:
     def lookup(self, seq: Sequence, first: int) -> list[SegmentEntry | None]:
         """The canonical entries of context segments `first`.. in the store (a hit is verified against
         its token ids), one per context segment (None before `first` and for a miss)."""
-        context = seq.request.context
+        context, prefetched = seq.request.context, seq.found
         found: list[SegmentEntry | None] = [None] * len(context)
         for i, seg in enumerate(context[first:], start=first):
-            found[i] = self.store.lookup(self.key(seq, seg), seg)
+            if prefetched is None or i < seq.request.exact_prefix:
+                found[i] = self.store.lookup(self.key(seq, seg), seg)
+            else:  # looked up as it arrived; a miss then may have been computed since (memory only)
+                found[i] = prefetched[i] or self.store.lookup_memory(self.key(seq, seg), seg)
         return found
+
+    def prefetch(self, seq: Sequence) -> None:
+        """(Any thread.) Look up `seq`'s stitched segments before it is laid out, keeping what was
+        found in `seq.found` for `lookup`: the disk and network reads of a slow store then run
+        outside the engine thread (hypic_core/engine/lookups.py). Only for the stitched modes."""
+        if seq.mode in (Mode.HYPIC, Mode.PIC_NAIVE):
+            seq.found = self.lookup(seq, seq.request.exact_prefix)
 
     def entries(self, seq: Sequence, progress: PrefillProgress, found: list[SegmentEntry | None]) -> None:
         """Take the entries `lookup` found for the stitched segments (`progress.exact`..); each miss

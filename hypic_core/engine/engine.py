@@ -41,16 +41,21 @@ from ..algebra.entry import SegmentEntry
 from ..algebra.keys import SegmentKey, model_fingerprint
 from ..cache.exact_runs import ExactRuns
 from ..cache.store import MemorySegmentStore, SegmentStore
-from ..config import EngineConfig, GenerationRequest
+from ..config import EngineConfig, GenerationRequest, Mode
 from ..errors import InvalidRequestError, PromptTooLongError
 from ..runner.model_runner import ModelRunner
 from .context_cache import ColdWork, ContextCacheManager
+from .lookups import Lookups
 from .output import OutputProcessor
 from .prefill import CostModel
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import AbortHandle, PrefillProgress, PrefillStats, Run, Sequence, Status, StepOutput
 
 __all__ = ["AbortHandle", "Engine", "EntryLookup", "PrefillResult", "PrefillStats", "StepOutput"]
+
+
+# How long a step with nothing running waits for the cache lookups in flight (then it runs what it has).
+LOOKUP_WAIT_S = 1.0
 
 
 class EntryLookup(NamedTuple):
@@ -108,6 +113,8 @@ class Engine:
         self.pool = self.context.pool = prefill_pool
         if prefill_pool is not None:
             prefill_pool.bind(self.fingerprint, self.runner)
+        # A store that reads disk or Redis is looked up off the engine thread (lookups.py).
+        self.lookups = Lookups(self.context.prefetch, self.scheduler.add) if getattr(store, "slow", False) else None
 
     @property
     def store(self) -> SegmentStore:
@@ -195,6 +202,9 @@ class Engine:
         if prefilled is not None:
             seq.prefill = PrefillProgress(prefilled.cache, logits=prefilled.logits)
             seq.stats, seq.prefill_left = prefilled.stats, 1
+        elif self.lookups is not None and seq.mode in (Mode.HYPIC, Mode.PIC_NAIVE):
+            self.lookups.submit(seq)  # queued once its segments are looked up, off this thread
+            return seq
         self.scheduler.add(seq)
         return seq
 
@@ -216,7 +226,7 @@ class Engine:
         self.context.config = self.config
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.lookups is not None and self.lookups.pending > 0)
 
     def has_background_work(self) -> bool:
         """Deferred cold work is waiting (`step()` computes it, also with no request in the engine)."""
@@ -231,6 +241,10 @@ class Engine:
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one step (see the module docstring); return what it produced, in no particular order."""
+        if self.lookups is not None and self.lookups.pending and not self.scheduler.num_active:
+            # Nothing runs yet: wait (briefly) for the lookups in flight, so requests added together
+            # are admitted together. With sequences running, a step never waits for a lookup.
+            self.lookups.wait(LOOKUP_WAIT_S)
         with self._lock, torch.inference_mode():
             scheduled = self.scheduler.schedule()
             executed = self._execute(scheduled)

@@ -169,6 +169,7 @@ class Sequence:
     stats: PrefillStats | None = None
     prefill_left: int = 0  # tokens of prefill work still to run (an upper bound until planned)
     prefill: PrefillProgress | None = None  # set when admitted, cleared when its decoding starts
+    found: list | None = None  # its segments' store entries, looked up off the engine thread (lookups.py)
     cache: Any = None  # the sequence's own cache between prefill and joining the decode batch
     logits: torch.Tensor | None = None  # next-token logits waiting to be sampled
     position: int = 0  # position of the next token fed to the model
