@@ -7,6 +7,7 @@ import logging
 import multiprocessing as mp
 import os
 import random
+import shutil
 import resource
 import signal
 import sqlite3
@@ -194,10 +195,11 @@ def test_unusable_directory_degrades_to_memory(tmp_path, caplog):
     blocker.write_bytes(b"not a directory")
     with caplog.at_level(logging.WARNING, logger="hypic_core"):
         store = build_store(1 << 26, directory=blocker / "cache")
-    assert isinstance(store, TieredSegmentStore) and store.disk is None and len(caplog.records) == 1
+    assert isinstance(store, TieredSegmentStore) and not store.disk.available and len(caplog.records) == 1
     e = make_entry(n=40)
     store.insert(key_of(e), e)
-    assert store.lookup(key_of(e), e.token_ids) is not None and store.stats().hits == {"host": 1}
+    assert store.lookup(key_of(e), e.token_ids) is not None and store.stats().hits == {"host": 1, "disk": 0}
+    store.close()
 
 
 def _fill_disk(directory: str, conn) -> None:
@@ -434,3 +436,199 @@ def test_a_row_naming_a_file_outside_the_cache_is_a_dropped_miss(tmp_path, name,
     assert fresh.lookup(key_of(e), e.token_ids) is not None and fresh.stats().corrupt == 0
     fresh.close()
     assert outside.exists()
+
+
+def _stored_once(d, n=200):
+    """A cache directory holding one entry in a value file; returns (entry, the value file)."""
+    e = make_entry(n=n, width=64)
+    store = build_store(1 << 26, directory=d)
+    store.insert(key_of(e), e)
+    store.close()
+    (value_file,) = d.rglob("*.val")
+    return e, value_file
+
+
+def _served_after_rewrite(d, e) -> bool:
+    """Whether the entry, recomputed and inserted again, is then served from the disk by a fresh store."""
+    store = build_store(1 << 26, directory=d)
+    store.insert(key_of(e), e)
+    store.close()
+    fresh = build_store(1 << 26, directory=d)
+    try:
+        return fresh.lookup(key_of(e), e.token_ids) is not None and fresh.stats().hits["disk"] == 1
+    finally:
+        fresh.close()
+
+
+def _plant_links(d, outside) -> None:
+    """A symbolic link to `outside` in place of each of the 256 first-level value directories."""
+    for i in range(256):
+        link = d / f"{i:02x}"
+        if link.exists() or link.is_symlink():
+            shutil.rmtree(link) if link.is_dir() and not link.is_symlink() else link.unlink()
+        link.symlink_to(outside, target_is_directory=True)
+
+
+def test_symbolic_links_under_the_directory_are_removed_at_open_and_never_written_through(tmp_path):
+    """Before: diskcache's store followed a linked subdirectory (`makedirs` + `open`), creating
+    value files outside the cache directory. Now links are removed when the tier opens, and a
+    link planted while it runs is removed by the write that meets it; nothing lands outside."""
+    d, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir()
+    d.mkdir()
+    _plant_links(d, outside)
+    tier = DiskTier(d, size_limit=1 << 30)
+    assert tier.stats().repaired == 256 and not any(p.is_symlink() for p in d.iterdir())
+    _plant_links(d, outside)  # again, under the open tier
+    values = [os.urandom(40_000 + i) for i in range(8)]  # over diskcache's 32 KB: value files
+    for i, value in enumerate(values):
+        assert tier.put(f"k{i}", value)
+    assert list(outside.iterdir()) == []
+    assert [tier.get(f"k{i}") for i in range(8)] == values
+    assert 8 <= tier.stats().repaired - 256 <= 16  # one link per write (two writes may share a prefix)
+    assert sorted(p.parent.parent.name for p in d.rglob("*.val")) and all(
+        not p.parent.parent.is_symlink() for p in d.rglob("*.val"))
+    tier.close()
+    assert list(outside.iterdir()) == []
+
+
+def test_a_read_never_follows_a_link_planted_in_a_value_path(tmp_path):
+    d, outside = tmp_path / "cache", tmp_path / "outside"
+    e, value_file = _stored_once(d)
+    sub = value_file.parent
+    outside.mkdir()
+    shutil.move(str(sub), str(outside / "moved"))
+    sub.symlink_to(outside / "moved", target_is_directory=True)  # the same file, now reached through a link
+    tier = DiskTier(d, size_limit=1 << 30)  # its open removes the link: the row's file is then missing
+    store = memory_store(tier)
+    assert store.lookup(key_of(e), e.token_ids) is None and store.stats().corrupt == 1
+    tier.close()
+    assert (outside / "moved" / value_file.name).exists()
+    assert _served_after_rewrite(d, e)
+
+
+def test_a_huge_sparse_value_file_is_a_counted_miss_without_reading_it(tmp_path, caplog):
+    """The issue's 3 GB sparse file froze the gateway 57 s and took 6.9 GB: the row's size was
+    never compared with the file. Now a file not of its row's size is refused before any read."""
+    d = tmp_path / "cache"
+    e, value_file = _stored_once(d)
+    os.truncate(value_file, 1 << 30)  # sparse: no disk space
+    tier = DiskTier(d, size_limit=1 << 30)
+    store = memory_store(tier)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CorruptEntry) as info:
+        tier.get(store.disk_key(key_of(e)))
+    assert info.value.reason == "refused" and "its row says" in str(info.value)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 << 10  # KiB: nothing near 1 GiB read
+    with caplog.at_level(logging.WARNING, logger="hypic_core"):
+        assert store.lookup(key_of(e), e.token_ids) is None
+    assert store.stats().corrupt == 1 and store.stats().misses == 1
+    tier.close()
+    assert _served_after_rewrite(d, e)
+
+
+def test_a_fifo_in_place_of_a_value_file_is_a_counted_miss_not_a_hang(tmp_path):
+    """Before: `open()` of the FIFO blocked the lookup forever."""
+    d = tmp_path / "cache"
+    e, value_file = _stored_once(d)
+    value_file.unlink()
+    os.mkfifo(value_file)
+    store = build_store(1 << 26, directory=d)
+    found = []
+    lookup = threading.Thread(target=lambda: found.append(store.lookup(key_of(e), e.token_ids)), daemon=True)
+    lookup.start()
+    lookup.join(20)
+    if lookup.is_alive():  # unblock the reader (a writer opening the FIFO) before failing
+        os.close(os.open(value_file, os.O_WRONLY | os.O_NONBLOCK))
+        lookup.join(5)
+        pytest.fail("the lookup blocked on the FIFO")
+    assert found == [None] and store.stats().corrupt == 1
+    store.close()
+    assert _served_after_rewrite(d, e)
+
+
+def test_a_row_naming_a_directory_is_a_counted_miss_and_heals(tmp_path):
+    """Before: diskcache's `get` turned the IsADirectoryError into a plain miss: silent, uncounted,
+    and the row stayed (the key counted as present, so the value was never written again)."""
+    d = tmp_path / "cache"
+    e, value_file = _stored_once(d)
+    value_file.unlink()
+    value_file.mkdir()
+    store = build_store(1 << 26, directory=d)
+    assert store.lookup(key_of(e), e.token_ids) is None
+    assert store.stats().corrupt == 1 and store.stats().misses == 1
+    store.close()
+    assert _served_after_rewrite(d, e)
+
+
+def test_a_row_of_bad_utf8_is_a_counted_miss_removed_and_written_again(tmp_path):
+    """Before: SQLite's text decoding failed inside every lookup (an I/O error each time, never a
+    corrupt entry) and the row stayed, so the recomputed value was never stored."""
+    d = tmp_path / "cache"
+    e, value_file = _stored_once(d)
+    with sqlite3.connect(d / "cache.db") as db:
+        assert db.execute("UPDATE Cache SET filename = CAST(X'61622F63642F78FF2E76616C' AS TEXT)").rowcount == 1
+    db.close()
+    store = build_store(1 << 26, directory=d)
+    assert store.lookup(key_of(e), e.token_ids) is None
+    assert store.lookup(key_of(e), e.token_ids) is None  # a plain miss now: the row is gone
+    s = store.stats()
+    assert s.corrupt == 1 and s.misses == 2 and s.disk_errors == 0, s
+    store.close()
+    assert _served_after_rewrite(d, e)
+
+
+def _full_at_start(directory: str, conn) -> None:
+    """Child process: the disk tier opens on a full disk (RLIMIT_FSIZE 0: every write fails with
+    EFBIG), then space comes back (the soft limit raised again)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    tier = DiskTier(directory, size_limit=1 << 30, retry_s=(0.05, 0.2))
+    store = memory_store(tier)
+    down = tier.stats()
+    e = make_entry(n=40)
+    store.insert(key_of(e), e)
+    served_down = store.lookup(key_of(e), e.token_ids) is not None
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    deadline = time.monotonic() + 30
+    while not tier.available and time.monotonic() < deadline:
+        time.sleep(0.05)
+    store.insert(key_of(e), e)
+    store.flush()
+    up = tier.stats()
+    conn.send({"down": (down.available, down.errors > 0), "served_down": served_down,
+               "up": (up.available, up.writes)})
+
+
+def test_a_disk_tier_that_cannot_open_at_start_is_retried_and_shown(tmp_path):
+    """Before: a full disk at start-up dropped the disk tier for good, and /metrics showed nothing
+    of it. Now the tier is down (counted, `available` False, the store serves from memory) and
+    opens once the disk has space again."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_full_at_start, args=(str(tmp_path / "c"), child))
+    p.start()
+    assert parent.poll(60), "child did not report"
+    out = parent.recv()
+    p.join(10)
+    assert out == {"down": (False, True), "served_down": True, "up": (True, 1)}
+
+
+def test_unusable_directory_shows_in_metrics_and_opens_once_fixed(tmp_path):
+    from app.service.metrics import Metrics
+
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"not a directory")
+    tier = DiskTier(blocker / "cache", size_limit=1 << 26, retry_s=(0.05, 0.1))
+    store = memory_store(tier)
+    metrics = Metrics("m")
+    metrics.watch_store(store)
+    assert 'hypic_cache_tier_available{model_name="m",tier="disk"} 0.0' in metrics.render().decode()
+    assert 'hypic_cache_tier_errors_total{model_name="m",tier="disk"} 1.0' in metrics.render().decode()
+    blocker.unlink()
+    deadline = time.monotonic() + 20
+    while not tier.available and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert 'hypic_cache_tier_available{model_name="m",tier="disk"} 1.0' in metrics.render().decode()
+    tier.close()

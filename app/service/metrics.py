@@ -117,6 +117,11 @@ class _StoreCollector:
                        "tier down or the write failed).", {t: s.dropped_writes for t, s in stored.items()})
         yield _by_tier(CounterMetricFamily, "hypic_cache_tier_errors", "Stored-tier I/O or network failures.",
                        {t: s.errors for t, s in stored.items()})
+        yield _by_tier(GaugeMetricFamily, "hypic_cache_tier_available", "1 while a stored tier is used, 0 while it is "
+                       "skipped (a server not reached, a disk directory that would not open: retried in the background).",
+                       {t: int(s.available) for t, s in stored.items()})
+        yield _by_tier(CounterMetricFamily, "hypic_cache_tier_repaired", "Damage a stored tier removed in place (symbolic "
+                       "links under the disk tier's directory).", {t: s.repaired for t, s in stored.items()})
         yield _by_tier(GaugeMetricFamily, "hypic_cache_tier_connected", "1 while a networked tier reaches its server, "
                        "0 while it is skipped.", {t: int(s.connected) for t, s in stored.items() if s.connected is not None})
         # The per-tier series above supersede these (kept for existing dashboards).

@@ -6,7 +6,6 @@ Redis tier) behind one protocol (`tier.py`), with checked serialization.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -22,8 +21,6 @@ from .tiered import TieredSegmentStore
 __all__ = ["BytesDisk", "CorruptEntry", "DiskStats", "DiskTier", "LRUTier", "MemoryTier", "RedisStats", "RedisTier",
            "STORAGE_DTYPES", "StoredTier", "TierStats", "TieredSegmentStore", "WriteBehindTier", "build_store", "decode",
            "encode", "DISK_MIN_TOKENS"]
-
-log = logging.getLogger(__name__)
 
 DISK_MIN_TOKENS = 0  # set from bench/cache_tiers.py: below this, recompute beats a disk load
 
@@ -43,7 +40,8 @@ def build_store(host_bytes: int, device: torch.device | str = "cpu", device_byte
       (`redis_bytes` of values all together, unused ones expire after `redis_ttl_s`, 0: never).
     A damaged directory is moved aside and replaced by an empty one (`DiskTier`); one that
     cannot be created or opened for any other reason (read-only, full, not a directory) is
-    logged and skipped: the store serves from memory. A Redis server that does not answer is
+    logged and skipped while the tier tries again in the background: the store serves from
+    memory until it opens. A Redis server that does not answer is
     logged and skipped until it does (`RedisTier`). Raises ValueError for bad settings (a
     malformed `redis_url` included).
     """
@@ -57,12 +55,6 @@ def build_store(host_bytes: int, device: torch.device | str = "cpu", device_byte
     if redis_url is not None:
         shared = RedisTier(redis_url, redis_bytes, ttl_s=redis_ttl_s, prefix=redis_prefix, timeout_s=redis_timeout_s,
                            write_queue=write_queue)
-    disk = None
-    if directory is not None:
-        try:
-            disk = DiskTier(directory, size_limit=disk_bytes, write_queue=write_queue)
-        except Exception as e:  # noqa: BLE001 - whatever the disk does, the gateway serves from memory
-            log.warning("disk cache at %s unusable (%s: %s); serving from memory tiers only",
-                        directory, type(e).__name__, e)
+    disk = None if directory is None else DiskTier(directory, size_limit=disk_bytes, write_queue=write_queue)
     return TieredSegmentStore(device, tiers, disk, storage_dtype=storage_dtype, disk_min_tokens=disk_min_tokens,
                               shared=shared)

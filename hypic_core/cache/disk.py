@@ -36,14 +36,18 @@ mid-write leaves at worst an orphan file that no row names.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import logging
 import os
 import shutil
 import sqlite3
+import stat
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import diskcache
 
@@ -72,7 +76,22 @@ class _Damaged(Exception):
 
 
 class BytesDisk(diskcache.Disk):
-    """A diskcache `Disk` that only stores str keys and bytes values, and never unpickles."""
+    """A diskcache `Disk` that only stores str keys and bytes values, never unpickles, and never
+    follows a symbolic link below its directory.
+
+    Value files are written and read by walking their path one directory at a time with
+    `O_NOFOLLOW` (`_open_below`): a link planted where diskcache keeps a subdirectory can
+    neither send a write out of the directory (diskcache's own `makedirs` + `open` follow it)
+    nor a read. A write that meets such a link removes it and goes on (`repaired` counts them).
+    A read checks the file before reading it: a regular file (not a FIFO, whose read would
+    block forever, nor a directory, a device or a socket) of exactly the size its row records
+    (`expecting`), so a damaged row costs at most one value's bytes.
+    """
+
+    def __init__(self, directory, *args, **kwargs):
+        super().__init__(directory, *args, **kwargs)
+        self.repaired = 0  # links (or other non-directories) removed where a value subdirectory belongs
+        self._expected = threading.local()
 
     def put(self, key):
         if type(key) is not str:
@@ -87,17 +106,30 @@ class BytesDisk(diskcache.Disk):
     def store(self, value, read, key=diskcache.core.UNKNOWN):
         if type(value) is not bytes or read:
             raise TypeError(f"disk cache values must be bytes, got {type(value).__name__}")
-        return super().store(value, read, key)
+        if len(value) < self.min_file_size:
+            return super().store(value, read, key)  # held in the index itself
+        filename, _ = self.filename(key, value)
+        self._write_below(filename, value)
+        return len(value), diskcache.core.MODE_BINARY, filename, None
+
+    @contextlib.contextmanager
+    def expecting(self, size: int | None):
+        """Within this block, on this thread, a value file read must be `size` bytes (its row's size)."""
+        self._expected.size = size
+        try:
+            yield
+        finally:
+            self._expected.size = None
 
     def fetch(self, mode, filename, value, read):
         if mode not in (diskcache.core.MODE_RAW, diskcache.core.MODE_BINARY) or read:
             raise _RefusedValue(f"stored in mode {mode}")
-        if filename is not None and not self.owns(filename):
-            raise _RefusedValue(f"value file name {filename!r} is not a file inside the cache directory")
-        try:
+        if filename is None:
             out = super().fetch(mode, filename, value, read)
-        except FileNotFoundError:
-            raise _MissingValue(f"value file {filename} is missing") from None
+        elif not self.owns(filename):
+            raise _RefusedValue(f"value file name {filename!r} is not a file inside the cache directory")
+        else:
+            out = self._read_below(filename, getattr(self._expected, "size", None))
         if type(out) is not bytes:
             raise _RefusedValue(f"raw value of type {type(out).__name__}")
         return out
@@ -123,6 +155,115 @@ class BytesDisk(diskcache.Disk):
         except ValueError:
             return False
 
+    def _read_below(self, filename: str, expected: int | None) -> bytes:
+        """The bytes of value file `filename`, if it is a regular file of `expected` bytes (any
+        size when None). Raises _MissingValue (gone) or _RefusedValue (anything else)."""
+        try:
+            fd = _open_below(self._directory, filename, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise _MissingValue(f"value file {filename} is missing") from None
+        except OSError as e:  # ELOOP / ENOTDIR: a link on the way; ENXIO: a socket; ...
+            raise _RefusedValue(f"value file {filename} cannot be opened inside the directory ({e.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _RefusedValue(f"value file {filename} is not a regular file ({stat.filemode(st.st_mode)})")
+            if expected is not None and st.st_size != expected:
+                raise _RefusedValue(f"value file {filename} is {st.st_size} bytes, its row says {expected}")
+        except BaseException:
+            os.close(fd)
+            raise
+        with open(fd, "rb") as reader:
+            out = reader.read(st.st_size + 1)
+        if len(out) != st.st_size:
+            raise _RefusedValue(f"value file {filename} changed size while read")
+        return out
+
+    def _write_below(self, filename: str, value: bytes) -> None:
+        """Write a new value file `filename` (`ab/cd/<hex>.val`), creating its directories, without
+        following a link at any step; a non-directory where a directory belongs is removed
+        (counted in `repaired`). Retries as diskcache does when another process removes an
+        emptied directory under it. Raises OSError."""
+        for attempt in range(10):
+            try:
+                fd = _open_below(self._directory, filename, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                 make_dirs=True, on_blocked=self._repair)
+            except FileNotFoundError:
+                if attempt == 9:
+                    raise
+                continue
+            with open(fd, "wb") as writer:
+                writer.write(value)
+            return
+
+    def _repair(self, parent_fd: int, name: str) -> None:
+        """Remove `name` (a link or a file where a value subdirectory belongs) from `parent_fd`."""
+        os.unlink(name, dir_fd=parent_fd)
+        self.repaired += 1
+        log.warning("disk cache at %s: removed %r, a link or file where a value directory belongs", self._directory, name)
+
+
+def _open_below(directory: str, filename: str, flags: int, make_dirs: bool = False,
+                on_blocked: Callable[[int, str], None] | None = None) -> int:
+    """A descriptor of `directory`/`filename` (a relative `/`-separated path), opened one component
+    at a time relative to its parent with `O_NOFOLLOW`, so no symbolic link below `directory` is
+    followed (a link where a directory belongs raises ELOOP or ENOTDIR). With `make_dirs`,
+    missing directories are created (0700); `on_blocked(parent_fd, name)` is then called for a
+    non-directory in the way, which it should remove (tried once per component). Raises OSError."""
+    *dirs, name = filename.split("/")
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in dirs:
+            for attempt in (0, 1):
+                if make_dirs:
+                    try:
+                        os.mkdir(part, 0o700, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                try:
+                    below = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                    break
+                except OSError as e:
+                    if on_blocked is None or attempt or e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    on_blocked(fd, part)
+            os.close(fd)
+            fd = below
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def remove_links(directory: str) -> int:
+    """Remove every symbolic link at the top three levels of a cache directory (where diskcache
+    keeps `cache.db`, `ab/`, `ab/cd/` and `ab/cd/<hex>.val`), never what they point to. Returns
+    how many. (A link in place of `cache.db` leaves value files without an index: that
+    directory is then found damaged and moved aside.)"""
+    removed, level = 0, [directory]
+    for _ in range(3):
+        below = []
+        for path in level:
+            try:
+                entries = list(os.scandir(path))
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.is_symlink():
+                    os.unlink(entry.path)
+                    removed += 1
+                    log.warning("disk cache: removed symbolic link %s (to %s)", entry.path, _target(entry.path))
+                elif entry.is_dir(follow_symlinks=False):
+                    below.append(entry.path)
+        level = below
+    return removed
+
+
+def _target(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
+
 
 DiskStats = TierStats  # `bytes`: on-disk volume, values plus the SQLite index
 
@@ -131,32 +272,73 @@ class DiskTier(WriteBehindTier):
     """A least-recently-used diskcache directory of bytes values under `size_limit` bytes.
 
     A damaged directory is moved aside (`moved_aside` names where) and replaced by an empty
-    one. Raises from the constructor when the directory cannot be created or opened for other
-    reasons (OSError, sqlite3.Error; the caller degrades to memory tiers); no other method
-    raises an I/O error. Thread-safe; several processes may open the same directory.
+    one; symbolic links under it are removed at open (`remove_links`, counted in
+    `stats().repaired`). A directory that cannot be opened for other reasons (a full disk, no
+    permission, a file in its place: the environment, not damage) leaves the tier down
+    (`available` False, `stats().available` False, the failure counted in `errors` and logged):
+    the store serves from memory while the writer thread tries again after `retry_s[0]`
+    seconds, doubling up to `retry_s[1]`, and the tier serves once it opens. No method raises
+    an I/O error. Thread-safe; several processes may open the same directory.
     """
 
     name = "disk"
 
-    def __init__(self, directory: str | os.PathLike, size_limit: int, write_queue: int = 64, timeout: float = 2.0):
+    def __init__(self, directory: str | os.PathLike, size_limit: int, write_queue: int = 64, timeout: float = 2.0,
+                 retry_s: tuple[float, float] = (1.0, 60.0)):
+        if not 0 < retry_s[0] <= retry_s[1]:
+            raise ValueError(f"retry_s must be (first, longest) with 0 < first <= longest, got {retry_s}")
         self.directory = os.fspath(directory)
         self.moved_aside: str | None = None
-        try:
-            self._cache = self._open(size_limit, timeout)
-        except Exception as e:  # noqa: BLE001 - whatever a damaged index makes diskcache raise
-            if not _is_damage(e) or not self._move_aside(e):
-                raise
-            self._cache = self._open(size_limit, timeout)
-        self._stats = TierStats(damaged=int(self.moved_aside is not None))
+        self._size_limit, self._timeout = size_limit, timeout
+        self._stats = TierStats()
         self._lock = threading.Lock()
         self._logged: set[str] = set()
+        self._cache: diskcache.Cache | None = None
+        self._retry_first, self._retry_max = retry_s
+        self._backoff, self._retry_at = retry_s[0], 0.0
+        self._try_open()
         self._start_writer(write_queue)
 
-    def _open(self, size_limit: int, timeout: float) -> diskcache.Cache:
+    @property
+    def available(self) -> bool:
+        """False while the directory could not be opened (the writer thread keeps trying)."""
+        return self._cache is not None
+
+    def _try_open(self) -> None:
+        """Open the directory (moving it aside if damaged); on failure, schedule the next try."""
+        try:
+            try:
+                cache = self._open()
+            except Exception as e:  # noqa: BLE001 - whatever a damaged index makes diskcache raise
+                if not _is_damage(e) or not self._move_aside(e):
+                    raise
+                cache = self._open()
+        except Exception as e:  # noqa: BLE001 - the environment is in the way: serve from memory, try again
+            wait = self._backoff
+            self._backoff = min(self._retry_max, wait * 2)
+            self._retry_at = time.monotonic() + wait
+            with self._lock:
+                self._stats.errors += 1
+                first = not self._logged
+                self._logged.add(f"open:{type(e).__name__}")
+            log.log(logging.WARNING if first else logging.DEBUG, "disk cache at %s unusable (%s: %s); serving from memory "
+                    "tiers, trying again in %gs", self.directory, type(e).__name__, e, wait)
+            return
+        was_down = bool(self._stats.errors)
+        with self._lock:
+            self._stats.damaged = int(self.moved_aside is not None)
+            self._stats.repaired += self._links_removed
+        self._cache = cache
+        if was_down:
+            log.warning("disk cache at %s opened; using it", self.directory)
+
+    def _open(self) -> diskcache.Cache:
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         os.chmod(self.directory, 0o700)  # makedirs honours the umask; an existing dir keeps its mode otherwise
         self._inode = os.stat(self.directory).st_ino
-        _check_index(os.path.join(self.directory, "cache.db"), timeout)
+        self._links_removed = remove_links(self.directory)
+        _check_index(os.path.join(self.directory, "cache.db"), self._timeout)
+        size_limit = self._size_limit
         reserve = journal_reserve(size_limit)
         pages = max(1, (reserve - _SHM) // (2 * _PAGE))  # a transaction past the checkpoint may add as many again
         # cull_limit=1: a write evicts one least-recently-used value when over the limit (diskcache's
@@ -165,7 +347,7 @@ class DiskTier(WriteBehindTier):
         # maps 64 MB of cache.db by default, and a read through the map of a file cut short under
         # it (truncated by hand, a full disk's repair) is a SIGBUS that kills the process; read()
         # calls see a short file and SQLite reports it as damage instead (a counted miss).
-        return diskcache.Cache(self.directory, timeout=timeout, disk=BytesDisk, size_limit=max(0, size_limit - reserve),
+        return diskcache.Cache(self.directory, timeout=self._timeout, disk=BytesDisk, size_limit=max(0, size_limit - reserve),
                                eviction_policy="least-recently-used", cull_limit=1, statistics=False,
                                sqlite_wal_autocheckpoint=pages, sqlite_journal_size_limit=pages * _PAGE, sqlite_mmap_size=0)
 
@@ -194,18 +376,32 @@ class DiskTier(WriteBehindTier):
 
     # --- reads ----------------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
-        """The stored bytes, or None on a miss or an I/O failure.
+        """The stored bytes, or None on a miss, an I/O failure or while the tier is down.
 
-        Raises CorruptEntry(reason="refused") when the row holds a non-bytes (e.g. pickled)
-        value, CorruptEntry(reason="missing") when its value file is gone; the caller should
-        `delete` it.
+        Raises CorruptEntry for a row that must not be read, and removes what the caller's
+        `delete` could not: reason "refused" (a value stored in another mode, e.g. pickled; a
+        value file that is no regular file inside the directory, or not of its row's size),
+        "missing" (its value file is gone), "size" (a row larger than the whole budget, not
+        read), "format" (a row whose text is not UTF-8: deleted here, as diskcache cannot read it).
         """
+        cache = self._cache
+        if cache is None:
+            return None
         try:
             # A plain SELECT first: a miss (every cold segment) then never takes SQLite's write
             # lock, which `get` needs to record the access time of a hit.
-            if key not in self._cache:
+            rows = cache._sql("SELECT size, typeof(value), CAST(filename AS BLOB) FROM Cache WHERE key = ? AND raw = 1",
+                              (key,)).fetchall()
+            if not rows:
                 return None
-            return self._cache.get(key)
+            ((size, value_type, filename),) = rows
+            if value_type == "text" or not _utf8(filename):
+                cache._sql("DELETE FROM Cache WHERE key = ? AND raw = 1", (key,))  # its value file: named by no row
+                raise CorruptEntry("format", f"{key}: a row whose text is not UTF-8; removed")
+            if size > cache.size_limit:
+                raise CorruptEntry("size", f"{key}: a row of {size} bytes, over the {cache.size_limit}-byte budget")
+            with cache.disk.expecting(size):
+                return cache.get(key)
         except _RefusedValue as e:
             raise CorruptEntry("refused", f"{key}: {e}") from None
         except _MissingValue as e:
@@ -215,28 +411,35 @@ class DiskTier(WriteBehindTier):
             return None
 
     def __contains__(self, key: str) -> bool:
+        cache = self._cache
+        if cache is None:
+            return False
         try:
-            return key in self._cache
+            return key in cache
         except _IO_ERRORS as e:
             self._failed("read", e)
             return False
 
     # --- writes ---------------------------------------------------------------------------
     def put(self, key: str, value: bytes) -> bool:
-        """Store `value` unless `key` is present (first writer wins). Blocks on I/O; False on failure.
+        """Store `value` unless `key` is present (first writer wins). Blocks on I/O; False on failure
+        or while the tier is down.
 
         Raises TypeError for a non-str key or non-bytes value.
         """
         if type(key) is not str or type(value) is not bytes:
             raise TypeError("disk cache takes str keys and bytes values only")
+        cache = self._cache
+        if cache is None:
+            self._count_dropped()
+            return False
         try:
-            added = self._cache.add(key, value)
-            if added and self._cache.volume() > self._cache.size_limit:
-                self._cache.cull()
+            added = cache.add(key, value)
+            if added and cache.volume() > cache.size_limit:
+                cache.cull()
         except _IO_ERRORS as e:
             self._failed("write", e)
-            with self._lock:
-                self._stats.dropped_writes += 1
+            self._count_dropped()
             return False
         if added:
             with self._lock:
@@ -245,8 +448,11 @@ class DiskTier(WriteBehindTier):
 
     def delete(self, key: str) -> None:
         """Remove `key` if present; missing keys and I/O failures are ignored (logged once)."""
+        cache = self._cache
+        if cache is None:
+            return
         try:
-            self._cache.delete(key)
+            cache.delete(key)
         except _IO_ERRORS as e:
             self._failed("delete", e)
 
@@ -254,11 +460,20 @@ class DiskTier(WriteBehindTier):
     def _wants(self, key: str) -> bool:
         return key not in self  # already on disk: `make_value` is never called
 
+    def _idle_timeout(self) -> float | None:
+        return None if self._cache is not None else max(0.0, self._retry_at - time.monotonic())
+
+    def _on_idle(self) -> None:
+        if self._cache is None and time.monotonic() >= self._retry_at:
+            self._try_open()
+
     def _on_stop(self) -> None:
-        self._cache.close()  # the writer thread's connection (diskcache keeps one per thread)
+        if self._cache is not None:
+            self._cache.close()  # the writer thread's connection (diskcache keeps one per thread)
 
     def _close(self) -> None:
-        self._cache.close()
+        if self._cache is not None:
+            self._cache.close()
 
     def _count_dropped(self) -> None:
         with self._lock:
@@ -270,14 +485,17 @@ class DiskTier(WriteBehindTier):
 
     # --- accounting -----------------------------------------------------------------------
     def stats(self) -> TierStats:
-        try:
-            volume = self._cache.volume() + sum(_size(os.path.join(self.directory, f"cache.db-{s}")) for s in ("wal", "shm"))
-        except _IO_ERRORS as e:
-            self._failed("read", e)
-            volume = 0
+        cache, volume = self._cache, 0
+        if cache is not None:
+            try:
+                volume = cache.volume() + sum(_size(os.path.join(self.directory, f"cache.db-{s}")) for s in ("wal", "shm"))
+            except _IO_ERRORS as e:
+                self._failed("read", e)
         with self._lock:
             s = self._stats
-            return TierStats(volume, s.writes, s.dropped_writes, s.errors, s.damaged)
+            repaired = s.repaired + (cache.disk.repaired if cache is not None else 0)
+            return TierStats(volume, s.writes, s.dropped_writes, s.errors, s.damaged, available=cache is not None,
+                             repaired=repaired)
 
     def _failed(self, op: str, error: BaseException) -> None:
         kind = f"{op}:{type(error).__name__}"
@@ -288,6 +506,14 @@ class DiskTier(WriteBehindTier):
         if first:
             log.warning("disk cache %s failed in %s (%s: %s); serving from memory tiers, further %s errors not logged",
                         op, self.directory, type(error).__name__, error, kind)
+
+
+def _utf8(data: bytes | None) -> bool:
+    try:
+        data is None or data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 _PAGE = 4096 + 24  # one WAL frame: an SQLite page (diskcache keeps the 4 KiB default) and its header

@@ -221,7 +221,7 @@ class RedisTier(WriteBehindTier):
         """Counters of this process; `bytes` is the shared total as last seen (no network call)."""
         with self._lock:
             s = self._stats
-            return TierStats(s.bytes, s.writes, s.dropped_writes, s.errors, connected=self.available)
+            return TierStats(s.bytes, s.writes, s.dropped_writes, s.errors, connected=self.available, available=self.available)
 
     # --- the writer thread: queued writes, reconnection, the shared byte count ---------------
     def _idle_timeout(self) -> float:

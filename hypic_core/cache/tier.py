@@ -29,6 +29,8 @@ class TierStats:
     errors: int = 0  # failed I/O or network calls (each kind logged once)
     damaged: int = 0  # 1 when its storage was found damaged at open, moved aside and started empty
     connected: bool | None = None  # a networked tier: whether it reaches its server; None: not networked
+    available: bool = True  # False while the tier is skipped (a server not reached, a directory that would not open)
+    repaired: int = 0  # damage removed in place (symbolic links under a disk tier's directory)
 
 
 @runtime_checkable
