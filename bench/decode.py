@@ -1,0 +1,235 @@
+"""Per-token decode latency: the HF-module path against the lean step, beside the machine's floor.
+
+For each number of streams B: B prompts are prefilled (random tokens, `--context` each), then the
+decode batch runs `--steps` greedy steps on the module path (`DecodeBatch.forward` through the HF
+modules) and on the lean step (hypic_core/runner/decode_step.py), interleaved rep by rep (module,
+lean, lean, module, ...) from copies of the same prefilled caches, so load on a shared machine hits
+both alike. Reported: the median step (ms), ms per token (step / B), tok/s, and the floor: the
+bytes of the weights one step reads (every parameter but the embedding table, whose lookup reads B
+rows; a tied lm_head reads it in full once) at this machine's measured bandwidth (sum of a large
+tensor; a copy is printed too). With `--split`, one profiled run per path splits a step by layer
+kind (torch.profiler record_function ranges: module hooks on the HF path, the step's own ranges
+on the lean one); "other" is what no range covers (embedding, rotary, masks, cache objects, the
+Python between modules). Sampling (argmax of the logits) is timed apart.
+
+Run:  .venv/bin/python bench/decode.py --model smollm2-135m-instruct --threads 2 [--streams 1 2 4 8]
+      [--steps 32 --context 256 --reps 3 --dtype float32 --split]
+`--model` takes a directory or a registry name (hypic models list).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hypic_core.config import EngineConfig, GenerationRequest  # noqa: E402
+from hypic_core.engine.engine import Engine  # noqa: E402
+
+
+def bandwidth(threads: int, mb: int = 512, reps: int = 5) -> tuple[float, float]:
+    """(GB/s reading a `mb` MB fp32 tensor with sum, GB/s of a copy counting read + write), best of `reps`."""
+    x = torch.ones(mb * (1 << 20) // 4)
+    y = torch.empty_like(x)
+    n = x.numel() * 4
+    best_sum = best_copy = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        float(x.sum())
+        best_sum = min(best_sum, time.perf_counter() - t)
+        t = time.perf_counter()
+        y.copy_(x)
+        best_copy = min(best_copy, time.perf_counter() - t)
+    return n / best_sum / 1e9, 2 * n / best_copy / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters one decode step reads: all but the input embedding table, unless the
+    lm_head is that same table (tied), which it then reads in full."""
+    emb = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() in seen or (p.data_ptr() == emb.data_ptr() and not tied):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+class ModuleRanges:
+    """record_function ranges around the HF modules of each layer kind (forward hooks), for the profiler."""
+
+    def __init__(self, model: torch.nn.Module, adapter):
+        self.handles, self.stack = [], []
+        base = model.base_model
+        linear = set(adapter.linear_layers)
+        for i, layer in enumerate(base.layers):
+            kind = "attention"
+            if i in linear and getattr(layer, "self_attn", None) is None:
+                kind = "mamba2" if getattr(layer, "mamba", None) is not None else "gated_deltanet"
+            mixer = (getattr(layer, "self_attn", None) or getattr(layer, "mamba", None)
+                     or getattr(layer, "linear_attn", None))
+            mlp = getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
+            norm2 = getattr(layer, "post_attention_layernorm", None) or getattr(layer, "pre_ff_layernorm", None)
+            for module, name in ((layer.input_layernorm, kind), (mixer, kind), (norm2, "mlp"), (mlp, "mlp")):
+                if module is not None:
+                    self._wrap(module, name)
+        self._wrap(model.get_output_embeddings(), "lm_head")
+        final = getattr(base, "norm", None) or getattr(base, "final_layernorm", None)
+        if final is not None:
+            self._wrap(final, "lm_head")
+
+    def _wrap(self, module, name):
+        def pre(*_):
+            rf = torch.profiler.record_function(name)
+            rf.__enter__()
+            self.stack.append(rf)
+
+        def post(*_):
+            self.stack.pop().__exit__(None, None, None)
+
+        self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def run(engine: Engine, caches: list, positions: list[int], steps: int, profile: bool = False):
+    """Decode `steps` greedy steps of every row from copies of `caches` on `engine`'s decode batch.
+    Returns (per-step seconds, sampling seconds per step, profiler or None)."""
+    batch = engine.runner.batch
+    n = len(caches)
+    mine = {i: copy.deepcopy(c) for i, c in enumerate(caches)}
+    pos = list(positions)
+    tokens = [5] * n
+    times, sampling = [], []
+    prof = None
+    with torch.inference_mode():
+        batch.sync(list(range(n)), mine)
+        for _ in range(2):  # warm: buffers grown, first-call costs paid
+            logits = batch.forward(tokens, pos)
+            tokens = logits.argmax(-1).tolist()
+            pos = [p + 1 for p in pos]
+        ctx = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+        if ctx is not None:
+            prof = ctx.__enter__()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            logits = batch.forward(tokens, pos)
+            t1 = time.perf_counter()
+            tokens = logits.argmax(-1).tolist()
+            t2 = time.perf_counter()
+            times.append(t1 - t0)
+            sampling.append(t2 - t1)
+            pos = [p + 1 for p in pos]
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        batch.sync([], {})
+    return times, sampling, prof
+
+
+def split(prof, steps: int, total_ms: float) -> dict[str, float]:
+    """ms per step in each record_function range, and "other" (the rest of the profiled step)."""
+    names = ("attention", "mamba2", "gated_deltanet", "mlp", "lm_head", "embed+rope")
+    out = {}
+    for ev in prof.key_averages():
+        if ev.key in names:
+            out[ev.key] = ev.cpu_time_total / 1e3 / steps
+    out["other"] = total_ms - sum(out.values())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a checkpoint directory or a registry name")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens per stream")
+    ap.add_argument("--reps", type=int, default=3, help="runs per path (interleaved); the median step of all")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--split", action="store_true", help="also split one profiled run per path by layer kind")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = Path(args.model)
+    if not path.exists():
+        from hypic_core.models.registry import resolve
+
+        path = resolve(args.model).path
+    # Two copies of the model: the lean step makes the modules' weights views of its fused, transposed
+    # ones, so the module path is measured on a model the step never touched (weights as loaded).
+    dtype = getattr(torch, args.dtype)
+    engines = {kind: Engine.from_pretrained(path, EngineConfig(max_running=max(args.streams), decode_step=kind), dtype=dtype)
+               for kind in ("module", "lean")}
+    engine = engines["module"]
+    lean = engines["lean"].runner.batch.step
+    if lean is None:
+        sys.exit(f"{path.name}: the lean step does not cover this model; nothing to compare")
+    wbytes = weight_bytes(engine.model)
+    bw_sum, bw_copy = bandwidth(args.threads)
+    floor_ms = 1e3 * wbytes / (bw_sum * 1e9)
+    params = sum(p.numel() for p in engine.model.parameters()) / 1e6
+    print(f"model: {path.name} ({params:.1f}M parameters, {args.dtype}), CPU, {args.threads} torch thread(s); "
+          f"context {args.context} tokens per stream, {args.steps} steps x {args.reps} reps per path, interleaved")
+    print(f"bandwidth: sum {bw_sum:.1f} GB/s, copy {bw_copy:.1f} GB/s (read + write); weights read per step "
+          f"{wbytes / 1e6:.0f} MB -> floor {floor_ms:.1f} ms per step")
+    print()
+    print("| streams | module ms/step | lean ms/step | lean speedup | module ms/token | lean ms/token | "
+          "module tok/s | lean tok/s | floor ms/step | lean / floor | sampling ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.vocab_size
+    splits = {}
+    for b in args.streams:
+        prompts = [GenerationRequest((tuple(torch.randint(10, vocab, (args.context,), generator=gen).tolist()),), mode="full")
+                   for _ in range(b)]
+        pre = {kind: [e.prefill(r) for r in prompts] for kind, e in engines.items()}
+        caches = {kind: [p.cache for p in ps] for kind, ps in pre.items()}
+        positions = [p.position for p in pre["module"]]
+        got = {"module": [], "lean": []}
+        samp = []
+        for r in range(args.reps):
+            for name in (("module", "lean") if r % 2 == 0 else ("lean", "module")):
+                times, sampling, _ = run(engines[name], caches[name], positions, args.steps)
+                got[name] += times
+                samp += sampling
+        m, ln = (1e3 * statistics.median(got[k]) for k in ("module", "lean"))
+        print(f"| {b} | {m:.1f} | {ln:.1f} | {m / ln:.2f}x | {m / b:.1f} | {ln / b:.1f} | {1e3 * b / m:.1f} | "
+              f"{1e3 * b / ln:.1f} | {floor_ms:.1f} | {ln / floor_ms:.2f}x | {1e3 * statistics.median(samp):.2f} |",
+              flush=True)
+        if args.split and b in (args.streams[0], args.streams[-1]):
+            for name in ("module", "lean"):
+                hooks = ModuleRanges(engine.model, engine.adapter) if name == "module" else None
+                lean.ranges = name == "lean"
+                try:
+                    times, _, prof = run(engines[name], caches[name], positions, min(args.steps, 8), profile=True)
+                finally:
+                    if hooks is not None:
+                        hooks.remove()
+                    lean.ranges = False
+                splits[(b, name)] = split(prof, len(times), 1e3 * sum(times) / len(times))
+    if splits:
+        kinds = ["attention", "mamba2", "gated_deltanet", "mlp", "lm_head", "embed+rope", "other"]
+        kinds = [k for k in kinds if any(k in s for s in splits.values())]
+        print()
+        print("profiled step split, ms per step (profiler overhead included; the module path's norms count with "
+              "their mixer / MLP, the lean step's embedding and rotary are 'embed+rope')")
+        print("| streams | path | " + " | ".join(kinds) + " | profiled total |")
+        print("|---:|---|" + "---:|" * (len(kinds) + 1))
+        for (b, name), s in splits.items():
+            print(f"| {b} | {name} | " + " | ".join(f"{s.get(k, 0.0):.1f}" for k in kinds)
+                  + f" | {sum(s.values()):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
