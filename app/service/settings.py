@@ -86,6 +86,10 @@ class Settings(BaseSettings):
                                                              "prefill, when that costs less than computing the entries and "
                                                              "stitching; the entries are then computed after its first token), "
                                                              "exact (so whenever every entry is missing) or stitch (never).")
+    decode_step: Literal["lean", "module"] = Field("lean", description="The batched decode forward: lean (one forward "
+                                                   "written for one token per sequence: fused weights, closed-form "
+                                                   "linear-layer updates; llama, qwen3, qwen3_5 and bamba models, others "
+                                                   "keep module) or module (the transformers modules, the reference).")
     scheduling: Literal["fcfs", "priority"] = Field("fcfs", description="Order in which waiting requests are admitted: "
                                                     "fcfs (arrival) or priority (a request's priority, then arrival).")
     prefill_workers: int = Field(0, ge=0, description="Model replicas computing cold chunks' cache entries in parallel "
