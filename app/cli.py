@@ -45,9 +45,10 @@ def serve_command(
                                                    "file or a cached hub id (default: HYPIC_MODEL or hypic-tiny).")] = None,
 ) -> None:
     """Start the gateway with uvicorn; every other setting comes from HYPIC_* variables or .env.
-    Exits 1 with the reason when the model or index fails to load (HYPIC_EXIT_ON_LOAD_FAILURE),
-    3 when the server cannot start (as uvicorn does: e.g. the port is taken)."""
+    Exits 1 with the reason when a setting is invalid (e.g. HYPIC_REDIS_URL without
+    HYPIC_CACHE_SECRET) or the model or index fails to load (HYPIC_EXIT_ON_LOAD_FAILURE), 3 when the server cannot start (as uvicorn does: e.g. the port is taken)."""
     import uvicorn
+    from pydantic import ValidationError
 
     from app.http.connections import uvicorn_options
     from app.http.server import create_app
@@ -55,7 +56,10 @@ def serve_command(
     from app.service.settings import Settings
 
     overrides = {k: v for k, v in {"host": host, "port": port, "model": model}.items() if v is not None}
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:  # a bad or missing HYPIC_* setting: its name and why, exit 1
+        _fail(str(exc))
     logs.configure(settings.log_level)
     app = create_app(settings)
     # On shutdown, open streams get 5 s to finish; then they are cancelled (and their generations aborted).

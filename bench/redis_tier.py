@@ -83,7 +83,7 @@ def main() -> None:
     prefix = f"hypic-bench-{uuid.uuid4().hex[:8]}:"
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = (None, args.redis_url) if args.redis_url else local_redis(tmp)
-        shared = RedisTier(url, 64 << 30, prefix=prefix, timeout_s=10.0)
+        shared = RedisTier(url, 64 << 30, prefix=prefix, timeout_s=10.0, secret=os.urandom(32))  # values signed, as served
         disk = DiskTier(os.path.join(tmp, "disk"), size_limit=8 << 30)
         try:
             if not shared.available:

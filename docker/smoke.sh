@@ -105,6 +105,7 @@ chmod 755 "$WORK" "$WORK/documents"
 chmod 644 "$WORK/documents/demo_corpus.jsonl"
 export HYPIC_DOCUMENTS="$WORK/documents" HYPIC_MODELS="$ROOT/models" HYPIC_MODEL=/models/hypic-tiny
 export HYPIC_PORT="$PORT" HYPIC_BIND=127.0.0.1 HYPIC_API_KEY=
+export HYPIC_CACHE_SECRET="${HYPIC_CACHE_SECRET:-$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')}"  # signs the Redis tier's entries
 compose down -v --remove-orphans >/dev/null 2>&1 || true
 log "docker compose up -d (ingest first; the gateway waits for it to succeed)"
 compose up -d

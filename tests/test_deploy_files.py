@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 # Settings another component adds; a gateway without it ignores the variable.
 PENDING_SETTINGS: set[str] = set()  # compose names the gateway does not read yet
+REQUIRED_ENV = {"HYPIC_CACHE_SECRET": "a test deployment's cache secret"}  # what `compose up` refuses to start without
 _VAR = re.compile(r"\$\{(\w+)(?::?([-+?])((?:[^{}]|\{[^{}]*\})*))?\}")
 
 
@@ -61,7 +62,7 @@ def load(*names: str, env: dict[str, str] | None = None) -> dict:
     model: dict = {}
     for name in names:
         model = merge(model, yaml.safe_load((DOCKER / name).read_text()))
-    return interpolate(model, env or {})
+    return interpolate(model, {**REQUIRED_ENV, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +135,16 @@ def test_environment_names_settings_the_gateway_has(compose):
     assert compose["services"]["gateway"]["environment"]["HYPIC_REDIS_URL"] == "redis://redis:6379/0"
     Settings(**{k.removeprefix("HYPIC_").lower(): v for k, v in compose["services"]["gateway"]["environment"].items()
                 if v and k not in PENDING_SETTINGS})  # the defaults are valid values
+
+
+def test_the_shared_tier_needs_a_cache_secret():
+    """The stack configures a Redis tier, whose entries are signed with HYPIC_CACHE_SECRET: without
+    it `docker compose up` stops with the variable named (before: any writer to Redis could plant entries)."""
+    with pytest.raises(ValueError, match="HYPIC_CACHE_SECRET"):
+        load("compose.yaml", env={"HYPIC_CACHE_SECRET": ""})
+    environment = load("compose.yaml")["services"]["gateway"]["environment"]
+    assert environment["HYPIC_CACHE_SECRET"] == REQUIRED_ENV["HYPIC_CACHE_SECRET"] and environment["HYPIC_REDIS_URL"]
+    assert "HYPIC_CACHE_SECRET=" in (DOCKER / "smoke.sh").read_text()  # the smoke run makes one
 
 
 def test_gpu_overlay():

@@ -4,13 +4,19 @@ and two gateways sharing one server."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import struct
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from pydantic import ValidationError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from app.service.metrics import Metrics
 from app.service.runtime import store_from_settings as build_store_from_settings
@@ -18,6 +24,8 @@ from app.service.settings import Settings
 from app.testing import LiveServer, single_torch_thread
 from conftest import RedisServer, random_segments
 from hypic_core.cache import DiskTier, MemoryTier, RedisTier, TieredSegmentStore, encode
+from hypic_core.cache.redis_tier import sign
+from hypic_core.cache.serde import _PREFIX, MAGIC
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
 from hypic_core.testing import tiny_model
@@ -26,6 +34,8 @@ from test_cache_serde import make_entry
 from test_cache_tiered import damaged, key_of
 
 FAST_RETRY = (0.1, 0.5)  # reconnection attempts in tests: first after 0.1 s, then at most every 0.5 s
+SECRET = "a test deployment's cache secret"
+SIGNING = 8 + 32  # bytes the signature header adds to each value (redis_tier.SIGNED and the HMAC tag)
 
 
 @pytest.fixture
@@ -41,7 +51,7 @@ def tiers():
     made = []
 
     def make(url, max_bytes=1 << 30, **kw):
-        made.append(RedisTier(url, max_bytes, **{"retry_s": FAST_RETRY, **kw}))
+        made.append(RedisTier(url, max_bytes, **{"retry_s": FAST_RETRY, "secret": SECRET, **kw}))
         return made[-1]
 
     yield make
@@ -67,7 +77,7 @@ def test_values_round_trip_first_writer_wins_and_carry_the_ttl(server, tiers):
     assert tier.put("k", b"first") and tier.put("k", b"second")
     assert tier.get("k") == b"first"
     raw = server.client()
-    assert 0 < raw.ttl("a:e:k") <= 60 and raw.get("a:bytes") == b"5" and raw.hget("a:sizes", "k") == b"5"
+    assert 0 < raw.ttl("a:e:k") <= 60 and raw.get("a:bytes") == raw.hget("a:sizes", "k") == str(5 + SIGNING).encode()
     assert tiers(server.url, prefix="b:").get("k") is None  # another prefix shares nothing
     tier.delete("k")
     tier.delete("k")
@@ -79,15 +89,16 @@ def test_values_round_trip_first_writer_wins_and_carry_the_ttl(server, tiers):
 
 
 def test_budget_is_shared_and_removes_the_least_recently_used(server, tiers):
-    one, two = tiers(server.url, max_bytes=1000), tiers(server.url, max_bytes=1000)  # two replicas, one budget
+    budget = 3 * (300 + SIGNING)
+    one, two = tiers(server.url, max_bytes=budget), tiers(server.url, max_bytes=budget)  # two replicas, one budget
     for i in range(3):
         assert (one if i % 2 else two).put(f"k{i}", bytes([i]) * 300)
     assert two.get("k0") == bytes([0]) * 300  # used: k1 is now the least recently used
     assert one.put("k3", b"3" * 300)
     assert one.get("k1") is None and all(two.get(f"k{i}") is not None for i in (0, 2, 3))
-    assert not one.put("huge", b"h" * 1001)  # larger than the whole budget: not stored
+    assert not one.put("huge", b"h" * (budget - SIGNING + 1))  # larger than the whole budget: not stored
     raw = server.client()
-    assert int(raw.get("hypic:bytes")) == 900 == sum(int(v) for v in raw.hvals("hypic:sizes")) == one.stats().bytes
+    assert int(raw.get("hypic:bytes")) == budget == sum(int(v) for v in raw.hvals("hypic:sizes")) == one.stats().bytes
     assert raw.zcard("hypic:lru") == 3 and raw.exists("hypic:e:huge") == 0
 
 
@@ -97,7 +108,7 @@ def test_expired_and_lost_values_leave_the_account(server, tiers):
     time.sleep(1.1)  # unused for longer than the TTL: Redis expires it
     assert tier.put("new", b"n" * 10)
     raw = server.client()
-    assert raw.get("hypic:bytes") == b"10" and raw.hkeys("hypic:sizes") == [b"new"]
+    assert raw.get("hypic:bytes") == str(10 + SIGNING).encode() and raw.hkeys("hypic:sizes") == [b"new"]
     raw.delete("hypic:e:new")  # lost by the server (a restart, a server-wide eviction)
     assert tier.get("new") is None and raw.get("hypic:bytes") == b"0" and raw.zcard("hypic:lru") == 0
 
@@ -107,7 +118,9 @@ def test_settings_read_the_environment_and_refuse_bad_values(server, monkeypatch
     monkeypatch.setenv("HYPIC_REDIS_MAX_BYTES", "1000")
     monkeypatch.setenv("HYPIC_REDIS_PREFIX", "replicas:")
     monkeypatch.setenv("HYPIC_CACHE_DIR", "none")  # no disk tier in the working directory
+    monkeypatch.setenv("HYPIC_CACHE_SECRET", SECRET)
     settings = Settings(_env_file=None)
+    assert settings.cache_secret.get_secret_value() == SECRET and SECRET not in repr(settings)
     assert settings.redis_url.get_secret_value() == server.url and "redis://" not in repr(settings)
     store = build_store_from_settings(settings)
     try:
@@ -118,13 +131,44 @@ def test_settings_read_the_environment_and_refuse_bad_values(server, monkeypatch
     assert Settings(_env_file=None, cache_dir=None).redis_url is None
     for url in ("http://127.0.0.1:1", f"{server.url}?decode_responses=True"):
         with pytest.raises(ValueError):
-            RedisTier(url, 1 << 20)
+            RedisTier(url, 1 << 20, secret=SECRET)
     with pytest.raises(ValueError):
-        RedisTier(server.url, 1 << 20, prefix="")
+        RedisTier(server.url, 1 << 20, prefix="", secret=SECRET)
     with pytest.raises(ValidationError, match="redis_url"):
         Settings(_env_file=None, redis_url="localhost:6379")
     with pytest.raises(ValidationError, match="redis_ttl_s"):
         Settings(_env_file=None, redis_url=server.url, redis_ttl_s=-1)
+
+
+# The ACL user docs/deploy-redis.md gives the gateways: only the tier's commands, only its prefix.
+TIER_ACL = ("on resetkeys ~hypic:* resetchannels -@all +ping +auth +client|setinfo +script|load +evalsha +eval +get "
+            "+set +del +exists +expire +zadd +zrem +zrange +zrangebyscore +hget +hset +hdel +hexists +incrby +decrby +time")
+
+
+def test_the_documented_acl_user_is_enough_for_the_tier_and_no_more(server, tiers):
+    import redis
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "deploy-redis.md").read_text()
+    assert f"ACL SETUSER hypic {TIER_ACL} >" in " ".join(doc.split())  # the docs give these same rules
+    admin = server.client()
+    admin.execute_command("ACL", "SETUSER", "hypic", "reset", *TIER_ACL.split(), ">acl-test-password")
+    try:
+        url = server.url.replace("redis://", "redis://hypic:acl-test-password@")
+        e = make_entry(n=40)
+        writer = store_of(tiers(url))
+        writer.insert(key_of(e), e)
+        writer.flush()
+        reader = store_of(tiers(url))
+        assert reader.lookup(key_of(e), e.token_ids) is not None and reader.stats().hits["redis"] == 1
+        reader.evict(key_of(e))
+        assert writer.shared.stats().errors == reader.shared.stats().errors == 0 and admin.exists("hypic:bytes")
+        limited = redis.Redis.from_url(url, socket_timeout=2)
+        for command in (("FLUSHALL",), ("SET", "other:key", "x"), ("CONFIG", "GET", "*"), ("KEYS", "*")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                limited.execute_command(*command)
+        limited.close()
+    finally:
+        admin.execute_command("ACL", "DELUSER", "hypic")
 
 
 def test_passwords_are_never_logged():
@@ -171,7 +215,8 @@ def test_damaged_or_foreign_value_is_a_counted_deleted_miss(server, tiers, kind,
     store = store_of(tiers(server.url))
     rk = "hypic:e:" + store.disk_key(key_of(e))
     raw = server.client()
-    raw.set(rk, b"\x80\x04pickled?" if kind == "not_an_entry" else damaged(kind, e))
+    damage = b"\x80\x04pickled?" if kind == "not_an_entry" else damaged(kind, e)
+    raw.set(rk, sign(SECRET.encode(), store.disk_key(key_of(e)), damage))  # signed: as a replica that stored it damaged
     with caplog.at_level(logging.WARNING, logger="hypic_core"):
         assert store.lookup(key_of(e), e.token_ids) is None
         assert store.lookup(key_of(e), e.token_ids) is None  # deleted: a plain miss, not logged again
@@ -181,6 +226,76 @@ def test_damaged_or_foreign_value_is_a_counted_deleted_miss(server, tiers, kind,
     store.insert(key_of(e), e)  # the recomputed entry replaces it
     store.flush()
     assert store_of(tiers(server.url)).lookup(key_of(e), e.token_ids) is not None
+
+
+def test_a_shared_tier_needs_a_secret_and_refuses_to_start_without_one(server, monkeypatch):
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+    from hypic_core.cache import build_store
+
+    with pytest.raises(ValidationError, match="HYPIC_CACHE_SECRET"):
+        Settings(_env_file=None, redis_url=server.url, cache_dir=None)
+    with pytest.raises(ValidationError, match="HYPIC_CACHE_SECRET"):
+        Settings(_env_file=None, redis_url=server.url, cache_dir=None, cache_secret="")
+    with pytest.raises(TypeError):
+        RedisTier(server.url, 1 << 20)  # the secret is a required argument of the tier itself
+    for empty in ("", b""):
+        with pytest.raises(ValueError, match="secret"):
+            RedisTier(server.url, 1 << 20, secret=empty)
+    with pytest.raises(ValueError, match="HYPIC_CACHE_SECRET"):
+        build_store(1 << 20, redis_url=server.url)
+    monkeypatch.delenv("HYPIC_CACHE_SECRET", raising=False)
+    monkeypatch.setenv("HYPIC_REDIS_URL", server.url)
+    result = CliRunner().invoke(cli, ["serve", "--port", "1"])  # refused before anything loads or binds
+    assert result.exit_code == 1 and "HYPIC_CACHE_SECRET" in result.output, result.output
+
+
+def forged(value: bytes) -> bytes:
+    """What whoever can write to Redis, without the secret, can make of a stored entry: its tensors
+    changed (halved) and its sha256 recomputed, so that it passes the checksum and every check
+    of its metadata (model, key, schema, token ids)."""
+    if value.startswith(b"HYPICMAC"):
+        value = value[SIGNING:]
+    payload = value[_PREFIX.size :]
+    (header,) = struct.unpack_from("<Q", payload)
+    meta = json.loads(payload[8 : 8 + header])["__metadata__"]
+    tensors = {name: t * 0.5 if t.is_floating_point() else t for name, t in st_load(payload).items()}
+    payload = st_save(tensors, metadata=meta)
+    return _PREFIX.pack(MAGIC, len(payload), hashlib.sha256(payload).digest()) + payload
+
+
+@pytest.mark.parametrize("how", ["unsigned", "another_secret", "another_keys_value"])
+def test_a_forged_entry_is_a_counted_miss_never_an_answer(server, model, request_, how, caplog):
+    """Before: an entry planted with a valid sha256 was a Redis hit on every replica, and the
+    answer was computed from the planted tensors. Now an entry without this deployment's
+    signature (unsigned, signed with another secret, or a genuine value copied under another
+    chunk's key) is a counted miss, deleted; the recomputed entry replaces it."""
+    n = len(LENGTHS) - 1
+    first = store_of(RedisTier(server.url, 1 << 30, secret=SECRET))
+    cold_logits, cold_tokens = answer(Engine(model, config=CONFIG, store=first), request_)
+    first.close()
+    raw = server.client()
+    keys = sorted(raw.keys("hypic:e:*"))
+    victim = keys[1]
+    planted = {"unsigned": lambda: forged(raw.get(victim)),
+               "another_secret": lambda: sign(b"another deployment", victim.decode().removeprefix("hypic:e:"),
+                                              forged(raw.get(victim))),
+               "another_keys_value": lambda: raw.get(keys[2])}[how]()
+    raw.set(victim, planted)
+    store = store_of(RedisTier(server.url, 1 << 30, secret=SECRET))
+    with caplog.at_level(logging.WARNING, logger="hypic_core"):
+        logits, tokens = answer(Engine(model, config=CONFIG, store=store), request_)
+    s = store.stats()
+    assert s.corrupt == 1 and s.hits["redis"] == n - 1 and s.misses == 1, s
+    assert (logits - cold_logits).abs().max().item() <= 1e-5 and tokens == cold_tokens
+    assert ("unsigned" if how == "unsigned" else "forged") in caplog.text
+    store.close()  # writes the recomputed entry
+    assert raw.get(victim) not in (planted, None)
+    healed = store_of(RedisTier(server.url, 1 << 30, secret=SECRET))
+    answer(Engine(model, config=CONFIG, store=healed), request_)
+    assert healed.stats().hits["redis"] == n and healed.stats().corrupt == 0
+    healed.close()
 
 
 def test_down_at_start_is_skipped_logged_once_and_reconnected(tmp_path, tiers, caplog):
@@ -266,7 +381,7 @@ class KillsServerAfterFirstRead(RedisTier):
     """A real tier whose server is SIGKILLed right after the first value it reads."""
 
     def __init__(self, server: RedisServer, **kw):
-        super().__init__(server.url, 1 << 30, retry_s=FAST_RETRY, **kw)
+        super().__init__(server.url, 1 << 30, retry_s=FAST_RETRY, secret=SECRET, **kw)
         self.server, self.reads = server, 0
 
     def get(self, key):
@@ -279,7 +394,7 @@ class KillsServerAfterFirstRead(RedisTier):
 
 def test_server_killed_mid_request_never_changes_an_answer(server, model, request_):
     n = len(LENGTHS) - 1
-    cold_store = store_of(RedisTier(server.url, 1 << 30))
+    cold_store = store_of(RedisTier(server.url, 1 << 30, secret=SECRET))
     cold_logits, cold_tokens = answer(Engine(model, config=CONFIG, store=cold_store), request_)
     cold_store.close()
     assert cold_store.stats().misses == n and int(server.client().get("hypic:bytes")) > 0
@@ -300,7 +415,7 @@ def test_server_killed_mid_request_never_changes_an_answer(server, model, reques
 
 def test_corrupted_value_never_changes_an_answer(server, model, request_):
     n = len(LENGTHS) - 1
-    first = store_of(RedisTier(server.url, 1 << 30))
+    first = store_of(RedisTier(server.url, 1 << 30, secret=SECRET))
     cold_logits, cold_tokens = answer(Engine(model, config=CONFIG, store=first), request_)
     first.close()
     raw = server.client()
@@ -308,14 +423,14 @@ def test_corrupted_value_never_changes_an_answer(server, model, request_):
     data = bytearray(raw.get(victim))
     data[len(data) // 2] ^= 0xFF  # bit rot in one stored value
     raw.set(victim, bytes(data))
-    store = store_of(RedisTier(server.url, 1 << 30))
+    store = store_of(RedisTier(server.url, 1 << 30, secret=SECRET))
     logits, tokens = answer(Engine(model, config=CONFIG, store=store), request_)
     s = store.stats()
     assert s.corrupt == 1 and s.hits["redis"] == n - 1 and s.misses == 1
     assert (logits - cold_logits).abs().max().item() <= 1e-5 and tokens == cold_tokens
     store.close()  # writes the recomputed entry
     assert raw.get(victim) != bytes(data) and raw.get(victim) is not None
-    healed = store_of(RedisTier(server.url, 1 << 30))
+    healed = store_of(RedisTier(server.url, 1 << 30, secret=SECRET))
     answer(Engine(model, config=CONFIG, store=healed), request_)
     assert healed.stats().hits["redis"] == n and healed.stats().corrupt == 0
     healed.close()
@@ -340,7 +455,7 @@ def gateway(root, tokenizer, redis_url: str):
     root.mkdir(parents=True)
     (root / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
     settings = Settings(_env_file=None, torch_threads=None, index_dir=root / "index", corpus_path=root / "corpus.jsonl",
-                        redis_url=redis_url)
+                        redis_url=redis_url, cache_secret=SECRET)
     store = build_store_from_settings(settings)
     engine = Engine(tiny_model("qwen3_5", vocab_size=len(tokenizer)), tokenizer, EngineConfig(seam=4), store=store, model_id="tiny")
     return create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64))), store

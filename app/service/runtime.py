@@ -47,7 +47,8 @@ def store_from_settings(settings: Settings) -> SegmentStore:
                                directory=settings.cache_dir, disk_bytes=settings.cache_disk_bytes,
                                storage_dtype=settings.cache_storage_dtype, redis_url=redis_url,
                                redis_bytes=settings.redis_max_bytes, redis_ttl_s=settings.redis_ttl_s,
-                               redis_prefix=settings.redis_prefix, redis_timeout_s=settings.redis_timeout_s)
+                               redis_prefix=settings.redis_prefix, redis_timeout_s=settings.redis_timeout_s,
+                               redis_secret=settings.cache_secret.get_secret_value() if settings.cache_secret else None)
 
 
 def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engine:

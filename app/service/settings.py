@@ -112,6 +112,10 @@ class Settings(BaseSettings):
                               "prefix share entries and one redis_max_bytes budget.")
     redis_timeout_s: float = Field(0.5, gt=0, description="Connect and per-call socket timeout: the longest a lookup waits for "
                                    "Redis before serving without it.")
+    cache_secret: SecretStr | None = Field(None, description="The deployment's secret, the same on every replica: the key of "
+                                           "the HMAC that signs each entry in the shared (Redis) tier, so that whoever can "
+                                           "write to Redis cannot plant one. Required with redis_url; use 32 random bytes "
+                                           "or more (openssl rand -hex 32).")
 
     # online accuracy guard of the served model (app/service/guard.py; docs/architecture.md)
     guard_enabled: bool = Field(True, description="Shadow-check approximate reuse against full prefill and widen the seam "
@@ -277,6 +281,15 @@ class Settings(BaseSettings):
         if not value.get_secret_value().startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("expected a redis://, rediss:// or unix:// URL")
         return value
+
+    @model_validator(mode="after")
+    def _shared_tier_is_signed(self) -> "Settings":
+        if self.cache_secret is not None and not self.cache_secret.get_secret_value():
+            self.cache_secret = None
+        if self.redis_url is not None and self.cache_secret is None:
+            raise ValueError("HYPIC_REDIS_URL (a shared cache tier) needs HYPIC_CACHE_SECRET, the secret that signs its "
+                             "entries, the same on every replica (docs/deploy-redis.md)")
+        return self
 
     @field_validator("api_key")
     @classmethod

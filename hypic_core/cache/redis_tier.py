@@ -1,7 +1,15 @@
 """The shared tier: serialized segment entries in a Redis server that several gateways use.
 
 Values are the bytes `serde.encode` makes (the same checksummed safetensors the disk tier
-holds, never pickle), under `<prefix>e:<disk key>`. Redis's own `maxmemory-policy` is
+holds, never pickle), under `<prefix>e:<disk key>`, each signed with the deployment's secret:
+
+    b"HYPICMAC" | HMAC-SHA256(secret, "hypic redis entry" NUL <disk key> NUL <bytes>) | <bytes>
+
+Every replica must reach the server, so whoever can write to it could otherwise plant an entry
+that passes the checksum (computed over the planted bytes) and make every replica answer from
+it. Without the secret no one can make a tag that verifies, and the tag binds the value to its
+key (an entry copied under another key fails too): an unsigned or forged value is
+`CorruptEntry("unsigned" / "forged")`, a counted miss that the store deletes. Redis's own `maxmemory-policy` is
 server-wide, so the tier keeps its own accounting beside the values, all under `prefix`:
 
     <prefix>lru    sorted set: disk key -> time of last use (the server's clock)
@@ -25,16 +33,21 @@ read can cost the caller.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import re
 import threading
 import time
 
+from .serde import CorruptEntry
 from .tier import TierStats, WriteBehindTier
 
 log = logging.getLogger(__name__)
 
 _STATS_EVERY_S = 10.0  # while up, the writer thread refreshes the shared byte count this often
+SIGNED = b"HYPICMAC"  # the first bytes of every value the tier writes, then the 32-byte tag
+_TAG_DOMAIN = b"hypic redis entry\0"
 
 _FORGET = """
 local function forget(m)
@@ -106,6 +119,33 @@ return tonumber(redis.call('GET', KEYS[3]) or '0')
 RedisStats = TierStats  # `bytes`: value bytes under the prefix, all writers together (last known)
 
 
+def _tag(secret: bytes, key: str, value: bytes | memoryview) -> bytes:
+    mac = hmac.new(secret, _TAG_DOMAIN, hashlib.sha256)
+    mac.update(key.encode("utf-8") + b"\0")
+    mac.update(value)
+    return mac.digest()
+
+
+def sign(secret: bytes, key: str, value: bytes) -> bytes:
+    """`value`, to be stored under `key`, with its signature header (`SIGNED` and its HMAC tag)."""
+    return SIGNED + _tag(secret, key, value) + value
+
+
+def verified(secret: bytes, key: str, signed: bytes) -> bytes:
+    """The value inside `signed` (what `sign(secret, key, value)` made). Raises
+    CorruptEntry("unsigned") when it has no signature header, CorruptEntry("forged") when its
+    tag does not verify (another secret, another key, or bytes changed)."""
+    data = memoryview(signed)
+    head = len(SIGNED) + hashlib.sha256().digest_size
+    if len(data) < head or data[: len(SIGNED)] != SIGNED:
+        raise CorruptEntry("unsigned", f"{key}: a value without the tier's signature (written without the secret, "
+                                       "or not by a gateway)")
+    body = data[head:]
+    if not hmac.compare_digest(_tag(secret, key, body), data[len(SIGNED) : head]):
+        raise CorruptEntry("forged", f"{key}: the value's signature does not verify (another secret, or forged)")
+    return bytes(body)
+
+
 def redacted(url: str) -> str:
     """`url` with its password (in the authority or a `password=` query field) replaced by `***`, for logs."""
     url = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/@:?#]*):[^/?#]*@", r"\1:***@", url)
@@ -121,15 +161,18 @@ class RedisTier(WriteBehindTier):
     - `ttl_s`: a value unused this long expires; 0: never (the budget alone bounds the tier).
     - `timeout_s`: connect and per-call socket timeout, the most a read can block its caller.
     - `retry_s`: (first, longest) wait between reconnection attempts while the server is down.
+    - `secret`: the deployment's secret (str or bytes, the same on every replica; required),
+      the key of the HMAC that signs each value.
 
-    Raises ValueError for a malformed URL or bad numbers; never raises from a call afterwards:
-    an unreachable server is logged once and skipped until it answers again. Thread-safe.
+    Raises ValueError for a malformed URL, bad numbers or an empty secret; never raises from a
+    call afterwards: an unreachable server is logged once and skipped until it answers again.
+    `get` raises `CorruptEntry` for a value that is not signed with this secret. Thread-safe.
     """
 
     name = "redis"
 
     def __init__(self, url: str, max_bytes: int, ttl_s: int = 0, prefix: str = "hypic:", timeout_s: float = 0.5,
-                 write_queue: int = 64, retry_s: tuple[float, float] = (1.0, 30.0)):
+                 write_queue: int = 64, retry_s: tuple[float, float] = (1.0, 30.0), *, secret: str | bytes):
         try:
             import redis
             from redis.backoff import NoBackoff
@@ -142,6 +185,9 @@ class RedisTier(WriteBehindTier):
                              f"write_queue={write_queue}")
         if not prefix:
             raise ValueError("the redis key prefix must not be empty")
+        if not secret:
+            raise ValueError("a shared Redis tier needs a secret to sign its entries (HYPIC_CACHE_SECRET)")
+        self._secret = secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
         if not 0 < retry_s[0] <= retry_s[1]:
             raise ValueError(f"retry_s must be (first, longest) with 0 < first <= longest, got {retry_s}")
         self.url, self.max_bytes, self.ttl_s, self.prefix = redacted(url), max_bytes, int(ttl_s), prefix
@@ -173,7 +219,9 @@ class RedisTier(WriteBehindTier):
         return self._down_until is None
 
     def get(self, key: str) -> bytes | None:
-        """The stored bytes (the entry counts as used), or None: absent, tier down, or the call failed."""
+        """The stored bytes, their signature checked (the entry counts as used), or None: absent,
+        tier down, or the call failed. Raises CorruptEntry("unsigned") for a value without this
+        tier's signature header, CorruptEntry("forged") for one whose tag does not verify."""
         if not self.available:
             return None
         try:
@@ -181,7 +229,7 @@ class RedisTier(WriteBehindTier):
         except self._errors as e:
             self._failed("read", e)
             return None
-        return value if value is None or type(value) is bytes else bytes(value)
+        return None if value is None else verified(self._secret, key, value)
 
     def put(self, key: str, value: bytes) -> bool:
         """Store `value` unless `key` is held (first writer wins; it counts as a use) and trim
@@ -193,9 +241,10 @@ class RedisTier(WriteBehindTier):
         if not self.available:
             self._count_dropped()
             return False
+        signed = sign(self._secret, key, value)
         try:
             stored, held = self._put(keys=[*self._keys, self._entry_prefix + key],
-                                     args=[self._entry_prefix, key, value, self.ttl_s, self.max_bytes])
+                                     args=[self._entry_prefix, key, signed, self.ttl_s, self.max_bytes])
         except self._errors as e:
             self._failed("write", e)
             self._count_dropped()

@@ -40,7 +40,10 @@ class CorruptEntry(HypicError):
 
     `reason` is one of: "type" (not bytes), "truncated", "magic", "checksum", "schema",
     "model", "key", "storage_dtype", "tokens", "format" (unparseable despite a good
-    checksum), "refused" (the disk tier found a value diskcache would unpickle).
+    checksum; a disk row whose text is not UTF-8). Stored tiers add: "refused" (the disk tier
+    found a value diskcache would unpickle, or a value file that is not a regular file of its
+    row's size inside the directory), "missing" (a value file gone), "size" (a row larger than
+    the tier's budget), "unsigned" / "forged" (a Redis value without a valid signature).
     """
 
     def __init__(self, reason: str, detail: str):
