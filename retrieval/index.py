@@ -188,6 +188,29 @@ class VectorIndex:
             ).fetchall()
         return [DocumentInfo(*row) for row in rows]
 
+    def has_document(self, document_id: str) -> bool:
+        """Whether a document of this id is in the index."""
+        with self._lock:
+            self._refresh()
+            return self._has(document_id)
+
+    def usage(self, document_ids: Sequence[str] | None = None) -> tuple[int, int]:
+        """(documents, UTF-8 bytes of their chunks' text): of the whole index, or of the documents
+        of `document_ids` it holds (unknown ids count nothing)."""
+        query = "SELECT COUNT(DISTINCT document_id), COALESCE(SUM(LENGTH(CAST(text AS BLOB))), 0) FROM chunks"
+        with self._lock:
+            self._refresh()
+            if document_ids is None:
+                documents, size = self._db.execute(query).fetchone()
+                return int(self._db.execute("SELECT COUNT(*) FROM documents").fetchone()[0]), int(size)
+            documents = size = 0
+            ids = list(dict.fromkeys(document_ids))
+            for first in range(0, len(ids), 500):
+                part = ids[first:first + 500]
+                n, b = self._db.execute(f"{query} WHERE document_id IN ({','.join('?' * len(part))})", part).fetchone()
+                documents, size = documents + int(n), size + int(b)
+            return documents, size
+
     def document(self, document_id: str) -> DocumentInfo:
         """The document of this id; raises `DocumentNotFoundError` if it is not in the index."""
         with self._lock:

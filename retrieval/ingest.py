@@ -16,12 +16,12 @@ embedder of another dimension) raises a `RetrievalError` and leaves the index as
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from retrieval.chunker import Chunker
-from retrieval.document import Document, clip
+from retrieval.document import Chunk, Document, clip
 from retrieval.errors import EmptyInputError, InputNotFoundError, InvalidInputError, RetrievalError
 from retrieval.formats import SUPPORTED_DESCRIPTION, decode_text, is_supported, markdown_title, parse_jsonl, read_documents, require_format
 from retrieval.index import VectorIndex
@@ -71,16 +71,20 @@ def load_documents(paths: Iterable[str | Path]) -> tuple[list[Document], tuple[s
     return documents, tuple(skipped)
 
 
-def ingest_documents(documents: Sequence[Document], index: VectorIndex, chunker: Chunker, progress: IngestCallback | None = None) -> IngestSummary:
+def ingest_documents(documents: Sequence[Document], index: VectorIndex, chunker: Chunker, progress: IngestCallback | None = None,
+                     admit: Callable[[Sequence[Chunk]], None] | None = None) -> IngestSummary:
     """Chunk `documents` and upsert them into `index` (replacing documents of the same id):
     chunking runs on a thread while the index's embedder embeds windows of chunks across
     documents (`retrieval.pipeline.chunk_and_embed`). `progress(IngestProgress)` is called as
-    chunks are embedded. Atomic: on error nothing changes."""
+    chunks are embedded; `admit(chunks)`, when given, before anything is written: what it raises
+    (a quota) stops the ingest. Atomic: on error nothing changes."""
     started = time.perf_counter()
     if not documents:
         raise EmptyInputError("no documents to ingest")
     _check_unique(documents)
     embedded = chunk_and_embed(documents, chunker, index.embedder, progress)
+    if admit is not None:
+        admit(embedded.chunks)
     replaced = index.upsert_embedded(embedded.chunks, embedded.vectors)
     return IngestSummary(len(documents), len(embedded.chunks), time.perf_counter() - started, replaced)
 

@@ -137,7 +137,8 @@ def test_pages_follow_the_after_cursor(client):
     tail = client.get("/documents", params={"after": "page-3"}).json()
     assert [d["document_id"] for d in tail["data"]][:1] == ["page-4"] and tail["has_more"] is False
     end = client.get("/documents", params={"after": everything[-1]["document_id"]}).json()
-    assert end == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+    assert end == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False,
+                   "collection": "default"}
     assert error(client.get("/documents", params={"limit": 0}))[0] == "limit"
     assert error(client.get("/documents", params={"limit": 1001}))[0] == "limit"
 
@@ -159,7 +160,7 @@ def test_search_returns_ranked_chunks_without_generating(client):
     assert r.status_code == 200, r.text
     hits = r.json()["data"]
     assert len(hits) == 3 and hits[0]["document_id"] == "s-river" and hits[0]["title"] == "Alna"
-    assert set(hits[0]) == {"chunk_id", "document_id", "title", "source", "chunk_index", "text", "tokens", "score"}
+    assert set(hits[0]) == {"chunk_id", "document_id", "title", "source", "chunk_index", "text", "tokens", "score", "collection"}
     assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
     only = client.post("/search", json={"query": "river", "document_ids": ["s-firm"]}).json()["data"]
     assert [h["document_id"] for h in only] == ["s-firm"]

@@ -55,7 +55,7 @@ def test_query_returns_answer_sources_usage_timings(client):
     assert set(body) >= {"answer", "sources", "usage", "timings"}
     assert len(body["sources"]) == 2
     assert body["sources"][0]["document_id"] == "city-varo"  # hashing embedder: most shared words
-    assert set(body["sources"][0]) == {"chunk_id", "document_id", "title", "score", "text"}
+    assert set(body["sources"][0]) == {"chunk_id", "document_id", "title", "score", "text", "collection"}
     assert body["usage"]["completion_tokens"] <= 6 and body["usage"]["prompt_tokens"] > 0
     assert set(body["timings"]) == {"retrieval_ms", "prefill_ms", "ttft_ms", "total_ms"}
     assert 0 < body["timings"]["ttft_ms"] <= body["timings"]["total_ms"]
@@ -112,7 +112,7 @@ def test_documents_add_list_delete(client):
     assert r.status_code == 201, r.text
     listed = {d["document_id"]: d for d in client.get("/documents").json()["data"]}
     assert listed["notes/c.md"]["title"] == "Gamma" and listed["doc-a"]["chunks"] == 1
-    assert client.delete("/documents/notes/c.md").json() == {"document_id": "notes/c.md", "deleted": True, "chunks": 1}
+    assert client.delete("/documents/notes/c.md").json() == {"document_id": "notes/c.md", "deleted": True, "chunks": 1, "collection": "default"}
     missing = client.delete("/documents/notes/c.md")
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "document_id"
 

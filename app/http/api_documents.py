@@ -4,7 +4,14 @@
     GET    /documents              a page of documents: ?limit= (1-1000, default 100) &after=<id>
     GET    /documents/{id}         one document, with its chunks
     DELETE /documents/{id}         remove a document
-    POST   /search                 {"query", "top_k"?, "document_ids"?} -> ranked chunks
+    POST   /search                 {"query", "top_k"?, "document_ids"?, "collections"?} -> ranked chunks
+    GET    /collections            the collections this key's tenant reads, and its quota
+
+Every route acts on the tenant the request's API key opens (app/service/tenants.py) and on one of
+its collections: `?collection=` (default 'default') on the /documents routes, `collections` on
+/search. A tenant never sees, changes or searches another tenant's collections; a shared
+collection (HYPIC_SHARED_COLLECTIONS) is read by every tenant and written only by those it names
+(else 403). An upload past the tenant's document or byte quota is a 429 and changes nothing.
 
 POST /documents takes, by Content-Type:
 - `application/json`: one `{"id", "text", "title"?, "source"?}` object or a list of them;
@@ -47,13 +54,17 @@ from retrieval.ingest import document_from_text, ingest_documents
 from retrieval.strict_json import lone_surrogate
 
 from ..service import pipeline
+from ..service.errors import QuotaExceededError
+from ..service.tenants import DEFAULT_COLLECTION, check_collection_name
 
 from ..service.runtime import Runtime
 from . import schemas
 from .errors import APIError
 from .routing import StrictJSONRoute
+from .tenancy import tenant_of
 
 router = APIRouter(route_class=StrictJSONRoute)
+COLLECTION = Query(DEFAULT_COLLECTION, description="The collection of this key's tenant (app/service/tenants.py).")
 JSON_TYPES = ("application/json",)
 JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/json-lines", "application/x-jsonlines")
 MULTIPART_TYPES = ("multipart/form-data",)
@@ -70,6 +81,8 @@ class SearchRequest(BaseModel):
     query: str = Field(description="The text to search with.")
     top_k: int | None = Field(None, ge=1, description="Chunks to return (default: settings.default_top_k, at most settings.max_top_k).")
     document_ids: list[str] | None = Field(None, description="Only search these documents.")
+    collections: list[str] | None = Field(None, description="Search these collections of this key's tenant "
+                                          "(default: its 'default').")
 
     @field_validator("query")
     @classmethod
@@ -80,10 +93,13 @@ class SearchRequest(BaseModel):
 
 
 @router.post("/documents", status_code=201, response_model=schemas.DocumentsAdded,
-             responses=schemas.errors(400, 413, 415, 503), openapi_extra=schemas.DOCUMENTS_BODY)
+             responses=schemas.errors(400, 403, 413, 415, 429, 503), openapi_extra=schemas.DOCUMENTS_BODY)
 async def add_documents(request: Request, id: str | None = Query(None, description="Document id of a text body."),
-                        title: str = Query("", description="Title of a text body.")) -> dict:
+                        title: str = Query("", description="Title of a text body."),
+                        collection: str = COLLECTION) -> dict:
     rt = _runtime(request)
+    tenant = tenant_of(request)
+    check_collection_name(collection, "collection")
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in CONTENT_TYPES:
         raise APIError(415, f"content-type: expected one of {', '.join(CONTENT_TYPES)}, got {content_type or 'none'!r}",
@@ -93,53 +109,101 @@ async def add_documents(request: Request, id: str | None = Query(None, descripti
     else:
         documents = _body_documents(await request.body(), content_type, id, title)
     try:
-        summary = await anyio.to_thread.run_sync(ingest_documents, documents, rt.index, rt.chunker)
+        summary = await anyio.to_thread.run_sync(_ingest, rt, tenant, collection, documents)
+    except QuotaExceededError as exc:
+        rt.metrics.tenant_refused.labels(rt.tenant_labels(tenant), exc.limit).inc()
+        raise
     except IndexLockedError as exc:
         raise _locked(rt, exc) from None
     except RetrievalError as exc:
         raise APIError.invalid("body", str(exc)) from None
     return {"documents": summary.documents, "chunks": summary.chunks, "replaced": summary.replaced,
-            "document_ids": [d.document_id for d in documents], "seconds": round(summary.seconds, 3)}
+            "document_ids": [d.document_id for d in documents], "seconds": round(summary.seconds, 3), "collection": collection}
+
+
+def _ingest(rt: Runtime, tenant: str, collection: str, documents: list[Document]):
+    """Ingest `documents` into `tenant`'s `collection` (created if new), within the tenant's quota
+    (checked, under the tenant's upload lock, once the chunks are cut and before anything is written)."""
+    index = rt.collections.writable(tenant, collection, "collection")
+    quotas = rt.quotas
+    if not quotas.max_documents and not quotas.max_bytes:
+        return ingest_documents(documents, index, rt.chunker)
+    with quotas.upload_lock(tenant):
+        return ingest_documents(documents, index, rt.chunker, admit=lambda chunks: quotas.admit(rt.collections, tenant, index, chunks))
 
 
 @router.get("/documents", response_model=schemas.DocumentList, responses=schemas.errors(400, 503))
 async def list_documents(request: Request,
                          limit: int = Query(100, ge=1, le=1000, description="Documents per page."),
-                         after: str | None = Query(None, description="Return documents whose id sorts after this one (the previous page's last_id).")) -> dict:
+                         after: str | None = Query(None, description="Return documents whose id sorts after this one (the previous page's last_id)."),
+                         collection: str = COLLECTION) -> dict:
     rt = _runtime(request)
+    tenant = tenant_of(request)
+    check_collection_name(collection, "collection")
     if after is not None and len(after) > MAX_DOCUMENT_ID_CHARS:  # no id sorts between a longer `after` and its prefix
         raise APIError.invalid("after", f"must be at most {MAX_DOCUMENT_ID_CHARS} characters (a document id), got {len(after)}")
     after = None if after is None else unicodedata.normalize("NFC", after)  # ids are kept in NFC
     # One extra row says whether another page follows.
-    docs = await anyio.to_thread.run_sync(lambda: rt.index.list_documents(after=after, limit=limit + 1))
+    docs = await anyio.to_thread.run_sync(lambda: rt.collections.get(tenant, collection).list_documents(after=after, limit=limit + 1))
     page = docs[:limit]
     return {"object": "list", "data": [_info(d) for d in page], "first_id": page[0].document_id if page else None,
-            "last_id": page[-1].document_id if page else None, "has_more": len(docs) > limit}
+            "last_id": page[-1].document_id if page else None, "has_more": len(docs) > limit, "collection": collection}
 
 
-@router.get("/documents/{document_id:path}", response_model=schemas.DocumentDetail, responses=schemas.errors(404, 503))
-async def get_document(document_id: str, request: Request) -> dict:
+@router.get("/collections", response_model=schemas.CollectionList, responses=schemas.errors(503))
+async def list_collections(request: Request) -> dict:
+    """The collections this key's tenant reads (its own, then the shared ones), and its quota."""
     rt = _runtime(request)
+    tenant = tenant_of(request)
+
+    def describe() -> dict:
+        data = []
+        for name in rt.collections.names(tenant):
+            documents, size = rt.collections.get(tenant, name).usage()
+            shared = name in rt.collections.shared
+            data.append({"name": name, "shared": shared, "writable": not shared or tenant in rt.collections.shared[name],
+                         "documents": documents, "bytes": size})
+        documents, size = rt.collections.usage(tenant)
+        q = rt.quotas
+        quota = {"max_documents": q.max_documents, "max_bytes": q.max_bytes, "max_requests": q.max_requests,
+                 "documents": documents, "bytes": size, "requests": q.in_flight(tenant)}
+        return {"object": "list", "tenant": tenant, "data": data, "quota": quota}
+
+    return await anyio.to_thread.run_sync(describe)
+
+
+@router.get("/documents/{document_id:path}", response_model=schemas.DocumentDetail, responses=schemas.errors(400, 404, 503))
+async def get_document(document_id: str, request: Request, collection: str = COLLECTION) -> dict:
+    rt = _runtime(request)
+    tenant = tenant_of(request)
     document_id = pipeline.document_id(document_id, "document_id")
+    check_collection_name(collection, "collection")
+
+    def read():
+        index = rt.collections.get(tenant, collection)
+        return index.document(document_id), index.chunks(document_id)
+
     try:
-        info, chunks = await anyio.to_thread.run_sync(lambda: (rt.index.document(document_id), rt.index.chunks(document_id)))
+        info, chunks = await anyio.to_thread.run_sync(read)
     except DocumentNotFoundError as exc:
         raise _not_found(exc) from None
     return _info(info) | {"content": [{"chunk_id": c.chunk_id, "chunk_index": c.chunk_index, "text": c.text, "tokens": c.token_count}
                                        for c in chunks]}
 
 
-@router.delete("/documents/{document_id:path}", response_model=schemas.DocumentDeleted, responses=schemas.errors(404, 503))
-async def delete_document(document_id: str, request: Request) -> dict:
+@router.delete("/documents/{document_id:path}", response_model=schemas.DocumentDeleted, responses=schemas.errors(400, 403, 404, 503))
+async def delete_document(document_id: str, request: Request, collection: str = COLLECTION) -> dict:
     rt = _runtime(request)
+    tenant = tenant_of(request)
     document_id = pipeline.document_id(document_id, "document_id")
+    check_collection_name(collection, "collection")
     try:
-        chunks = await anyio.to_thread.run_sync(rt.index.delete_document, document_id)
+        chunks = await anyio.to_thread.run_sync(lambda: rt.collections.writable(tenant, collection, create=False).delete_document(document_id))
     except DocumentNotFoundError as exc:
         raise _not_found(exc) from None
     except IndexLockedError as exc:
         raise _locked(rt, exc) from None
-    return {"document_id": document_id, "deleted": True, "chunks": chunks}
+    return {"document_id": document_id, "deleted": True, "chunks": chunks, "collection": collection}
 
 
 @router.post("/search", response_model=schemas.SearchResult, responses=schemas.errors(400, 413, 503))
@@ -147,11 +211,12 @@ async def search(body: SearchRequest, request: Request) -> dict:
     """The `top_k` chunks closest to the query, best first; nothing is generated."""
     rt = _runtime(request)
     pipeline.check_text(rt, [("query", body.query)])
-    found = await pipeline.retrieve(rt, body.query, body.top_k or rt.settings.default_top_k, body.document_ids)
+    found = await pipeline.retrieve(rt, body.query, body.top_k or rt.settings.default_top_k, body.document_ids,
+                                    tenant=tenant_of(request), collections=body.collections)
     return {"object": "list", "query": body.query, "retrieval_ms": found.ms,
             "data": [{"chunk_id": h.chunk.chunk_id, "document_id": h.chunk.document_id, "title": h.chunk.title,
                       "source": h.chunk.source, "chunk_index": h.chunk.chunk_index, "text": h.chunk.text,
-                      "tokens": h.chunk.token_count, "score": round(h.score, 6)} for h in found.hits]}
+                      "tokens": h.chunk.token_count, "score": round(h.score, 6), "collection": h.collection} for h in found.hits]}
 
 
 def _body_documents(body: bytes, content_type: str, id: str | None, title: str) -> list[Document]:

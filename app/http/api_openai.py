@@ -15,7 +15,10 @@ the prompt (completions) and adds them as segments; the response then carries `s
 chunks used, best first, as in /query) and `dropped_chunks` (chunks left out because they did
 not fit the context) at its top level, in a stream on the first chunk; `segments: [text, ...]` are cached
 independently (chat: placed before the last user message, like retrieved documents;
-completions: before the prompt, verbatim); `mode`, `seam` and `exact` as in /query. Without `rag` or
+completions: before the prompt, verbatim); `mode`, `seam` and `exact` as in /query; `rag.collections`
+names the tenant's collections to retrieve from; `cache: {"store": false}` keeps nothing of the
+request in the cache; OpenAI's `prompt_cache_key` is accepted as a grouping hint (a string) and
+never widens what is shared: the cache is always the key's tenant's. Without `rag` or
 `segments`, a chat is plain chat. Fields this server cannot honour (`tools`, `logit_bias`,
 penalties, `response_format` other than text, ...) are refused with a 400 naming them when
 they ask for something; other unknown fields are ignored, as OpenAI-compatible servers do.
@@ -39,9 +42,11 @@ from ..service import pipeline
 from ..service.engine_thread import TokenStream
 from ..service.prompter import Prompt
 from ..service.runtime import Runtime
+from ..service.tenants import cache_salt
 from . import schemas, sse
 from .errors import APIError, from_stream_failure, shown
-from .generation import SamplingExtras, collect
+from .generation import CacheOptions, SamplingExtras, collect
+from .tenancy import tenant_of
 from .routing import StrictJSONRoute
 
 log = logging.getLogger("hypic.openai")
@@ -53,6 +58,7 @@ class RagOptions(BaseModel):
 
     top_k: int | None = Field(None, ge=1)
     document_ids: list[str] | None = None
+    collections: list[str] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -102,6 +108,9 @@ class _Common(SamplingExtras):
     mode: str | None = None
     seam: int | None = Field(None, ge=0)
     exact: bool = False  # exact reuse only, as in /query
+    cache: CacheOptions | None = None
+    prompt_cache_key: str | None = Field(None, max_length=1024, description="OpenAI's grouping hint; accepted, the cache "
+                                         "stays the key's tenant's whatever it says.")
     top_k: int = Field(-1, ge=-1, description="Sample from the k most likely tokens; -1 or 0: all.")  # vLLM's
 
     def stops(self) -> tuple[str, ...]:
@@ -140,11 +149,12 @@ async def chat_completions(body: ChatRequest, request: Request):
     pipeline.check_count("messages", body.messages, rt.settings.max_messages, "HYPIC_MAX_MESSAGES")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     _check_sizes(rt, body, [(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)])
-    hits = await _retrieve(rt, body, messages[-1]["content"])
+    hits = await _retrieve(rt, body, messages[-1]["content"], tenant_of(request))
     asked = body.max_completion_tokens or body.max_tokens
     prompt = await pipeline.off_loop(lambda: rt.prompter.chat(messages, hits, body.segments or (),
                                                               reserve=asked or rt.settings.answer_reserve_tokens))
-    gen = _generation(rt, body, prompt, asked or rt.settings.max_new_tokens, body.logprobs, body.top_logprobs or 0)
+    gen = _generation(rt, body, prompt, asked or rt.settings.max_new_tokens, body.logprobs, body.top_logprobs or 0,
+                      tenant_of(request))
     stream = pipeline.start(rt, gen, started, "/v1/chat/completions")
     reply = _Reply(rt, "chat.completion", body, chat=True, prompt=prompt)
     if body.stream:
@@ -165,11 +175,12 @@ async def completions(body: CompletionRequest, request: Request):
             raise APIError.invalid("prompt", "exactly one prompt per request is supported")
         prompt = prompt[0]
     _check_sizes(rt, body, [("prompt" if isinstance(body.prompt, str) else "prompt[0]", prompt)])
-    hits = await _retrieve(rt, body, prompt)
+    hits = await _retrieve(rt, body, prompt, tenant_of(request))
     built = await pipeline.off_loop(lambda: rt.prompter.completion(prompt, hits, body.segments or (),
                                                                    reserve=body.max_tokens or rt.settings.answer_reserve_tokens))
     want = body.logprobs is not None
-    gen = _generation(rt, body, built, body.max_tokens or rt.settings.max_new_tokens, want, body.logprobs or 0)
+    gen = _generation(rt, body, built, body.max_tokens or rt.settings.max_new_tokens, want, body.logprobs or 0,
+                      tenant_of(request))
     stream = pipeline.start(rt, gen, started, "/v1/completions")
     reply = _Reply(rt, "text_completion", body, chat=False, prompt=built)
     if body.stream:
@@ -200,16 +211,20 @@ def _check_sizes(rt: Runtime, body: _Common, texts: list[tuple[str, str]]) -> No
     pipeline.check_text(rt, texts + [(f"segments[{i}]", s) for i, s in enumerate(body.segments or ())])
 
 
-async def _retrieve(rt: Runtime, body: _Common, query: str) -> list:
-    """Retrieved chunks for `query` when `rag` is given, else none."""
+async def _retrieve(rt: Runtime, body: _Common, query: str, tenant: str) -> list:
+    """Retrieved chunks for `query` from `tenant`'s collections when `rag` is given, else none."""
     if body.rag is None:
         return []
-    found = await pipeline.retrieve(rt, query, body.rag.top_k or rt.settings.default_top_k, body.rag.document_ids, "rag.")
+    found = await pipeline.retrieve(rt, query, body.rag.top_k or rt.settings.default_top_k, body.rag.document_ids, "rag.",
+                                    tenant=tenant, collections=body.rag.collections)
     return found.hits
 
 
-def _generation(rt: Runtime, body: _Common, prompt: Prompt, max_tokens: int, logprobs: bool, top_logprobs: int):
-    return pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, body.exact, prompt.exact_prefix, max_tokens=max_tokens,
+def _generation(rt: Runtime, body: _Common, prompt: Prompt, max_tokens: int, logprobs: bool, top_logprobs: int, tenant: str):
+    # Messages and segments are the tenant's own text: always the tenant's salt.
+    return pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, body.exact, prompt.exact_prefix,
+                                       cache_salt=cache_salt(tenant), cache_store=body.cache is None or body.cache.store,
+                                       max_tokens=max_tokens,
                                        temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                        stop=body.stops(), logprobs=logprobs, top_logprobs=top_logprobs,
                                        top_k=max(body.top_k, 0), **body.extras())

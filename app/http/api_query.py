@@ -33,7 +33,8 @@ from ..service.engine_thread import TokenStream
 from ..service.runtime import Runtime
 from . import schemas, sse
 from .errors import from_stream_failure
-from .generation import SamplingExtras, collect
+from .generation import CacheOptions, SamplingExtras, collect
+from .tenancy import tenant_of
 from .routing import StrictJSONRoute
 
 log = logging.getLogger("hypic.query")
@@ -51,6 +52,9 @@ class QueryRequest(SamplingExtras):
     question: str = Field(description="The question; retrieval searches with it.")
     top_k: int | None = Field(None, ge=1, description="Chunks to retrieve (default: settings.default_top_k).")
     document_ids: list[str] | None = Field(None, description="Only retrieve from these documents.")
+    collections: list[str] | None = Field(None, description="Retrieve from these collections of this key's tenant "
+                                          "(default: its 'default').")
+    cache: CacheOptions | None = Field(None, description='{"store": false}: keep nothing of this request in the cache.')
     mode: str | None = Field(None, description="full, prefix, pic-naive or hypic (default: settings.default_mode).")
     seam: int | None = Field(None, ge=0, description="Seam width in tokens (default: the engine's).")
     exact: bool = Field(False, description="Exact reuse only: prefix mode (or full when named); 400 with an approximate mode.")
@@ -94,9 +98,15 @@ async def _answer(body: QueryRequest, request: Request):
     rt.require_ready()
     pipeline.require_room(rt)
     pipeline.check_text(rt, [("question", body.question)])
-    found = await pipeline.retrieve(rt, body.question, body.top_k or rt.settings.default_top_k, body.document_ids)
+    tenant = tenant_of(request)
+    found = await pipeline.retrieve(rt, body.question, body.top_k or rt.settings.default_top_k, body.document_ids,
+                                    tenant=tenant, collections=body.collections)
     prompt = await pipeline.off_loop(lambda: rt.prompter.query(body.question, found.hits, reserve=body.max_tokens))
+    # The prompt holds the deployment's system prompt, the chunks and the question: over shared
+    # collections only, nothing in its cached segments is the tenant's, so the shared salt serves.
+    salt = rt.collections.salt(tenant, pipeline.collection_names(body.collections))
     gen = pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, body.exact, prompt.exact_prefix,
+                                      cache_salt=salt, cache_store=body.cache is None or body.cache.store,
                                       max_tokens=body.max_tokens,
                                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                       **body.extras())

@@ -5,8 +5,9 @@
 
 `message` starts with the offending field when there is one. This is the one place where the
 service's domain errors (app/service/errors.py) become status codes: `InvalidRequestError`
-(the engine's and the service's, naming the field) a 400, `QueueFullError` a 429 and
-`NotReadyError` a 503, both with Retry-After; pydantic validation errors (`loc`) a 400 too, so a
+(the engine's and the service's, naming the field) a 400 (a write to a shared collection the
+tenant only reads a 403), `QueueFullError` and `QuotaExceededError` a 429 and `NotReadyError` a
+503, all three with Retry-After; pydantic validation errors (`loc`) a 400 too, so a
 bad request is always a 4xx and never a 500. Anything else becomes a logged 500 without
 internals in the body (`middleware.RequestContext`).
 
@@ -28,7 +29,8 @@ from starlette.requests import ClientDisconnect
 
 from hypic_core.errors import InvalidRequestError, PromptTooLongError
 
-from ..service.errors import NotReadyError, QueueFullError, TextTooLongError, TooManyItemsError, UnknownDocumentError
+from ..service.errors import (CollectionReadOnlyError, NotReadyError, QueueFullError, QuotaExceededError, TextTooLongError,
+                              TooManyItemsError, UnknownCollectionError, UnknownDocumentError)
 
 MAX_MESSAGE_CHARS = 2000
 CLIENT_CLOSED = 499  # nginx's status for "client closed the connection before the answer": metrics and logs only
@@ -82,17 +84,26 @@ _INVALID_CODES: dict[type[InvalidRequestError], str] = {
     TooManyItemsError: "too_many_items",
     TextTooLongError: "text_too_long",
     UnknownDocumentError: "document_not_found",
+    UnknownCollectionError: "collection_not_found",
 }
 
 
 def from_invalid(exc: InvalidRequestError) -> APIError:
-    """400 naming the request's field, with the code of its kind."""
+    """400 naming the request's field, with the code of its kind (403 for a write to a read-only collection)."""
+    if isinstance(exc, CollectionReadOnlyError):
+        return APIError(403, str(exc), type="permission_error", param=exc.field, code="collection_read_only")
     code = next((code for kind, code in _INVALID_CODES.items() if isinstance(exc, kind)), None)
     return APIError(400, str(exc), param=exc.field, code=code)
 
 
 def from_queue_full(exc: QueueFullError, retry_after_s: int) -> APIError:
     return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after_s)})
+
+
+def from_quota(exc: QuotaExceededError, retry_after_s: int) -> APIError:
+    """429 for a tenant's limit: `code` names it (tenant_documents, tenant_bytes, tenant_requests)."""
+    return APIError(429, f"{exc.limit}: {exc}", type="rate_limit_error", param=exc.limit, code=f"tenant_{exc.limit}",
+                    headers={"Retry-After": str(retry_after_s)})
 
 
 def from_not_ready(exc: NotReadyError, retry_after_s: int) -> APIError:
@@ -170,6 +181,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(QueueFullError)
     async def _queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
         return from_queue_full(exc, request.app.state.runtime.settings.retry_after_s).response()
+
+    @app.exception_handler(QuotaExceededError)
+    async def _quota(request: Request, exc: QuotaExceededError) -> JSONResponse:
+        return from_quota(exc, request.app.state.runtime.settings.retry_after_s).response()
 
     @app.exception_handler(NotReadyError)
     async def _not_ready(request: Request, exc: NotReadyError) -> JSONResponse:

@@ -36,6 +36,15 @@ class SamplingExtras(BaseModel):
                 "ignore_eos": self.ignore_eos}
 
 
+class CacheOptions(BaseModel):
+    """`cache` of a generating request: what the gateway may keep of it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    store: bool = Field(True, description="false: compute and answer, keep nothing (no cache entry, exact snapshot or "
+                                          "shared-tier write); what is cached is still used.")
+
+
 async def collect(stream: TokenStream, request: Request) -> list[StepOutput]:
     """Every event of `stream` (non-streaming responses). If the client disconnects first, the
     generation is aborted at once rather than run to the end for nobody. An error the engine

@@ -21,15 +21,16 @@
   not arrived `body_deadline_s` after its head (a body trickling in a byte at a time).
 - A client that disconnects before its body is complete is counted and logged with status
   499 (nginx's "client closed request"), not as a 500: nobody is there to answer.
-- `ApiKey`: when a key is configured, refuses requests without `Authorization: Bearer <key>`
-  (401; the scheme in any case), and a request with two `Authorization` headers (400),
-  except the probes /health, /ready and /metrics.
+- `ApiKey`: when keys are configured, refuses requests without `Authorization: Bearer <key>`
+  of one of them (401; the scheme in any case), and a request with two `Authorization` headers
+  (400), except the probes /health, /ready and /metrics; a request it lets through carries the
+  key's tenant in `scope["state"]["tenant"]` (app/service/tenants.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import hashlib
 import logging
 import re
 import time
@@ -105,9 +106,11 @@ class RequestContext:
 
 
 class ApiKey:
-    def __init__(self, app: ASGIApp, key: str) -> None:
+    def __init__(self, app: ASGIApp, keys: dict[str, str]) -> None:
         self.app = app
-        self._expected = key.encode()
+        # Looked up by digest: the lookup's time depends on the digest of what was sent, not on how
+        # much of a real key it matches.
+        self._tenants = {hashlib.sha256(key.encode()).digest(): tenant for key, tenant in keys.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -117,11 +120,13 @@ class ApiKey:
             error = APIError.invalid("authorization", f"sent {len(given)} times; send one 'Authorization: Bearer <key>' header")
             return await error.response()(scope, receive, send)
         scheme, _, token = (given[0] if given else b"").strip().partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._expected):
+        tenant = self._tenants.get(hashlib.sha256(token.strip()).digest())
+        if scheme.lower() != b"bearer" or tenant is None:
             error = APIError(401, "authorization: missing or invalid API key (expected 'Authorization: Bearer <key>')",
                              type="authentication_error", param="authorization", code="invalid_api_key",
                              headers={"WWW-Authenticate": "Bearer"})
             return await error.response()(scope, receive, send)
+        scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 

@@ -48,13 +48,15 @@ class ErrorResponse(_Open):
 _ERRORS = {
     400: "Invalid request: a field is missing, malformed or out of range; `error.param` names it.",
     401: "Missing or wrong API key (only when the server has one).",
-    403: "A write from a page on another origin, or a text/plain body without X-Requested-With (only without an API key).",
+    403: "A write from a page on another origin, or a text/plain body without X-Requested-With (only without an API key); "
+         "a write to a shared collection the key's tenant only reads.",
     408: "The request's head or body did not arrive in time.",
     431: "Too many header fields, or too many bytes of them.",
     404: "Not found: an unknown document id or model.",
     413: "The request body exceeds the server's limit.",
     415: "Unsupported Content-Type.",
-    429: "The request queue is full; retry after Retry-After seconds.",
+    429: "The request queue is full, or a tenant's quota (documents, bytes, requests in flight) is reached; retry after "
+         "Retry-After seconds.",
     503: "The model and index are still loading (or failed to load); retry after Retry-After seconds.",
 }
 RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "required": True,
@@ -76,6 +78,7 @@ class Source(_Open):
     title: str
     score: float
     text: str
+    collection: str = Field("default", description="The collection it is in (app/service/tenants.py).")
 
 
 REF = "#/components/schemas/{model}"
@@ -329,6 +332,7 @@ class DocumentsAdded(_Open):
     replaced: int = Field(description="How many of the documents replaced one with the same id.")
     document_ids: list[str]
     seconds: float
+    collection: str = Field("default", description="The collection it is in (app/service/tenants.py).")
 
 
 class DocumentInfo(_Open):
@@ -346,6 +350,7 @@ class DocumentList(_Open):
     first_id: str | None
     last_id: str | None = Field(description="Pass as `after` for the next page.")
     has_more: bool
+    collection: str = Field("default", description="The collection it is in (app/service/tenants.py).")
 
 
 class ChunkContent(_Open):
@@ -363,6 +368,7 @@ class DocumentDeleted(_Open):
     document_id: str
     deleted: Literal[True]
     chunks: int
+    collection: str = Field("default", description="The collection it is in (app/service/tenants.py).")
 
 
 class SearchHit(_Open):
@@ -374,6 +380,7 @@ class SearchHit(_Open):
     text: str
     tokens: int
     score: float
+    collection: str = Field("default", description="The collection it is in (app/service/tenants.py).")
 
 
 class SearchResult(_Open):
@@ -381,6 +388,21 @@ class SearchResult(_Open):
     query: str
     retrieval_ms: float
     data: list[SearchHit]
+
+
+class CollectionInfo(_Open):
+    name: str
+    shared: bool = Field(description="Read by every tenant (HYPIC_SHARED_COLLECTIONS).")
+    writable: bool = Field(description="Whether this key's tenant may add and delete its documents.")
+    documents: int
+    bytes: int = Field(description="UTF-8 bytes of its chunks' text.")
+
+
+class CollectionList(_Open):
+    object: Literal["list"]
+    tenant: str = Field(description="The tenant this key opens.")
+    data: list[CollectionInfo]
+    quota: dict = Field(description="The tenant's limits (0: none) and what it uses: documents, bytes, requests.")
 
 
 # --- operations --------------------------------------------------------------------------

@@ -6,7 +6,7 @@
 A request's life: `RequestContext` tags it with a request id -> `HeaderLimit` counts its headers
 -> `HostCheck` checks its Host -> CORS (when origins are set) -> `ApiKey` checks the key (or,
 without a key, `OriginCheck` refuses cross-site writes) ->
-`BodyLimit` caps the body and its pace -> the route validates the body (pydantic; errors become 400s naming
+`TenantLimit` counts the key's tenant's requests in flight (or 429) -> `BodyLimit` caps the body and its pace -> the route validates the body (pydantic; errors become 400s naming
 the field) -> `pipeline` retrieves on a thread, builds segments (`Prompter`) and checks them
 against the engine -> the `EngineThread` admits it (or 429) and runs prefill + decode on an engine
 thread -> the route reads the `TokenStream` on the event loop and answers with JSON or SSE.
@@ -25,6 +25,7 @@ from ..service.runtime import EngineSource, IndexSource, Runtime
 from ..service.settings import Settings
 from . import api_documents, api_openai, api_ops, api_query, errors, schemas
 from .middleware import OPEN_PATHS, ApiKey, BodyLimit, HeaderLimit, HostCheck, OriginCheck, RequestContext
+from .tenancy import TenantLimit
 
 
 def create_app(settings: Settings | None = None, engine: EngineSource = None, index: IndexSource = None) -> FastAPI:
@@ -40,14 +41,15 @@ def create_app(settings: Settings | None = None, engine: EngineSource = None, in
 
     app = FastAPI(title="hypic-gateway", version="0.1.0", lifespan=lifespan)
     app.state.runtime = runtime
-    app.openapi = lambda: schemas.openapi(app, secured=settings.api_key is not None, open_paths=OPEN_PATHS)
+    app.openapi = lambda: schemas.openapi(app, secured=bool(settings.tenant_keys), open_paths=OPEN_PATHS)
     errors.install(app)
     for module in (api_query, api_openai, api_documents, api_ops):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, idle_timeout=settings.body_timeout_s,
                        deadline=settings.body_deadline_s)
-    if settings.api_key is not None:
-        app.add_middleware(ApiKey, key=settings.api_key.get_secret_value())
+    app.add_middleware(TenantLimit, runtime=runtime)  # inside ApiKey: it knows the tenant
+    if settings.tenant_keys:
+        app.add_middleware(ApiKey, keys=settings.tenant_keys)
     else:
         app.add_middleware(OriginCheck, allowed_origins=settings.cors_origins)
     if settings.cors_origins:  # outside ApiKey: browsers send preflight requests without credentials

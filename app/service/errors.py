@@ -5,13 +5,15 @@ one to its status code and JSON body, in one place.
   the field; the engine's `PromptTooLongError` and the subclasses here say more precisely why.
 - `QueueFullError`: admission refused, the engine thread already holds `capacity` requests.
 - `NotReadyError`: the model or the index is not loaded (still loading, or loading failed).
+- `QuotaExceededError`: a tenant's limit (documents, bytes, requests in flight) refuses the request.
 """
 
 from __future__ import annotations
 
 from hypic_core.errors import InvalidRequestError
 
-__all__ = ["NotReadyError", "QueueFullError", "TextTooLongError", "TooManyItemsError", "UnknownDocumentError"]
+__all__ = ["CollectionReadOnlyError", "NotReadyError", "QueueFullError", "QuotaExceededError", "TextTooLongError",
+           "TooManyItemsError", "UnknownCollectionError", "UnknownDocumentError"]
 
 
 class TooManyItemsError(InvalidRequestError):
@@ -24,6 +26,22 @@ class TextTooLongError(InvalidRequestError):
 
 class UnknownDocumentError(InvalidRequestError):
     """A field names a document the index does not hold."""
+
+
+class UnknownCollectionError(InvalidRequestError):
+    """A field names a collection the tenant does not have."""
+
+
+class CollectionReadOnlyError(InvalidRequestError):
+    """A write to a shared collection the tenant may only read."""
+
+
+class QuotaExceededError(Exception):
+    """A tenant's `limit` ("documents", "bytes" or "requests") refuses the request."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class QueueFullError(Exception):

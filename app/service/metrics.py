@@ -63,6 +63,13 @@ class Metrics:
         self.rejected = Counter("hypic_requests_rejected", "Requests refused at admission (queue full).", registry=r)
         self.running = Gauge("hypic_requests_running", "Generations prefilling or decoding in the engine.", registry=r)
         self.waiting = Gauge("hypic_requests_waiting", "Admitted generations waiting for the engine to start them.", registry=r)
+        # Tenants (app/service/tenants.py): label values are the configured tenants, at most 64, the rest "other".
+        self.tenant_requests = Counter("hypic_tenant_requests", "Requests by tenant and status code (the probes excepted).",
+                                       ["tenant", "status"], registry=r)
+        self.tenant_in_flight = Gauge("hypic_tenant_requests_in_flight", "Requests of each tenant in flight.", ["tenant"],
+                                      registry=r)
+        self.tenant_refused = Counter("hypic_tenant_quota_refusals", "Requests a tenant's quota refused (429), by the "
+                                      "limit: documents, bytes, requests.", ["tenant", "limit"], registry=r)
 
     def watch_store(self, store: SegmentStore) -> None:
         """Export `store.stats()` (hits by tier, misses, evictions, corrupt entries, bytes by tier)."""

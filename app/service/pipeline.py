@@ -24,6 +24,7 @@ from .errors import QueueFullError, TextTooLongError, TooManyItemsError, Unknown
 from .guard import exact_mode
 from .prompter import Prompt
 from .runtime import Runtime
+from .tenants import DEFAULT_COLLECTION, DEFAULT_TENANT, MAX_COLLECTIONS, check_collection_name
 
 
 @dataclass(frozen=True)
@@ -32,18 +33,22 @@ class Retrieval:
     ms: float
 
 
-async def retrieve(rt: Runtime, query: str, top_k: int, document_ids: Sequence[str] | None, prefix: str = "") -> Retrieval:
-    """The `top_k` chunks closest to `query` (only from `document_ids` when given), searched on a
-    thread. Raises `InvalidRequestError` for top_k above `max_top_k`, more than `max_document_ids` document ids,
-    an unknown or invalid one, or bad retrieval input."""
+async def retrieve(rt: Runtime, query: str, top_k: int, document_ids: Sequence[str] | None, prefix: str = "",
+                   tenant: str = DEFAULT_TENANT, collections: Sequence[str] | None = None) -> Retrieval:
+    """The `top_k` chunks closest to `query` in `tenant`'s `collections` (default: its 'default'),
+    only from `document_ids` when given, searched on a thread. Raises `InvalidRequestError` for
+    top_k above `max_top_k`, more than `max_document_ids` document ids, an unknown or invalid one
+    or collection, or bad retrieval input."""
     if top_k > rt.settings.max_top_k:
         raise InvalidRequestError(f"{prefix}top_k", f"must be <= {rt.settings.max_top_k}, got {top_k}")
     if document_ids is not None:
         check_count(f"{prefix}document_ids", document_ids, rt.settings.max_document_ids, "HYPIC_MAX_DOCUMENT_IDS")
         document_ids = [document_id(d, f"{prefix}document_ids") for d in document_ids]
+    names = collection_names(collections, f"{prefix}collections")
     started = time.perf_counter()
     try:
-        hits = await anyio.to_thread.run_sync(lambda: rt.index.search(query, top_k, document_ids))
+        hits = await anyio.to_thread.run_sync(lambda: rt.collections.search(tenant, names, query, top_k, document_ids,
+                                                                             f"{prefix}collections"))
     except DocumentNotFoundError as exc:
         raise UnknownDocumentError(f"{prefix}document_ids", str(exc)) from None
     except RetrievalError as exc:
@@ -51,6 +56,16 @@ async def retrieve(rt: Runtime, query: str, top_k: int, document_ids: Sequence[s
     seconds = time.perf_counter() - started
     rt.metrics.retrieval.observe(seconds)
     return Retrieval(hits, round(seconds * 1000.0, 3))
+
+
+def collection_names(collections: Sequence[str] | None, param: str = "collections") -> list[str]:
+    """The collections a request names (default: 'default'), checked and without repeats; `InvalidRequestError` naming `param`."""
+    if collections is None:
+        return [DEFAULT_COLLECTION]
+    if not collections:
+        raise InvalidRequestError(param, "must name at least one collection (or be left out: 'default')")
+    check_count(param, collections, MAX_COLLECTIONS, "one request's collections")
+    return list(dict.fromkeys(check_collection_name(c, f"{param}[{i}]") for i, c in enumerate(collections)))
 
 
 def utf8_size(text: str) -> int:
@@ -104,12 +119,14 @@ def document_id(value: str, param: str) -> str:
 def sources(prompt: Prompt) -> dict:
     """The retrieved chunks a prompt holds (best first) and how many did not fit."""
     return {"sources": [{"chunk_id": h.chunk.chunk_id, "document_id": h.chunk.document_id, "title": h.chunk.title,
-                         "score": round(h.score, 6), "text": h.chunk.text} for h in prompt.used],
+                         "score": round(h.score, 6), "text": h.chunk.text,
+                         "collection": getattr(h, "collection", DEFAULT_COLLECTION)} for h in prompt.used],
             "dropped_chunks": prompt.dropped}
 
 
 def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: str | None, seam: int | None,
-                       exact: bool = False, exact_prefix: int = 0, **sampling) -> GenerationRequest:
+                       exact: bool = False, exact_prefix: int = 0, cache_salt: str = "", cache_store: bool = True,
+                       **sampling) -> GenerationRequest:
     """An engine request; `sampling` are `SamplingParams` fields. Raises `InvalidRequestError` for max_tokens above
     `max_new_tokens`, an unknown mode, `exact` with an approximate mode and sampling values out
     of range; what depends on the model (token ids, the prompt's length) is checked once, by the
@@ -118,7 +135,8 @@ def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: s
     A request that names neither `mode` nor `seam` (nor `exact`) runs as the accuracy guard
     chooses now (app/service/guard.py: the configured default, a wider seam, or `prefix`); one that
     names either gets what it named, the configured default for the other. `exact` means
-    `prefix`, or `full` when named."""
+    `prefix`, or `full` when named. `cache_salt` is the tenant's (app/service/tenants.py), never
+    the client's; `cache_store` False keeps nothing of the request in the cache."""
     if sampling.get("max_tokens", 1) > rt.settings.max_new_tokens:
         raise InvalidRequestError("max_tokens", f"must be <= {rt.settings.max_new_tokens}, got {sampling['max_tokens']}")
     if exact:
@@ -126,7 +144,8 @@ def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: s
     elif mode is None and seam is None and rt.guard is not None:
         mode, seam = rt.guard.serving()
     return GenerationRequest(tuple(segments), Mode.parse(mode or rt.settings.default_mode), seam,
-                             SamplingParams(**sampling), exact_prefix=exact_prefix)
+                             SamplingParams(**sampling), exact_prefix=exact_prefix, cache_salt=cache_salt,
+                             cache_store=cache_store)
 
 
 def require_room(rt: Runtime) -> None:

@@ -31,6 +31,7 @@ from .guard import Guard
 from .metrics import Metrics
 from .prompter import Prompter
 from .settings import DEFAULT_INDEX_DIR, Settings
+from .tenants import Collections, Quotas, TenantLabels
 from .tokens import TokenText
 
 log = logging.getLogger("hypic.runtime")
@@ -99,6 +100,9 @@ class Runtime:
         self.prompter: Prompter | None = None
         self.tokens: TokenText | None = None
         self.guard: Guard | None = None  # the accuracy guard (app/service/guard.py), set once loaded
+        self.collections: Collections | None = None  # every tenant's documents (app/service/tenants.py), set once loaded
+        self.quotas = Quotas(settings.tenant_max_documents, settings.tenant_max_bytes, settings.tenant_max_requests)
+        self.tenant_labels = TenantLabels(list(settings.tenant_keys.values()))
         self.model_name = settings.served_model_name
         self.load_error: str | None = None
         self.created = int(time.time())
@@ -166,6 +170,7 @@ class Runtime:
                 summary = ingest_paths([corpus], index, chunker, progress)
                 log.info("ingested corpus", extra={"corpus": str(corpus), "documents": summary.documents, "chunks": summary.chunks})
             self.engine, self.index, self.chunker = engine, index, chunker
+            self.collections = Collections(self.settings.collections_root, index, self.settings.shared_collections)
             layout = self.settings.prompt_layout(engine.tokenizer, known.prompt if known else None)
             self.prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
             self.tokens = TokenText(engine.tokenizer)

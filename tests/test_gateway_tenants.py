@@ -1,0 +1,257 @@
+"""Tenants on a live gateway with several keys: each tenant's documents and cache are its own.
+
+Keys: "legacy" (HYPIC_API_KEY, the tenant 'default', which holds the startup corpus), "key-a"
+(alice), "key-b" (bob), "key-c" (carol, used for the quotas), "key-d" (dora: the probe, whose
+first request is in the cache test). Collection "public" is shared, written
+by alice. Cache hits are read from `usage` (cached_tokens: exact reuse; composed_tokens: reuse by
+composition), never from timings.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from app.service.settings import Settings
+from app.service.tenants import Collections, TenantLabels, cache_salt
+from app.testing import LiveServer, single_torch_thread, tiny_gateway
+
+CORPUS = [{"id": "corpus-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."}]
+KEYS = {"key-a": "alice", "key-b": "bob", "key-c": "carol", "key-d": "dora"}
+SECRET = ("The vault code of Brill is 4417. Tam Oke keeps the key in the cafe on the river Alna, "
+          "and Ines Kell knows where the second key is hidden.")
+PUBLIC = "The river Alna flows through Varo into the sea; the cafe by the bridge opened in 1999."
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_tokenizer, tmp_path_factory):
+    app = tiny_gateway(tmp_path_factory.mktemp("tenants"), tiny_tokenizer, CORPUS, api_key="legacy",
+                       api_keys=json.dumps(KEYS), shared_collections={"public": ["alice"]}, cold_prefill="stitch",
+                       tenant_max_documents=6, tenant_max_bytes=2000, tenant_max_requests=2)
+    with single_torch_thread(), LiveServer(app) as live:
+        live.wait_ready(headers={"Authorization": "Bearer legacy"})
+        yield live, app
+
+
+def client(gateway, key: str) -> httpx.Client:
+    live, _ = gateway
+    return httpx.Client(base_url=live.url, timeout=60, headers={"Authorization": f"Bearer {key}"})
+
+
+@pytest.fixture()
+def alice(gateway):
+    with client(gateway, "key-a") as c:
+        yield c
+
+
+@pytest.fixture()
+def bob(gateway):
+    with client(gateway, "key-b") as c:
+        yield c
+
+
+def add(c: httpx.Client, doc_id: str, text: str, collection: str | None = None) -> httpx.Response:
+    params = {"collection": collection} if collection else {}
+    return c.post("/documents", params=params, json={"id": doc_id, "text": text})
+
+
+def ask(c: httpx.Client, body: dict) -> dict:
+    r = c.post("/query", json={"max_tokens": 1} | body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def reused(usage: dict) -> int:
+    return usage["cached_tokens"] + usage["composed_tokens"]
+
+
+def param_of(r: httpx.Response) -> str:
+    return r.json()["error"]["param"]
+
+
+def test_a_tenant_never_sees_lists_or_deletes_another_tenants_documents(alice, bob, gateway):
+    assert add(alice, "secret", SECRET).status_code == 201
+    assert add(alice, "notes-1", SECRET, collection="notes").status_code == 201
+    assert [d["document_id"] for d in alice.get("/documents").json()["data"]] == ["secret"]
+    assert bob.get("/documents").json()["data"] == []  # not the corpus (the legacy key's), not alice's
+    with client(gateway, "legacy") as legacy:
+        assert [d["document_id"] for d in legacy.get("/documents").json()["data"]] == ["corpus-varo"]
+    assert bob.get("/documents/secret").status_code == 404
+    assert bob.delete("/documents/secret").status_code == 404
+    assert alice.get("/documents/secret").status_code == 200
+    r = bob.get("/documents", params={"collection": "notes"})  # alice's collection name: bob has none of that name
+    assert r.status_code == 400 and r.json()["error"]["code"] == "collection_not_found" and param_of(r) == "collection"
+    assert bob.post("/search", json={"query": "vault code of Brill"}).json()["data"] == []
+    r = bob.post("/query", json={"question": "What is the vault code?", "document_ids": ["secret"]})
+    assert r.status_code == 400 and param_of(r) == "document_ids"
+    r = bob.post("/query", json={"question": "What is the vault code?", "collections": ["notes"]})
+    assert r.status_code == 400 and param_of(r) == "collections[0]"
+    answer = ask(bob, {"question": "What is the vault code of Brill?"})
+    assert answer["sources"] == []
+    chat = bob.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, "rag": {"top_k": 4},
+                                                  "messages": [{"role": "user", "content": "vault code of Brill?"}]})
+    assert chat.status_code == 200 and chat.json()["sources"] == []
+    names = {c["name"] for c in alice.get("/collections").json()["data"]}
+    assert names == {"default", "notes", "public"} and {c["name"] for c in bob.get("/collections").json()["data"]} == {"default", "public"}
+
+
+def test_no_cache_hit_across_tenants_on_the_same_chunk_text(alice, gateway):
+    """Dora holds the same text as alice and asks the same question: nothing alice's requests cached
+    (the system prompt's snapshot, the chunk's entry) serves hers, as the tenant is in every key;
+    her own repeat then hits her own entries."""
+    assert add(alice, "probe", SECRET + " Probe.", collection="probe").status_code == 201
+    question = {"question": "Where does Tam Oke keep the key?", "collections": ["probe"]}
+    ask(alice, question)
+    assert reused(ask(alice, question)["usage"]) > 0  # the cache works for alice
+    dora = client(gateway, "key-d")
+    assert add(dora, "probe", SECRET + " Probe.", collection="probe").status_code == 201
+    first = ask(dora, question)
+    assert first["sources"][0]["text"] == SECRET + " Probe."
+    assert reused(first["usage"]) == 0
+    assert reused(ask(dora, question)["usage"]) > 0  # dora's own entries serve dora
+    # The OpenAI route, with alice's chunk text sent verbatim as a segment: no hit for bob either.
+    body = {"model": "tiny", "max_tokens": 1, "segments": [SECRET + " Segment.", PUBLIC + " Segment."],
+            "messages": [{"role": "user", "content": "Who keeps the key?"}]}
+    alice.post("/v1/chat/completions", json=body)
+    hit = alice.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens_details"]
+    assert hit["cached_tokens"] + hit["composed_tokens"] > 0
+    probe = dora.post("/v1/chat/completions", json=body | {"prompt_cache_key": "alice"}).json()["usage"]["prompt_tokens_details"]
+    assert probe["composed_tokens"] == 0  # no segment entry of alice's; cached_tokens: dora's own system prompt
+    dora.close()
+
+
+def test_a_shared_collection_is_read_by_all_written_by_its_writers_and_shares_entries(alice, bob):
+    assert add(alice, "alna", PUBLIC, collection="public").status_code == 201
+    r = add(bob, "mine", "Bob's text.", collection="public")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "collection_read_only" and param_of(r) == "collection"
+    assert bob.delete("/documents/alna", params={"collection": "public"}).status_code == 403
+    question = {"question": "When did the cafe by the bridge open?", "collections": ["public"]}
+    ask(alice, question)
+    shared = ask(bob, question)  # the same public chunk: its entry is shared by configuration
+    assert shared["sources"][0]["collection"] == "public" and shared["usage"]["composed_tokens"] > 0
+
+
+def test_store_false_keeps_nothing(alice, gateway):
+    _, app = gateway
+    engine = app.state.runtime.engine
+    text = "Nothing of this request is kept: the lantern of Varo is green and the bell of Brill is silent."
+    assert add(alice, "unkept", text, collection="unkept").status_code == 201
+    question = {"question": "What colour is the lantern of Varo?", "collections": ["unkept"]}
+    entries, snapshots, sightings = len(engine.store), len(engine.exact_runs._index), len(engine.exact_runs._seen)
+    for _ in range(2):
+        ask(alice, question | {"cache": {"store": False}})
+    body = {"model": "tiny", "max_tokens": 1, "cache": {"store": False}, "segments": [text + " Once more."],
+            "messages": [{"role": "user", "content": "Which bell is silent?"}]}
+    assert alice.post("/v1/chat/completions", json=body).status_code == 200
+    assert (len(engine.store), len(engine.exact_runs._index), len(engine.exact_runs._seen)) == (entries, snapshots, sightings)
+    # Nothing was kept for the next request either (cached_tokens: alice's system prompt, kept before).
+    assert ask(alice, question)["usage"]["composed_tokens"] == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"collections": []}, "collections"),
+    ({"collections": "public"}, "collections"),
+    ({"collections": ["../bob"]}, "collections[0]"),
+    ({"collections": ["Public"]}, "collections[0]"),
+    ({"cache": {"store": "no"}}, "cache.store"),
+    ({"cache": {"keep": True}}, "cache.keep"),
+    ({"cache": False}, "cache"),
+])
+def test_malformed_tenant_fields_are_400s_naming_the_field(alice, body, param):
+    r = alice.post("/query", json={"question": "Where is Varo?"} | body)
+    assert r.status_code == 400 and param_of(r) == param, r.text
+
+
+def test_malformed_openai_and_document_fields_are_400s_naming_the_field(alice):
+    base = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    r = alice.post("/v1/chat/completions", json=base | {"prompt_cache_key": 5})
+    assert r.status_code == 400 and param_of(r) == "prompt_cache_key"
+    r = alice.post("/v1/chat/completions", json=base | {"rag": {"collections": ["a/b"]}})
+    assert r.status_code == 400 and param_of(r) == "rag.collections[0]"
+    r = add(alice, "x", "text", collection="../../etc")
+    assert r.status_code == 400 and param_of(r) == "collection"
+    r = alice.post("/search", json={"query": "Varo", "collections": ["nope"]})
+    assert r.status_code == 400 and param_of(r) == "collections[0]"
+
+
+def test_document_and_byte_quotas_answer_429_with_retry_after(gateway):
+    with client(gateway, "key-c") as carol:
+        big = add(carol, "big", "word " * 500)  # 2,500 bytes of chunk text, over 2,000
+        assert big.status_code == 429 and big.headers["Retry-After"] == "1"
+        assert big.json()["error"]["code"] == "tenant_bytes" and carol.get("/documents").json()["data"] == []
+        for n in range(6):
+            assert add(carol, f"d{n}", f"Small document {n}.", collection="default" if n < 4 else "other").status_code == 201
+        over = add(carol, "d6", "One more.")  # the 7th, counted across collections
+        assert over.status_code == 429 and over.json()["error"]["code"] == "tenant_documents" and "Retry-After" in over.headers
+        assert add(carol, "d1", "Small document 1, replaced.").status_code == 201  # a replacement adds nothing
+        quota = carol.get("/collections").json()["quota"]
+        assert quota["documents"] == 6 and quota["max_documents"] == 6
+
+
+def _hold_open(url: str, key: str) -> socket.socket:
+    """A request whose body never comes: in flight until the socket closes."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(f"POST /documents HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+              "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{".encode())
+    return s
+
+
+def _in_flight(c: httpx.Client, tenant: str) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith(f'hypic_tenant_requests_in_flight{{') and f'tenant="{tenant}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _wait_for(c: httpx.Client, tenant: str, n: float) -> None:
+    deadline = time.monotonic() + 20
+    while _in_flight(c, tenant) != n:
+        assert time.monotonic() < deadline, f"{tenant} never had {n} requests in flight"
+        time.sleep(0.02)
+
+
+def test_concurrent_requests_past_the_tenants_limit_answer_429_others_pass(gateway, alice):
+    live, _ = gateway
+    with client(gateway, "key-c") as carol:
+        held = [_hold_open(live.url, "key-c") for _ in range(2)]
+        try:
+            _wait_for(carol, "carol", 2)
+            r = carol.get("/documents")
+            assert r.status_code == 429 and r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "tenant_requests"
+            assert alice.get("/documents").status_code == 200  # another tenant is not held back
+        finally:
+            for s in held:
+                s.close()
+        _wait_for(carol, "carol", 0)
+        assert carol.get("/documents").status_code == 200
+        metrics = carol.get("/metrics").text
+        assert 'hypic_tenant_quota_refusals_total{limit="requests",model_name="tiny",tenant="carol"} 1.0' in metrics
+        assert 'hypic_tenant_requests_total{model_name="tiny",status="429",tenant="carol"}' in metrics
+        assert 'tenant="alice"' in metrics and "key-a" not in metrics
+
+
+def test_keys_settings_are_checked_at_startup(tmp_path):
+    with pytest.raises(ValueError, match="api_keys"):
+        Settings(_env_file=None, api_keys='{"k": "Bad Name"}')
+    with pytest.raises(ValueError, match="api_keys"):
+        Settings(_env_file=None, api_keys='["k"]')
+    with pytest.raises(ValueError, match="two tenants"):
+        Settings(_env_file=None, api_key="k", api_keys='{"k": "alice"}')
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"file-key": "dora"}))
+    settings = Settings(_env_file=None, api_key="k0", api_keys='{"k1": "alice"}', api_keys_file=keys)
+    assert settings.tenant_keys == {"k0": "default", "k1": "alice", "file-key": "dora"}
+    with pytest.raises(ValueError, match="api_keys_file"):
+        Settings(_env_file=None, api_keys_file=tmp_path / "missing.json")
+
+
+def test_tenant_labels_are_bounded_and_salts_differ():
+    labels = TenantLabels([f"t{i}" for i in range(100)], limit=10)
+    assert len({labels(f"t{i}") for i in range(100)}) <= 11 and labels("stranger") == "other"
+    assert cache_salt("default") == "" and cache_salt("alice") != cache_salt("bob")
+    assert Collections.__doc__
