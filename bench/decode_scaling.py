@@ -14,7 +14,7 @@ It also counts the bytes the tensor copies of one more leave + join, and of one 
 (no clock: the same on any machine).
 
 Run:  .venv/bin/python bench/decode_scaling.py [--model models/hypic-tiny | --bench-model] [--threads 1]
-      [--device cuda --dtype bfloat16 --streams 1 8 32] [--churn 8]
+      [--device cuda --dtype bfloat16 --streams 1 8 32] [--churn 8] [--decode-step lean]
 """
 
 from __future__ import annotations
@@ -130,9 +130,12 @@ def main() -> None:
     ap.add_argument("--churn", type=int, default=0, metavar="EVERY",
                     help="measure the decode batch under churn: a row leaves and one joins every EVERY steps")
     ap.add_argument("--steps", type=int, default=64, help="decode steps per --churn run")
+    ap.add_argument("--decode-step", default="module", choices=["module", "lean"],
+                    help="the batched decode forward (EngineConfig.decode_step; bench/decode.py compares the two)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    config = EngineConfig(max_running=max(args.streams), max_step_tokens=max(512, 700 * max(args.streams)))
+    config = EngineConfig(max_running=max(args.streams), max_step_tokens=max(512, 700 * max(args.streams)),
+                          decode_step=args.decode_step)
     dtype = getattr(torch, args.dtype)
     if args.bench_model:
         from ttft import bench_model
@@ -145,7 +148,7 @@ def main() -> None:
     params = sum(p.numel() for p in engine.model.parameters()) / 1e6
     where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else f"CPU, {args.threads} torch thread(s)"
     print(f"model: {name} ({params:.1f}M parameters, {args.dtype}, {where}); "
-          f"{args.tokens} tokens per stream, median of {args.reps}")
+          f"{args.tokens} tokens per stream, median of {args.reps}; decode step: {engine.runner.decode_step}")
     rng = random.Random(0)
     throughput(engine, 1, 4, rng)  # warm-up
     if args.churn:
