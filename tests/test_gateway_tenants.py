@@ -255,3 +255,25 @@ def test_tenant_labels_are_bounded_and_salts_differ():
     assert len({labels(f"t{i}") for i in range(100)}) <= 11 and labels("stranger") == "other"
     assert cache_salt("default") == "" and cache_salt("alice") != cache_salt("bob")
     assert Collections.__doc__
+
+
+def test_get_query_takes_collections_as_repeated_parameters(alice):
+    r = alice.get("/query", params={"question": "When did the cafe open?", "collections": ["public", "default"],
+                                    "stream": "false", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert all(s["collection"] in ("public", "default") for s in r.json()["sources"])
+
+
+def test_the_guard_checks_under_the_requests_salt_and_never_one_that_keeps_nothing(gateway):
+    from prometheus_client import CollectorRegistry
+
+    from app.service.guard import Choice, Guard, GuardConfig, check_requests
+    from hypic_core.config import GenerationRequest, Mode
+
+    _, app = gateway
+    guard = Guard(GuardConfig(sample_rate=1.0, greedy_sample=0.0), app.state.runtime.engine, "tiny", Choice(Mode.HYPIC, 8),
+                  CollectorRegistry())
+    segments = ((5, 6, 7), (10, 11), (8, 9))
+    assert not guard.offer(GenerationRequest(segments, cache_salt="tenant:alice", cache_store=False))
+    assert guard.offer(GenerationRequest(segments, cache_salt="tenant:alice"))
+    assert {r.cache_salt for r in check_requests(guard._queue[0], 4)} == {"tenant:alice"}
