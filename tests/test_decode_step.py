@@ -145,3 +145,13 @@ def test_lean_step_on_the_real_models(name, smollm2_dir):
     reqs = [GenerationRequest(random_segments(s, vocab=40000, seed=i, low=10), mode=m)
             for i, (s, m) in enumerate(zip(((12, 6), (20, 4), (7,), (16, 8, 3), (10, 5)), MODES))]
     assert lean_against_module(engine, reqs, steps=4, join_at=1, leave_at=2) == 4 + 5 + 4 + 4
+
+
+def test_gateway_setting_reads_hypic_decode_step(monkeypatch):
+    """The gateway decodes with the lean step unless HYPIC_DECODE_STEP=module (read in app settings only)."""
+    from app.service.settings import Settings
+
+    monkeypatch.delenv("HYPIC_DECODE_STEP", raising=False)
+    assert Settings(_env_file=None, torch_threads=None).decode_step == "lean"
+    monkeypatch.setenv("HYPIC_DECODE_STEP", "module")
+    assert Settings(_env_file=None, torch_threads=None).decode_step == "module"
