@@ -281,7 +281,7 @@ def join(shares: list[dict]) -> dict:
     `--save`): the rows in question order; the wall time of the slowest share."""
     shares = sorted(shares, key=lambda r: r.get("first", 0))
     for a, b in zip(shares, shares[1:]):
-        if a["first"] + a["n"] != b["first"]:
+        if a["first"] + a["n"] != b["first"] and not a.get("partial"):
             raise SystemExit(f"shares do not tile the questions: {a['first']}+{a['n']} then {b['first']}")
         if (a["model"], a["configs"], a["seed"], a["max_tokens"]) != (b["model"], b["configs"], b["seed"], b["max_tokens"]):
             raise SystemExit("shares come from different runs (model, configs, seed or max tokens differ)")
@@ -289,7 +289,42 @@ def join(shares: list[dict]) -> dict:
     out["rows"] = {label: [r for sh in shares for r in sh["rows"][label]] for label in shares[0]["rows"]}
     out["n"], out["first"] = sum(sh["n"] for sh in shares), shares[0]["first"]
     out["seconds"], out["processes"] = max(sh["seconds"] for sh in shares), len(shares)
+    out["partial"] = any(sh.get("partial") for sh in shares)
     return out
+
+
+def partial_share(data: dict, args) -> dict:
+    """A share's results from its `--partial` file (a run cut short: the rows of the questions it finished),
+    with the run's arguments; what the rows do not say (family, layer counts, dtype) comes from `--merge`."""
+    if "configs" in data:
+        return data
+    ids = [pair.id for pair in load_real_qa()]
+    rows = data["rows"]
+    n = len(rows["full"])
+    cfgs = configs(args.seams, args.seams if args.naive_seams is None else args.naive_seams, not args.no_prefix,
+                   args.variants or [])
+    return {"model": args.model, "n": n, "first": ids.index(rows["full"][0]["id"]) if n else 0, "partial": True,
+            "max_tokens": args.max_tokens, "seed": args.seed, "seconds": 0, "configs": [list(c) for c in cfgs], "rows": rows}
+
+
+def merge(results: dict, path: str, label: str) -> None:
+    """Add config `label`'s rows from an earlier run on the same prompts (`path`, its raw rows), checked:
+    the same questions, and `full`'s answers identical word for word (greedy, fp32: the run is
+    deterministic, so its other rows are what this run would have computed)."""
+    old = json.loads(Path(path).read_text())
+    by_id = {r["id"]: i for i, r in enumerate(old["rows"]["full"])}
+    picked = []
+    for r in results["rows"]["full"]:
+        i = by_id[r["id"]]
+        if old["rows"]["full"][i]["answer"] != r["answer"]:
+            raise SystemExit(f"{path}: full answers {r['id']} differently; its rows are not this run's")
+        picked.append(old["rows"][label][i])
+    spec = next(c for c in old["configs"] if c[0] == label)
+    results["configs"].insert(1, [*spec, *[0.0, False][len(spec) - 3:]])
+    results["rows"][label] = picked
+    for k in ("family", "linear_layers", "attention_layers", "dtype"):
+        results.setdefault(k, old.get(k))
+    results.setdefault("merged", []).append(f"`{label}` from `{path}`")
 
 
 def main() -> None:
@@ -303,6 +338,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=None,
                         help="hypic configs SEAM[/FRACTION][+p]: a seam fraction of each chunk beside the fixed width, "
                              "+p: entries computed after the prompt's fixed head (see the module docstring)")
+    parser.add_argument("--merge", nargs=2, action="append", default=[], metavar=("JSON", "LABEL"),
+                        help="with --join: add config LABEL's rows from an earlier run's raw rows on the same prompts "
+                             "(checked: full's answers identical)")
     parser.add_argument("--first", type=int, default=0,
                         help="start at this question (0-based), with the contexts a whole run gives it: a share of "
                              "the run for a second process, whose --partial rows join the first's")
@@ -327,7 +365,9 @@ def main() -> None:
     name = Path(args.model).name
     raw = args.raw or f"accuracy_real_{name}.json"
     if args.join:
-        results = join([json.loads(Path(f).read_text()) for f in args.join])
+        results = join([partial_share(json.loads(Path(f).read_text()), args) for f in args.join])
+        for path, label in args.merge:
+            merge(results, path, label)
     elif args.from_json:
         results = json.loads((ROOT / "docs" / raw).read_text())
     else:
@@ -341,6 +381,7 @@ def main() -> None:
     naive += " ".join([" --variants", *args.variants]) if args.variants else ""
     naive += f" --tag {args.tag}" if args.tag else ""
     naive += f" --raw {args.raw}" if args.raw else ""
+    naive += "".join(f" --merge {path} '{label}'" for path, label in args.merge)
     command = (f".venv/bin/python bench/accuracy_real.py --model {args.model} --n {args.n} --seams {' '.join(map(str, args.seams))}"
                f"{naive} --max-tokens {args.max_tokens}")
     body = table(results)
@@ -354,8 +395,11 @@ def main() -> None:
         f"### {name} on real text ({results['family']}: {results['linear_layers']} linear + "
         f"{results['attention_layers']} attention layers, {results['dtype']})",
         "",
-        f"`{command}` ({results['n']} questions from data/real_qa, 3-10 chunks each, greedy, {results['seconds']} s "
-        f"on this machine's CPU{_shares_note(results)}). Raw rows: `docs/{raw}`.",
+        f"`{command}` ({results['n']} questions from data/real_qa, 3-10 chunks each, greedy, "
+        + (f"a run cut short: only the questions its shares finished" if results.get("partial")
+           else f"{results['seconds']} s on this machine's CPU")
+        + f"{_shares_note(results)}). Raw rows: `docs/{raw}`."
+        + (f" Merged: {', '.join(results['merged'])} (full's answers checked identical)." if results.get("merged") else ""),
         "",
         *body,
         f"<!-- {tag}:end -->",

@@ -1,0 +1,103 @@
+"""Warm TTFT of the attention-side ladder's configurations (issue 49) beside `full`, on real checkpoints.
+
+The workload of bench/families.py's real-model rows: a 32-token system prompt, `--chunks` chunks of
+`--chunk-len` tokens in a new order per repetition, a 64-token question. Each configuration
+(`SEAM[/FRACTION][+p]`, as bench/accuracy_real.py's `--variants`) gets its own engine over the same
+model; its store is filled by one request in another order, then each repetition times `full` and
+every configuration warm on the same new order, so the ratios are paired under the same load. With
+`+p` the entry prefix is the system prompt (what precedes the first chunk), which is then an exact
+snapshot.
+
+    .venv/bin/python bench/ladder_ttft.py --model smollm2-hybrid-135m smollm2-135m-instruct \\
+        --configs 8 8+p 8/0.15 8/0.15+p --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from hypic_core.config import EngineConfig  # noqa: E402
+from hypic_core.engine.engine import Engine  # noqa: E402
+
+from accuracy_real import variant  # noqa: E402
+from families import real_model  # noqa: E402
+from ttft import ttft, ttft_out, workload  # noqa: E402
+
+
+def measure(model: torch.nn.Module, args) -> dict[str, dict]:
+    vocab = min(model.config.vocab_size, 8192)
+    system, chunks, questions = workload(args.chunks, args.chunk_len, 64, vocab, 1)
+    order = random.Random(0)
+
+    def request(rep):
+        perm = chunks[:]
+        order.shuffle(perm)
+        return [system, *perm, questions[rep % len(questions)]]
+
+    full_engine = Engine(model, config=EngineConfig(seam=8))
+    engines = {}
+    for spec in args.configs:
+        label, _, seam, fraction, prefixed = variant(spec)
+        engine = Engine(model, config=EngineConfig(seam=seam, seam_fraction=fraction,
+                                                   entry_prefix=system if prefixed else ()))
+        ttft(engine, request(100), "hypic")  # fills the store (cold), another order
+        engines[label] = engine
+    ttft(full_engine, request(101), "full")  # warms kernels
+    times: dict[str, list[float]] = {"full": [], **{label: [] for label in engines}}
+    seams: dict[str, int] = {}
+    ratios: dict[str, list[float]] = {label: [] for label in engines}
+    for rep in range(args.reps):
+        segs = request(rep)
+        t_full = ttft(full_engine, segs, "full")
+        times["full"].append(t_full)
+        for label, engine in engines.items():
+            t, out = ttft_out(engine, segs, "hypic")
+            assert out.stats.segment_misses == 0, f"{label}: not warm"
+            times[label].append(t)
+            ratios[label].append(t_full / t)
+            seams[label] = out.stats.seam_tokens
+    return {label: {"ms": statistics.median(v) * 1000, "full_over": statistics.median(ratios[label]) if label in ratios else 1.0,
+                    "range": (min(ratios[label]), max(ratios[label])) if label in ratios else (1.0, 1.0),
+                    "seam_tokens": seams.get(label, 0)} for label, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", nargs="+", default=["smollm2-hybrid-135m", "smollm2-135m-instruct"])
+    ap.add_argument("--configs", nargs="+", default=["8", "8+p", "8/0.15", "8/0.15+p"])
+    ap.add_argument("--chunks", type=int, default=6)
+    ap.add_argument("--chunk-len", type=int, default=300)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    results = {}
+    lines = [f"| model | config | seam tokens | warm TTFT (ms, median of {args.reps}) | full / config (median, range) |",
+             "|---|---|---:|---:|---|"]
+    for name in args.model:
+        model = real_model(name)
+        res = results[name] = measure(model, args)
+        for label, r in res.items():
+            lo, hi = r["range"]
+            lines.append(f"| {name} | {label} | {r['seam_tokens']} | {r['ms']:.0f} | "
+                         + ("" if label == "full" else f"{r['full_over']:.1f}x ({lo:.1f}-{hi:.1f})") + " |")
+        print("\n".join(lines), flush=True)
+        del model
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
