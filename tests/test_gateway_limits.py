@@ -232,3 +232,23 @@ def test_the_limits_are_in_the_settings_table():
     for name in ("MAX_TEXT_BYTES", "MAX_MESSAGES", "MAX_SEGMENTS", "MAX_DOCUMENT_IDS", "MAX_STOP_STRINGS", "MAX_STOP_BYTES",
                  "BODY_DEADLINE_S"):
         assert f"`HYPIC_{name}`" in table, name
+
+
+def test_a_body_refused_before_routing_is_counted_under_its_route(server):
+    """A body declared over `max_body_bytes` is answered 413 before routing. Before: counted as
+    route="unmatched", with the 404s; now under the route its path names. A path no route has
+    stays "unmatched"."""
+    from urllib.parse import urlsplit
+
+    before = requests_by_status(server, "/query").get("413", 0.0)
+    address = urlsplit(server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as s:
+        s.sendall(b"POST /query HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 999999999999\r\nConnection: close\r\n\r\n")
+        reply = s.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert requests_by_status(server, "/query").get("413", 0.0) == before + 1
+    unmatched = requests_by_status(server, "unmatched").get("404", 0.0)
+    assert httpx.get(server.url + "/no/such/route", timeout=30).status_code == 404
+    assert requests_by_status(server, "unmatched").get("404", 0.0) == unmatched + 1
+    assert "413" not in requests_by_status(server, "unmatched")

@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..service import logs
@@ -64,6 +65,33 @@ def host_name(host: str) -> str:
     host = host.strip().lower()
     name = host[: host.index("]") + 1] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
     return name.rstrip(".")
+
+
+def route_label(scope: Scope) -> str:
+    """The route template a request is counted under: the route that handled it, else the one its
+    path names (a request refused before routing, e.g. a 413 or a 401, counts under the route it
+    was for; a 405 under its path's), else "unmatched" (a path no route has: a 404)."""
+    route = getattr(scope.get("route"), "path", None)
+    if route:
+        return route
+    partial = None
+    for candidate in _routes(scope.get("app")):
+        match, _ = candidate.matches(scope)
+        if match is Match.FULL:
+            return getattr(candidate, "path", None) or "unmatched"
+        if match is Match.PARTIAL and partial is None:
+            partial = getattr(candidate, "path", None)
+    return partial or "unmatched"
+
+
+def _routes(app) -> list:
+    """The app's routes, those of included routers listed one by one."""
+    routes = getattr(getattr(app, "router", None), "routes", [])
+    try:
+        from fastapi.routing import iter_route_contexts  # FastAPI >= 0.165 keeps included routers as one route each
+    except ImportError:
+        return list(routes)
+    return [context.original_route for context in iter_route_contexts(routes)]
 
 
 class RequestContext:
@@ -97,7 +125,7 @@ class RequestContext:
                 await APIError(500, "internal error; see the server log", type="server_error").response()(scope, receive, send_with_id)
         finally:
             status = status or 500
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            route = route_label(scope)
             self.metrics.requests.labels(route, str(status)).inc()
             level = logging.DEBUG if scope["path"] in OPEN_PATHS else logging.INFO  # probes come every few seconds
             access_log.log(level, "request", extra={"method": scope["method"], "path": scope["path"], "route": route,

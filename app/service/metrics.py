@@ -39,8 +39,9 @@ class Metrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
-        self.requests = Counter("hypic_requests", "HTTP requests by route template ('unmatched': refused before "
-                                "routing, e.g. 401, 413, 404) and status code.", ["route", "status"], registry=r)
+        self.requests = Counter("hypic_requests", "HTTP requests by route template (a request refused before routing, "
+                                "e.g. 401 or 413, under the route its path names; 'unmatched': a path no route has, "
+                                "e.g. 404) and status code.", ["route", "status"], registry=r)
         self.ttft = Histogram("hypic_time_to_first_token_seconds", "Request arrival to first generated token.",
                               ["route"], buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("hypic_inter_token_latency_seconds", "Time between consecutive generated tokens.",
