@@ -137,6 +137,12 @@ class EngineConfig:
     entry_prefix: tuple[int, ...] = ()
     # A segment's seam head is max(seam, ceil(seam_fraction * its length)) tokens (at most all of it).
     seam_fraction: float = 0.0
+    # Speculative decoding (hypic_core/engine/drafting.py, runner/verify_step.py): prompt-lookup drafts of up
+    # to `speculation_max_draft` tokens from n-grams of up to `speculation_ngram` tokens, verified in the
+    # decode forward. Runs where the lean decode step runs; a request's `speculation` overrides.
+    speculation: bool = True
+    speculation_max_draft: int = 8
+    speculation_ngram: int = 3
 
     def __post_init__(self) -> None:
         if self.seam < 0:
@@ -155,6 +161,9 @@ class EngineConfig:
         if self.decode_step not in DECODE_STEPS:
             raise InvalidRequestError("decode_step", f"must be one of {', '.join(DECODE_STEPS)}, got {self.decode_step!r}")
         object.__setattr__(self, "entry_prefix", tuple(int(t) for t in self.entry_prefix))
+        for name in ("speculation_max_draft", "speculation_ngram"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InvalidRequestError(name, f"must be an integer >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.seam_fraction <= 1.0:  # NaN fails too
             raise InvalidRequestError("seam_fraction", f"must be in [0, 1], got {self.seam_fraction!r}")
 
@@ -191,12 +200,16 @@ class GenerationRequest:
     # False: compute and answer, keep nothing (no entry, snapshot, sighting or deferred work stored);
     # lookups still read the cache.
     cache_store: bool = True
+    # Speculative decoding for this request: None follows EngineConfig.speculation.
+    speculation: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_salt, str):
             raise InvalidRequestError("cache_salt", f"must be a string, got {type(self.cache_salt).__name__}")
         if not isinstance(self.cache_store, bool):
             raise InvalidRequestError("cache_store", f"must be a boolean, got {self.cache_store!r}")
+        if self.speculation is not None and not isinstance(self.speculation, bool):
+            raise InvalidRequestError("speculation", f"must be a boolean or null, got {self.speculation!r}")
         if not self.segments:
             raise InvalidRequestError("segments", "a request needs at least one segment (the question)")
         segs = []

@@ -44,7 +44,9 @@ from ..cache.store import MemorySegmentStore, SegmentStore
 from ..config import EngineConfig, GenerationRequest, Mode
 from ..errors import InvalidRequestError, PromptTooLongError
 from ..runner.model_runner import ModelRunner
+from ..runner.verify_step import Verified, VerifyStep
 from .context_cache import ColdWork, ContextCacheManager
+from .drafting import PromptLookup
 from .lookups import Lookups
 from .output import OutputProcessor
 from .prefill import CostModel
@@ -77,8 +79,19 @@ class PrefillResult:
 class Executed:
     """What a step's model work left: next-token logits per sequence, or the error that ended it."""
 
-    logits: dict[Sequence, torch.Tensor] = field(default_factory=dict)
+    logits: dict[Sequence, torch.Tensor] = field(default_factory=dict)  # [vocab]; [n, vocab] when n tokens were verified
     errors: dict[Sequence, BaseException] = field(default_factory=dict)
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # the draft tokens each verified sequence was fed
+    verified: Verified | None = None  # the decode ran as one verification forward (speculation)
+
+
+@dataclass
+class SpeculationStats:
+    """Counters of speculative decoding since start (the gateway exports them)."""
+
+    drafted: int = 0  # draft tokens fed to verification forwards
+    accepted: int = 0  # of them, the tokens the model agreed with (emitted without a step of their own)
+    verify_steps: int = 0  # decode steps that ran as a verification forward
 
 
 class Engine:
@@ -113,6 +126,8 @@ class Engine:
         self.pool = self.context.pool = prefill_pool
         if prefill_pool is not None:
             prefill_pool.bind(self.fingerprint, self.runner)
+        self.speculation = SpeculationStats()
+        self._verify: VerifyStep | None = None  # built on the first draft (speculation needs the lean decode step)
         # A store that reads disk or Redis is looked up off the engine thread (lookups.py).
         self.lookups = Lookups(self.context.prefetch, self.scheduler.add) if getattr(store, "slow", False) else None
 
@@ -535,6 +550,15 @@ class Engine:
                 batch.sync(live, {s: s.cache for s in live if s.cache is not None})
                 for s in live:
                     s.cache = None  # its rows live in the batch now
+                drafts = self._drafts(batch.keys)
+                if drafts:  # one verification forward: each row its last token and its draft (hypic_core/runner/verify_step.py)
+                    fed = [[s.output_ids[-1], *drafts.get(s, ())] for s in batch.keys]
+                    done.verified = self._verify.verify(batch, fed, [s.position for s in batch.keys])
+                    done.drafts = drafts
+                    self.speculation.verify_steps += 1
+                    for r, s in enumerate(batch.keys):
+                        done.logits[s] = done.verified.logits[r, :len(fed[r])]
+                    return  # positions advance by what each row keeps (`_update`)
                 rows = batch.forward([s.output_ids[-1] for s in batch.keys], [s.position for s in batch.keys])
                 logits = dict(zip(batch.keys, rows))
             else:
@@ -552,9 +576,68 @@ class Engine:
         """Sample every sequence the step left logits for; end the aborted and the failed ones."""
         outputs = [self._finish(seq, "abort") for seq in scheduled.aborted]
         outputs += [self._finish(seq, "error", exc) for seq, exc in executed.errors.items()]
-        outputs += [self._sample(seq, logits) for seq, logits in executed.logits.items()]
+        kept: dict[Sequence, int] = {}
+        for seq, logits in executed.logits.items():
+            if logits.dim() == 2:
+                outs = self._accept(seq, logits, executed.drafts.get(seq, []))
+                kept[seq] = len(outs)
+                outputs += outs
+            else:
+                outputs.append(self._sample(seq, logits))
+        if executed.verified is not None:  # each row keeps the tokens it emitted from (rolls back the rest)
+            batch = self.runner.batch
+            VerifyStep.commit(batch, executed.verified, [kept.get(s, 1) for s in batch.keys])
+            for s in batch.keys:
+                s.position += kept.get(s, 1)
         self.runner.batch.sync([s for s in self.runner.batch.keys if not s.finished], {})
         return outputs
+
+    def _accept(self, seq: Sequence, logits: torch.Tensor, draft: list[int]) -> list[StepOutput]:
+        """Tokens from a verification's logits [n, vocab]: the token after each fed token, while the one
+        chosen equals the draft token fed next (greedy: the argmax; sampling: the speculative rejection
+        rule, `Sampler`), and the first that does not; none after the sequence ends."""
+        outs: list[StepOutput] = []
+        for t in range(logits.shape[0]):
+            guess = draft[t] if t < len(draft) else None
+            out = self._emit(seq, self.output.next_token(seq, logits[t], draft=guess))
+            outs.append(out)
+            if out.finish_reason is not None or guess is None or out.token_id != guess:
+                break
+        accepted = sum(1 for t, o in enumerate(outs) if t < len(draft) and o.token_id == draft[t])
+        seq.draft_budget.record(len(draft), accepted)
+        self.speculation.accepted += accepted
+        return outs
+
+    def _drafts(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
+        """Prompt-lookup drafts (hypic_core/engine/drafting.py) of the sequences that speculate; {} when none
+        drafts or the batch's decode step cannot verify (the lean step's families only)."""
+        if not any(self._speculates(s) for s in seqs):
+            return {}
+        step = self.runner.batch.step
+        if self._verify is None or self._verify.lean is not step:
+            self._verify = VerifyStep.build(self.runner.batch)
+        if self._verify is None:
+            return {}
+        drafts: dict[Sequence, list[int]] = {}
+        for s in seqs:
+            if not self._speculates(s):
+                continue
+            k = min(s.draft_budget.next_k(), self.config.speculation_max_draft, s.max_new_tokens - s.num_generated - 1,
+                    self.max_positions - s.position - 2)
+            if k <= 0:
+                continue
+            if s.drafter is None:
+                s.drafter = PromptLookup([t for seg in s.request.segments for t in seg], self.config.speculation_ngram)
+            s.drafter.extend(s.output_ids[len(s.drafter.tokens) - s.request.prompt_tokens:])
+            draft = s.drafter.propose(k)
+            if draft:
+                drafts[s] = draft
+                self.speculation.drafted += len(draft)
+        return drafts
+
+    def _speculates(self, seq: Sequence) -> bool:
+        wanted = seq.request.speculation
+        return self.config.speculation if wanted is None else wanted
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
         """`seq`'s next token (hypic_core/engine/output.py); a sequence that ends here is released."""

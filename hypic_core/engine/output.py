@@ -26,11 +26,12 @@ class OutputProcessor:
     def detokenizer(self, stop: tuple[str, ...]):
         return detokenizer_for(self.tokenizer, stop)
 
-    def next_token(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        """Pick `seq`'s next token (appended to `seq.output_ids`) and decide whether it ends here."""
+    def next_token(self, seq: Sequence, logits: torch.Tensor, draft: int | None = None) -> StepOutput:
+        """Pick `seq`'s next token (appended to `seq.output_ids`) and decide whether it ends here. `draft`:
+        the token speculation fed after this position (the sampler's rejection rule keeps it or not)."""
         params = seq.request.sampling
         history = seq.history if params.repetition_penalty != 1.0 else ()
-        choice = seq.sampler(logits, history, seq.banned_tokens())
+        choice = seq.sampler(logits, history, seq.banned_tokens(), draft=draft)
         index = seq.num_generated
         seq.output_ids.append(choice.token_id)
         detok = seq.detokenizer

@@ -36,7 +36,8 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, history: Sequence[int] = (), banned: Collection[int] = ()) -> Choice:
+    def __call__(self, logits: torch.Tensor, history: Sequence[int] = (), banned: Collection[int] = (),
+                 draft: int | None = None) -> Choice:
         """Choose one token from `logits` (1-D, one entry per vocabulary id).
 
         `history`: the prompt's token ids followed by the ids generated so far (a sequence of ints
@@ -46,10 +47,16 @@ class Sampler:
         not the sampler, owns the policy: it passes its EOS ids while fewer than `min_tokens`
         tokens have been generated, and on every step when `ignore_eos` is set. Ids outside the
         vocabulary are ignored in both. Raises ValueError when every token is banned.
+
+        `draft` (speculative decoding): a token proposed for this position by a deterministic
+        drafter. Greedy decoding ignores it (the caller compares). Sampling keeps it with the
+        probability the final distribution p gives it, else samples from p without it,
+        renormalised: the standard rejection rule for a one-token proposal, so the tokens chosen
+        follow p exactly, draft or not.
         """
         logits = logits.float().cpu()
         logprobs = torch.log_softmax(logits, dim=-1)
-        token = self._pick(self._process(logits, history, banned))
+        token = self._pick(self._process(logits, history, banned), draft)
         top: tuple[tuple[int, float], ...] = ()
         if self.params.top_logprobs:
             vals, idx = logprobs.topk(self.params.top_logprobs)
@@ -74,7 +81,7 @@ class Sampler:
                     raise ValueError("every token is banned; nothing can be chosen")
         return logits
 
-    def _pick(self, logits: torch.Tensor) -> int:
+    def _pick(self, logits: torch.Tensor, draft: int | None = None) -> int:
         p = self.params
         if p.greedy:
             return int(logits.argmax())
@@ -98,6 +105,14 @@ class Sampler:
         if p.min_p > 0.0:  # relative to the most likely token, which top-k / top-p always keep
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
             probs = probs / probs.sum()
+        if draft is not None and 0 <= draft < probs.numel():
+            if float(torch.rand((), generator=self.generator)) < float(probs[draft]):
+                return draft
+            rest = probs.clone()
+            rest[draft] = 0.0
+            if float(rest.sum()) <= 0.0:
+                return draft
+            probs = rest / rest.sum()
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 

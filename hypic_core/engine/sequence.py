@@ -22,6 +22,7 @@ import torch
 from ..algebra.entry import SegmentEntry
 from ..config import GenerationRequest, Mode
 from .detokenizer import IncrementalDetokenizer, StreamDetokenizer
+from .drafting import DraftBudget
 from .sampling import Sampler
 
 if TYPE_CHECKING:
@@ -170,6 +171,8 @@ class Sequence:
     prefill_left: int = 0  # tokens of prefill work still to run (an upper bound until planned)
     prefill: PrefillProgress | None = None  # set when admitted, cleared when its decoding starts
     found: list | None = None  # its segments' store entries, looked up off the engine thread (lookups.py)
+    drafter: Any = None  # its PromptLookup (drafting.py), made on its first draft
+    draft_budget: DraftBudget = field(default_factory=DraftBudget)  # how many tokens it drafts next
     cache: Any = None  # the sequence's own cache between prefill and joining the decode batch
     logits: torch.Tensor | None = None  # next-token logits waiting to be sampled
     position: int = 0  # position of the next token fed to the model

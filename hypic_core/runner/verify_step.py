@@ -1,0 +1,233 @@
+"""The verification forward of speculative decoding: row r of a `DecodeBatch` fed n_r tokens at once.
+
+Row r's tokens are its last sampled token followed by its draft tokens (hypic_core/engine/drafting.py).
+One forward computes next-token logits after each of them; the engine then keeps, per row, the
+longest prefix the model agrees with (`commit`). Everything before that point must be exactly
+what plain decoding would have left, and nothing after it may survive:
+
+- **attention**: row r's new keys and values are written at columns lengths[r].. and read under a
+  causal mask; keeping a prefix is setting `lengths[r]` (later columns are hidden and overwritten).
+- **linear layers** cannot be un-applied, so the recurrence is advanced one token at a time with
+  the lean step's closed-form update and every row's state is kept after every token (T states
+  per layer); `commit` copies the state after the row's last kept token into its buffer. The conv
+  state after token t is the last K inputs up to t, read off the concatenation of the old conv
+  state and the new inputs. Keeping per-token states (instead of snapshotting and re-running the
+  kept tokens) costs memory (T x the state per row, for one forward) but no second forward.
+
+The expensive part, every weight matrix, runs once on the flat list of real tokens (no padding);
+only attention scores and the recurrences use a padded [B, T] layout. Families: those of the
+lean decode step (runner/decode_step.py); the engine does not speculate on the others.
+
+Reference: feeding the same tokens one at a time through the lean step. tests/test_speculation.py
+compares logits and the kept states on every covered family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .decode_step import LeanDecodeStep, _mm, _rope
+
+
+@dataclass
+class Verified:
+    """One verification forward's result: logits [B, T, vocab] (fp32; row r's first n_r are real) and
+    what `commit` needs to keep a prefix of each row."""
+
+    logits: torch.Tensor
+    counts: list[int]  # n_r: tokens fed to row r
+    conv: list[torch.Tensor]  # per linear layer: [B, C, K + T], old conv state then the new inputs
+    states: list[list[torch.Tensor]]  # per linear layer: T states [B, ...], the state after each token
+
+
+class _Layout:
+    """Rows of different lengths as one flat list of real tokens and as a padded [B, T] grid."""
+
+    def __init__(self, counts: Sequence[int], lengths: Sequence[int], device):
+        self.b, self.t = len(counts), max(counts)
+        counts_t = torch.tensor(list(counts), device=device)
+        steps = torch.arange(self.t, device=device)
+        self.real = steps[None, :] < counts_t[:, None]  # [B, T]
+        self.flat = self.real.reshape(-1).nonzero()[:, 0]  # grid index of each real token
+        self.n = int(self.flat.numel())
+        lengths_t = torch.tensor(list(lengths), dtype=torch.long, device=device)
+        self.cols = lengths_t[:, None] + steps[None, :]  # [B, T]: the column each token writes
+        self.width = int(max(lengths)) + self.t
+        visible = torch.arange(self.width, device=device)[None, None, :] <= self.cols[:, :, None]  # [B, T, W]
+        self.visible = visible
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """Flat [N, ...] -> padded [B, T, ...] (zeros where a row has no token)."""
+        out = x.new_zeros((self.b * self.t, *x.shape[1:]))
+        out[self.flat] = x
+        return out.view(self.b, self.t, *x.shape[1:])
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """Padded [B, T, ...] -> flat [N, ...]."""
+        return x.reshape(self.b * self.t, *x.shape[2:])[self.flat]
+
+
+class VerifyStep:
+    """`verify(batch, tokens, positions) -> Verified` and `commit(batch, verified, kept)` on a lean step's weights."""
+
+    def __init__(self, lean: LeanDecodeStep):
+        self.lean = lean
+
+    @classmethod
+    def build(cls, batch) -> "VerifyStep | None":
+        """For a batch that decodes on the lean step; None otherwise (no speculation then)."""
+        return cls(batch.step) if isinstance(batch.step, LeanDecodeStep) else None
+
+    def verify(self, batch, tokens: Sequence[Sequence[int]], positions: Sequence[int]) -> Verified:
+        """Feed row r the tokens `tokens[r]` (at least one) from position `positions[r]`. Writes their K/V
+        into the rows' free columns; leaves `lengths` and the linear state buffers as they were."""
+        lean, dev = self.lean, self.lean.embed.device
+        counts = [len(t) for t in tokens]
+        if len(counts) != len(batch.keys) or min(counts) < 1:
+            raise ValueError("verify needs one or more tokens for every row of the batch")
+        batch.reserve(len(counts), max(batch.lengths) + max(counts) + 1)
+        lay = _Layout(counts, batch.lengths, dev)
+        ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=dev)
+        h = F.embedding(ids, lean.embed)  # [N, hidden]
+        cos = sin = None
+        if lean.rotary is not None:
+            pos = torch.tensor([p + i for p, n in zip(positions, counts) for i in range(n)], dtype=torch.long, device=dev)
+            c, s = lean.rotary(h[None], pos[None])
+            cos, sin = c[0][:, None, :], s[0][:, None, :]  # [N, 1, rot]
+        bias = torch.zeros(lay.visible.shape, dtype=lean.embed.dtype, device=dev).masked_fill_(
+            ~lay.visible, float("-inf"))[:, None, None]  # [B, 1, 1, T, W]
+        conv_out: list[torch.Tensor] = []
+        states_out: list[list[torch.Tensor]] = []
+        for norm1, mixer, kind, norm2, mlp in lean.layers:
+            x = norm1(h)
+            if kind == "attention":
+                y = self._attention(mixer, x, batch, lay, cos, sin, bias)
+            elif kind == "mamba2":
+                y = self._mamba2(mixer, x, batch, lay, conv_out, states_out)
+            else:
+                y = self._gated_deltanet(mixer, x, batch, lay, conv_out, states_out)
+            h = h + y
+            h = h + mlp(norm2(h))
+        logits = _mm(lean.final_norm(h), lean.lm_w, lean.lm_b).float()
+        return Verified(lay.pad(logits), counts, conv_out, states_out)
+
+    @staticmethod
+    def commit(batch, verified: Verified, kept: Sequence[int]) -> None:
+        """Keep the first `kept[r]` (1..n_r) tokens of row r: its K/V columns, and the conv and recurrent
+        state after its last kept token."""
+        b = len(kept)
+        if any(not 1 <= k <= n for k, n in zip(kept, verified.counts)) or b != len(batch.keys):
+            raise ValueError(f"kept {list(kept)} must be within 1..{verified.counts} per row")
+        index = torch.tensor([k - 1 for k in kept], dtype=torch.long)
+        rows = torch.arange(b)
+        for p, (conv, states) in enumerate(zip(verified.conv, verified.states)):
+            width = batch._conv[p].shape[-1]
+            starts = index + 1
+            picked = torch.stack([conv[r, :, int(starts[r]):int(starts[r]) + width] for r in range(b)])
+            batch._conv[p][:b] = picked.to(batch._conv[p].dtype)
+            stacked = torch.stack(states)  # [T, B, ...]
+            batch._state[p][:b] = stacked[index, rows].to(batch._state[p].dtype)
+        batch.lengths = [n + k for n, k in zip(batch.lengths, kept)]
+        batch._point(max(batch.lengths))
+
+    # --- layers --------------------------------------------------------------------------------
+    @staticmethod
+    def _attention(att, x, batch, lay: _Layout, cos, sin, bias) -> torch.Tensor:
+        N, H, Hkv, D = x.shape[0], att.H, att.Hkv, att.D
+        q, k, v = _mm(x, att.w, att.b).split([att.nq, Hkv * D, Hkv * D], dim=-1)
+        gate = None
+        if att.gated:
+            qg = q.view(N, H, 2 * D)
+            q, gate = qg[..., :D], qg[..., D:].reshape(N, H * D)
+        q, k, v = q.reshape(N, H, D), k.reshape(N, Hkv, D), v.reshape(N, Hkv, D)
+        if att.q_norm is not None:
+            q, k = att.q_norm(q), att.k_norm(k)
+        if cos is not None:
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        kb, vb = batch._k[att.j], batch._v[att.j]
+        rows = torch.arange(lay.b, device=x.device)[:, None].expand(lay.b, lay.t).reshape(-1)[lay.flat]
+        cols = lay.cols.reshape(-1)[lay.flat]
+        kb[rows, :, cols] = k
+        vb[rows, :, cols] = v
+        B, T, W, G = lay.b, lay.t, lay.width, H // Hkv
+        keys, values = kb[:B, :, :W], vb[:B, :, :W]  # [B, Hkv, W, D]
+        qp = lay.pad(q).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+        scores = torch.matmul(qp, keys[:, :, None].transpose(-1, -2)) * att.scale + bias  # [B, Hkv, G, T, W]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, values[:, :, None])  # [B, Hkv, G, T, D]
+        out = lay.unpad(out.permute(0, 3, 1, 2, 4)).reshape(N, H * D)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return _mm(out, att.o_w, att.o_b)
+
+    @staticmethod
+    def _conv(batch, p: int, lay: _Layout, x: torch.Tensor, weight, bias, conv_out: list) -> torch.Tensor:
+        """Depthwise causal conv of the new inputs x [B, T, C] after row p's conv state; silu of it [B, T, C]."""
+        state = batch._conv[p][:lay.b]  # [B, C, K]
+        K = state.shape[-1]
+        seq = torch.cat([state, x.transpose(1, 2).to(state.dtype)], dim=-1)  # [B, C, K + T]
+        conv_out.append(seq)
+        windows = seq.unfold(-1, K, 1)[:, :, 1:]  # [B, C, T, K]: the window ending at each new token
+        out = (windows.to(weight.dtype) * weight[:, None, :]).sum(-1)  # [B, C, T]
+        if bias is not None:
+            out = out + bias[:, None]
+        return F.silu(out).transpose(1, 2)
+
+    def _mamba2(self, m, x, batch, lay: _Layout, conv_out: list, states_out: list) -> torch.Tensor:
+        B, T, H, P, G, N = lay.b, lay.t, m.H, m.P, m.G, m.N
+        dtype = x.dtype
+        gate, xbc, dt = _mm(x, m.w, m.b).split([m.I, m.C, H], dim=-1)
+        xbc = self._conv(batch, m.p, lay, lay.pad(xbc), m.conv_w, m.conv_b, conv_out)  # [B, T, C]
+        hs, Bm, Cm = xbc.split([m.I, G * N, G * N], dim=-1)
+        dt = F.softplus(lay.pad(dt) + m.dt_bias.to(dt.dtype))  # [B, T, H]
+        dA = torch.exp(dt.float() * m.A)
+        hs = hs.reshape(B, T, H, P)
+        Bh = Bm.reshape(B, T, G, 1, N).expand(B, T, G, H // G, N).reshape(B, T, H, 1, N)
+        Ch = Cm.reshape(B, T, G, 1, N).expand(B, T, G, H // G, N).reshape(B, T, H, N, 1)
+        state = batch._state[m.p][:B]  # the lean step's arithmetic: fp32 from a state of any dtype, kept in its dtype
+        states, ys = [], []
+        for t in range(T):
+            dBx = (dt[:, t, :, None, None] * Bh[:, t]) * hs[:, t, ..., None]  # [B, H, P, N]
+            new = state.float() * dA[:, t, :, None, None] + dBx
+            state = new.to(state.dtype)
+            states.append(state)
+            ys.append(torch.matmul(new.to(Ch.dtype), Ch[:, t])[..., 0] + hs[:, t] * m.D[:, None])  # [B, H, P]
+        states_out.append(states)
+        y = lay.unpad(torch.stack(ys, dim=1)).reshape(-1, H * P).float() * F.silu(gate.float())
+        yg = y.view(y.shape[0], G, -1)
+        yg = yg * torch.rsqrt(yg.pow(2).mean(-1, keepdim=True) + m.norm_eps)
+        y = m.norm_w * yg.view(y.shape[0], -1).to(dtype)
+        return _mm(y.to(dtype), m.o_w, m.o_b)
+
+    def _gated_deltanet(self, m, x, batch, lay: _Layout, conv_out: list, states_out: list) -> torch.Tensor:
+        B, T, Hk, Hv, dk, dv = lay.b, lay.t, m.Hk, m.Hv, m.dk, m.dv
+        dtype = x.dtype
+        qkv, z, b, a = _mm(x, m.w, m.b).split([m.C, m.value_dim, Hv, Hv], dim=-1)
+        qkv = self._conv(batch, m.p, lay, lay.pad(qkv), m.conv_w, m.conv_b, conv_out)  # [B, T, C]
+        q, k, v = qkv.float().split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        q, k, v = q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Hv, dv)
+        if Hk != Hv:
+            q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q = q / (dk ** 0.5)
+        beta = lay.pad(b).sigmoid().float()  # [B, T, Hv]
+        g = m.neg_A * F.softplus(lay.pad(a).float() + m.dt_bias)  # [B, T, Hv]
+        S = batch._state[m.p][:B].float()
+        states, outs = [], []
+        for t in range(T):
+            S = (S * g[:, t].exp()[..., None, None]).float()
+            kv_mem = torch.matmul(k[:, t, :, None, :], S)[:, :, 0]  # [B, Hv, dv]
+            delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+            S = S + k[:, t, ..., None] * delta[:, :, None, :]
+            states.append(S)
+            outs.append(torch.matmul(q[:, t, :, None, :], S)[:, :, 0])  # [B, Hv, dv]
+        states_out.append(states)
+        o = lay.unpad(torch.stack(outs, dim=1)).to(dtype).float()  # [N, Hv, dv]
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + m.norm_eps)
+        o = (m.norm_w * o.to(dtype)) * F.silu(z.view(-1, Hv, dv).float())
+        return _mm(o.to(dtype).reshape(-1, Hv * dv), m.o_w, m.o_b)

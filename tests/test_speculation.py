@@ -1,0 +1,285 @@
+"""Speculative decoding with prompt-lookup drafts (hypic_core/engine/drafting.py, runner/verify_step.py).
+
+The golden rule: greedy outputs are identical, token for token, with and without speculation, on
+every family (families the lean decode step does not cover do not speculate), across rows that
+join and leave, aborts, stop strings and max_tokens. The verification forward itself is compared
+with feeding the same tokens one at a time through the lean step (logits, and the conv, recurrent
+and K/V state a row keeps). Tiny models run in float64 so that no near-tie can flip a token.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+
+from conftest import random_segments
+from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
+from hypic_core.engine.drafting import DraftBudget, PromptLookup
+from hypic_core.engine.engine import Engine
+from hypic_core.engine.sampling import Sampler
+from hypic_core.errors import InvalidRequestError
+from hypic_core.runner.verify_step import VerifyStep
+from hypic_core.testing import FAMILIES, tiny_model
+
+COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "bamba")
+MOE = ("qwen3_5_moe", "qwen3_next", "granitemoehybrid", "kimi_linear", "minimax")  # grouped expert matmuls: no float64
+
+
+def model_of(family: str):
+    return tiny_model(family, dtype=torch.float32 if family in MOE else torch.float64)
+SHAPES = ((20, 9), (12, 30, 7), (5,), (8, 8, 8, 4), (25, 11))
+
+
+# --- drafting ------------------------------------------------------------------------------------
+def test_prompt_lookup_drafts_the_longest_latest_match_and_never_itself():
+    pl = PromptLookup([5, 6, 7, 8, 1, 6, 7, 9, 2], max_n=3)
+    assert pl.propose(3) == []  # the suffix (2) never occurred before
+    pl.extend([6, 7])  # suffix (6, 7): latest earlier occurrence is followed by 9, 2
+    assert pl.propose(3) == [9, 2, 6]
+    pl.extend([8])  # (6, 7, 8) occurred once, followed by 1
+    assert pl.propose(2) == [1, 6]
+    assert pl.propose(0) == []
+    assert PromptLookup([3, 3, 3]).propose(4) == [3]  # (3, 3) occurred at 0..1, followed by the last 3
+    with pytest.raises(ValueError):
+        PromptLookup([], max_n=0)
+
+
+def test_draft_budget_grows_shrinks_and_rests():
+    b = DraftBudget(max_k=8, k=4)
+    b.record(4, 4)
+    assert b.next_k() == 6
+    b.record(6, 2)
+    assert b.next_k() == 3
+    b.record(3, 0)
+    assert b.next_k() == 1 and b.pause == 0
+    b.record(1, 0)  # two failures in a row: rest 2 steps
+    assert [b.next_k() for _ in range(3)] == [0, 0, 1]
+    b.record(1, 0)
+    assert b.pause == 4
+    b.record(0, 0)  # nothing drafted: nothing learned
+    assert b.pause == 4
+
+
+# --- the verification forward against the lean step ------------------------------------------
+@pytest.mark.parametrize("family", COVERED)
+def test_verify_equals_token_by_token_and_keeps_exactly_the_prefix(family):
+    """Three rows fed 3, 1 and 5 tokens at once: logits equal the lean step fed them one at a time,
+    and after keeping 2, 1 and 4 of them every row's buffers equal the one-at-a-time batch's."""
+    model = model_of(family)
+    atol = 1e-5  # both paths take attention's softmax in fp32: their widths differ, so do the last bits
+    engine = Engine(model, config=EngineConfig(seam=4, decode_step="lean"))
+    runner = engine.runner
+    pre = [engine.prefill(GenerationRequest(random_segments(s, seed=i), mode="full")) for i, s in enumerate(SHAPES[:3])]
+    fed = [[3, 17, 40], [9], [11, 12, 13, 14, 15]]
+    kept = [2, 1, 4]
+    with torch.inference_mode():
+        ref = copy.deepcopy([p.cache for p in pre])
+        runner.batch.sync([0, 1, 2], dict(enumerate(p.cache for p in pre)))
+        verify = VerifyStep.build(runner.batch)
+        assert verify is not None
+        verified = verify.verify(runner.batch, fed, [p.position for p in pre])
+        verify.commit(runner.batch, verified, kept)
+        got = {name: [b.clone() for b in getattr(runner.batch, name)] for name in ("_k", "_v", "_conv", "_state")}
+        lengths = list(runner.batch.lengths)
+        runner.batch.sync([], {})
+        # the reference: the same tokens one step at a time through the lean step, rows dropping out
+        runner.batch.sync([0, 1, 2], dict(enumerate(ref)))
+        pos = [p.position for p in pre]
+        for t in range(max(map(len, fed))):
+            live = [r for r in range(3) if t < len(fed[r])]
+            runner.batch.sync(live, {})
+            logits = runner.batch.forward([fed[r][t] for r in runner.batch.keys], [pos[r] + t for r in runner.batch.keys])
+            for r, lg in zip(runner.batch.keys, logits):
+                err = (lg - verified.logits[r, t]).abs().max().item()
+                assert err < atol, f"{family} row {r} token {t}: {err:.3g}"
+            if t + 1 in kept:  # row r's kept state is the one-at-a-time state after kept[r] tokens
+                for r in [r for r in runner.batch.keys if kept[r] == t + 1]:
+                    i = runner.batch.keys.index(r)
+                    assert runner.batch.lengths[i] == lengths[r]
+                    for name, bufs in got.items():
+                        for j, buf in enumerate(bufs):
+                            mine = buf[r] if name in ("_conv", "_state") else buf[r, :, :lengths[r]]
+                            theirs = getattr(runner.batch, name)[j][i]
+                            theirs = theirs if name in ("_conv", "_state") else theirs[:, :lengths[r]]
+                            assert torch.allclose(mine.double(), theirs.double(), atol=atol), f"{family} {name}[{j}] row {r}"
+        runner.batch.sync([], {})
+
+
+def test_commit_refuses_a_prefix_out_of_range():
+    engine = Engine(tiny_model("llama"), config=EngineConfig(decode_step="lean"))
+    pre = engine.prefill(GenerationRequest(random_segments((6,)), mode="full"))
+    with torch.inference_mode():
+        engine.runner.batch.sync(["a"], {"a": pre.cache})
+        verify = VerifyStep.build(engine.runner.batch)
+        verified = verify.verify(engine.runner.batch, [[1, 2]], [pre.position])
+        for bad in ([0], [3], [1, 1]):
+            with pytest.raises(ValueError):
+                verify.commit(engine.runner.batch, verified, bad)
+        engine.runner.batch.sync([], {})
+
+
+# --- the engine: greedy outputs identical -------------------------------------------------------
+def run(engine: Engine, requests, join_at: int = 2, abort_at: int | None = None) -> list[list]:
+    """Add the first three requests, the rest at step `join_at`; abort request 1 at `abort_at`.
+    Returns each request's outputs."""
+    seqs = [engine.add_request(r, collect=True) for r in requests[:3]]
+    for n in range(2000):
+        if n == join_at:
+            seqs += [engine.add_request(r, collect=True) for r in requests[3:]]
+        if abort_at is not None and n == abort_at:
+            seqs[1].abort.abort()
+        if not engine.has_unfinished() and n > join_at:
+            break
+        engine.step()
+    return [s.outbox for s in seqs]
+
+
+def requests(stop: tuple[str, ...] = ()) -> list[GenerationRequest]:
+    return [GenerationRequest(random_segments(s, seed=20 + i), mode=("hypic", "full", "prefix", "pic-naive", "hypic")[i],
+                              sampling=SamplingParams(max_tokens=(40, 25, 33, 18, 30)[i], stop=stop, ignore_eos=i == 1))
+            for i, s in enumerate(SHAPES)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_identical_with_and_without_speculation(family):
+    model = model_of(family)
+    outs, stats = {}, {}
+    for spec in (False, True):
+        engine = Engine(model, config=EngineConfig(seam=4, decode_step="lean", speculation=spec))
+        outs[spec] = run(engine, requests(), abort_at=6)
+        stats[spec] = engine.speculation
+    for i, (a, b) in enumerate(zip(outs[False], outs[True])):
+        assert [o.index for o in b] == list(range(len(b)))
+        if i == 1:  # aborted at step 6: speculation may have produced more tokens by then, the same ones
+            ta, tb = ([o.token_id for o in x if o.token_id is not None] for x in (a, b))
+            assert ta == tb[:len(ta)] and a[-1].finish_reason == b[-1].finish_reason == "abort", f"{family}"
+            continue
+        assert [(o.token_id, o.text, o.finish_reason) for o in a] == [(o.token_id, o.text, o.finish_reason) for o in b], \
+            f"{family} request {i}"
+    assert stats[False].drafted == 0
+    if family in COVERED:
+        assert stats[True].verify_steps > 0 and stats[True].drafted > 0
+    else:  # no lean step for it: no verification forward, nothing drafted
+        assert stats[True].verify_steps == 0 and stats[True].drafted == 0
+
+
+def test_stop_strings_and_max_tokens_cut_inside_an_accepted_draft(tiny_tokenizer):
+    """Text models repeat; a stop string or max_tokens lands inside a run of accepted drafts: the output
+    ends exactly where plain decoding ends it."""
+    model = tiny_model("qwen3_5", vocab_size=len(tiny_tokenizer), dtype=torch.float64)
+    prompt = tuple(tiny_tokenizer.encode("The river Alna flows through Varo. The river Alna flows through Varo. The river"))
+    base = engine_out = None
+    for spec in (False, True):
+        engine = Engine(model, tiny_tokenizer, EngineConfig(seam=4, decode_step="lean", speculation=spec))
+        plain = list(engine.generate(GenerationRequest((prompt,), mode="full", sampling=SamplingParams(max_tokens=30))))
+        text = "".join(o.text for o in plain)
+        stop = text[len(text) // 2: len(text) // 2 + 3] if len(text) > 6 else None
+        cut = [list(engine.generate(GenerationRequest((prompt,), mode="full", sampling=SamplingParams(max_tokens=n))))
+               for n in (1, 7, 13)]
+        stopped = list(engine.generate(GenerationRequest((prompt,), mode="full",
+                                                         sampling=SamplingParams(max_tokens=30, stop=(stop,) if stop else ()))))
+        result = [[(o.token_id, o.text, o.finish_reason) for o in run_] for run_ in (plain, *cut, stopped)]
+        if spec:
+            engine_out = (result, engine.speculation)
+        else:
+            base = result
+    assert engine_out[0] == base
+    assert [len(r) for r in base[1:4]] == [1, 7, 13]
+
+
+class FixedDrafter:
+    """A drafter that proposes given tokens (to pin a draft rejected at its first token, and one
+    accepted whole): the engine's `PromptLookup` interface."""
+
+    def __init__(self, seq, drafts):
+        self.tokens = [t for seg in seq.request.segments for t in seg]
+        self.drafts = drafts
+
+    def extend(self, tokens):
+        self.tokens += list(tokens)
+
+    def propose(self, k):
+        return self.drafts.pop(0)[:k] if self.drafts else []
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba", "llama"])
+def test_a_draft_rejected_at_its_first_token_and_one_accepted_whole(family):
+    model = tiny_model(family, dtype=torch.float64)
+    req = GenerationRequest(random_segments((14, 9), seed=3), mode="full", sampling=SamplingParams(max_tokens=20, ignore_eos=True))
+    plain = Engine(model, config=EngineConfig(decode_step="lean", speculation=False)).generated_tokens(req)
+    engine = Engine(model, config=EngineConfig(decode_step="lean", speculation=True))
+    seq = engine.add_request(req, collect=True)
+    wrong = (plain[1] + 1) % 300  # plain[1] comes next: the draft misses at once
+    # step 1 samples plain[0]; step 2 feeds plain[0] with the draft [wrong, ...]: rejected at once, emits plain[1]
+    # (the budget halves to 4); step 3 feeds plain[1] with plain[2:6]: accepted whole, emits plain[2:7]
+    seq.drafter = FixedDrafter(seq, [[wrong, plain[3]], plain[2:6]])
+    seq.draft_budget = DraftBudget(max_k=8, k=8)
+    counts = []
+    while engine.has_unfinished():
+        counts.append(sum(1 for o in engine.step() if o.token_id is not None))
+    got = [o.token_id for o in seq.outbox if o.token_id is not None]
+    assert got == plain
+    assert counts[:3] == [1, 1, 5]  # the rejected draft gave one token, the one accepted whole five
+    assert engine.speculation.drafted == 6 and engine.speculation.accepted == 4
+
+
+def test_per_request_field_overrides_the_engine():
+    model = tiny_model("llama", dtype=torch.float64)
+    reqs = requests()
+    off = Engine(model, config=EngineConfig(decode_step="lean", speculation=False))
+    on = [GenerationRequest(r.segments, r.mode, sampling=r.sampling, speculation=True) for r in reqs]
+    run(off, on)
+    assert off.speculation.drafted > 0
+    engine = Engine(model, config=EngineConfig(decode_step="lean", speculation=True))
+    run(engine, [GenerationRequest(r.segments, r.mode, sampling=r.sampling, speculation=False) for r in reqs])
+    assert engine.speculation.drafted == 0
+    with pytest.raises(InvalidRequestError, match="speculation"):
+        GenerationRequest(reqs[0].segments, speculation="yes")
+    with pytest.raises(InvalidRequestError, match="speculation_max_draft"):
+        EngineConfig(speculation_max_draft=0)
+
+
+# --- sampling: the rejection rule keeps the distribution --------------------------------------------
+def test_sampling_with_a_draft_keeps_the_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    params = SamplingParams(temperature=0.8, top_k=4, seed=1)
+    p = torch.softmax(torch.where(logits >= 0.0, logits, float("-inf")) / 0.8, dim=-1)
+    n = 20000
+    for draft in (0, 2, 4):  # a likely, an unlikely and an impossible (top-k cut) draft
+        sampler = Sampler(params)
+        counts = collections.Counter(sampler(logits, draft=draft).token_id for _ in range(n))
+        freq = torch.tensor([counts[i] / n for i in range(5)])
+        assert (freq - p).abs().max() < 0.015, (draft, freq, p)
+    greedy = Sampler(SamplingParams())
+    assert greedy(logits, draft=3).token_id == 0  # greedy ignores the draft
+
+
+# --- the real models ---------------------------------------------------------------------------
+PASSAGE = ("The Alna is a river that flows through the city of Varo. The mayor of Varo is Ines Kell, "
+           "who was elected in 2019. Brill is a company founded by Tam Oke in 1999 in Varo.")
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "smollm2-hybrid-135m"])
+def test_real_models_answer_identically_with_fewer_steps(name, smollm2_dir):
+    """SmolLM2 and its hybrid asked to copy from a passage: the same 40 greedy tokens with speculation,
+    most of them from accepted drafts."""
+    from hypic_core.models.registry import resolve
+
+    torch.set_num_threads(1)
+    engine = Engine.from_pretrained(resolve(name).path, EngineConfig(seam=4, decode_step="lean", speculation=False))
+    tok = engine.tokenizer
+    msgs = [{"role": "user", "content": f"{PASSAGE}\n\nRepeat the text above word for word."}]
+    prompt = tuple(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    req = GenerationRequest((prompt,), mode="full", sampling=SamplingParams(max_tokens=40, ignore_eos=True))
+    plain = engine.generated_tokens(req)
+    engine.config = EngineConfig(seam=4, decode_step="lean", speculation=True)
+    steps = 0
+    seq = engine.add_request(req, collect=True)
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert [o.token_id for o in seq.outbox] == plain
+    assert engine.speculation.accepted >= 10 and steps < 35, (engine.speculation, steps)
