@@ -277,3 +277,19 @@ def test_the_guard_checks_under_the_requests_salt_and_never_one_that_keeps_nothi
     assert not guard.offer(GenerationRequest(segments, cache_salt="tenant:alice", cache_store=False))
     assert guard.offer(GenerationRequest(segments, cache_salt="tenant:alice"))
     assert {r.cache_salt for r in check_requests(guard._queue[0], 4)} == {"tenant:alice"}
+
+
+def test_a_tenant_creates_at_most_max_tenant_collections(tmp_path, monkeypatch):
+    from app.service import tenants
+    from app.service.errors import QuotaExceededError
+    from retrieval import HashingEmbedder, VectorIndex
+
+    monkeypatch.setattr(tenants, "MAX_TENANT_COLLECTIONS", 2)
+    collections = Collections(tmp_path / "collections", VectorIndex(tmp_path / "index", HashingEmbedder(64)), {"public": []})
+    second = collections.writable("alice", "second")
+    second.upsert([tenants.Chunk("c", "d", "", "", 0, "Some text.", 3)])
+    with pytest.raises(QuotaExceededError) as refused:
+        collections.writable("alice", "third")
+    assert refused.value.limit == "collections"
+    assert collections.writable("alice", "second") is second and collections.names("alice") == ["default", "second", "public"]
+    assert collections.names("bob") == ["default", "public"]

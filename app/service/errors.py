@@ -37,7 +37,7 @@ class CollectionReadOnlyError(InvalidRequestError):
 
 
 class QuotaExceededError(Exception):
-    """A tenant's `limit` ("documents", "bytes" or "requests") refuses the request."""
+    """A tenant's `limit` ("documents", "bytes", "collections" or "requests") refuses the request."""
 
     def __init__(self, limit: str, message: str) -> None:
         super().__init__(message)

@@ -70,7 +70,7 @@ class Metrics:
         self.tenant_in_flight = Gauge("hypic_tenant_requests_in_flight", "Requests of each tenant in flight.", ["tenant"],
                                       registry=r)
         self.tenant_refused = Counter("hypic_tenant_quota_refusals", "Requests a tenant's quota refused (429), by the "
-                                      "limit: documents, bytes, requests.", ["tenant", "limit"], registry=r)
+                                      "limit: documents, bytes, collections, requests.", ["tenant", "limit"], registry=r)
 
     def watch_store(self, store: SegmentStore) -> None:
         """Export `store.stats()` (hits by tier, misses, evictions, corrupt entries, bytes by tier)."""

@@ -40,6 +40,7 @@ DEFAULT_COLLECTION = "default"
 SHARED_SALT = "shared"
 SHARED_DIR = "_shared"  # a tenant name cannot start with "_"
 MAX_COLLECTIONS = 16  # collections one request may search
+MAX_TENANT_COLLECTIONS = 256  # collections one tenant may create (each stays open once used)
 MAX_LABELLED_TENANTS = 64  # tenants with their own metric labels; the rest are counted as "other"
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
@@ -125,10 +126,14 @@ class Collections:
         return index
 
     def writable(self, tenant: str, name: str, param: str = "collection", create: bool = True) -> VectorIndex:
-        """`get` for a write: `CollectionReadOnlyError` for a shared collection `tenant` may not write."""
+        """`get` for a write: `CollectionReadOnlyError` for a shared collection `tenant` may not write,
+        `QuotaExceededError` for a new one past MAX_TENANT_COLLECTIONS."""
         check_collection_name(name, param)
         if name in self.shared and tenant not in self.shared[name]:
             raise CollectionReadOnlyError(param, f"collection {name!r} is shared and read-only for this key's tenant")
+        if create and not self.exists(tenant, name) and len(self.names(tenant)) - len(self.shared) >= MAX_TENANT_COLLECTIONS:
+            raise QuotaExceededError("collections", f"the tenant has {MAX_TENANT_COLLECTIONS} collections, the most allowed; "
+                                                    "add to one of them (GET /collections)")
         return self.get(tenant, name, param, create=create)
 
     def names(self, tenant: str) -> list[str]:
