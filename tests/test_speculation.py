@@ -283,3 +283,43 @@ def test_real_models_answer_identically_with_fewer_steps(name, smollm2_dir):
         steps += 1
     assert [o.token_id for o in seq.outbox] == plain
     assert engine.speculation.accepted >= 10 and steps < 35, (engine.speculation, steps)
+
+
+# --- the gateway -------------------------------------------------------------------------------
+def test_gateway_answers_the_same_with_speculation_and_counts_it(tiny_tokenizer, tmp_path):
+    """/query with `speculation` true and false: the same greedy answer, streamed and not, the same usage;
+    /metrics counts drafted and accepted tokens; a malformed field is a 400 naming it."""
+    import json
+
+    import httpx
+
+    from app.http.server import create_app
+    from app.service.settings import Settings
+    from app.testing import LiveServer, single_torch_thread
+    from retrieval import HashingEmbedder, VectorIndex
+
+    corpus = [{"id": "varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."},
+              {"id": "brill", "title": "Brill", "text": "Brill is a company founded by Tam Oke in 1999."}]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
+    settings = Settings(_env_file=None, torch_threads=None, index_dir=tmp_path / "index", corpus_path=tmp_path / "corpus.jsonl")
+    engine = Engine(tiny_model("qwen3_5", vocab_size=len(tiny_tokenizer)), tiny_tokenizer,
+                    EngineConfig(seam=4, decode_step="lean"), model_id="tiny")
+    engine.eos_ids = frozenset()  # answers run to max_tokens
+    app = create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64)))
+    body = {"question": "Who is the mayor of Varo?", "top_k": 2, "max_tokens": 48}
+    with single_torch_thread(), LiveServer(app) as g:
+        g.wait_ready()
+        with httpx.Client(base_url=g.url, timeout=60) as c:
+            off = c.post("/query", json={**body, "speculation": False}).json()
+            on = c.post("/query", json={**body, "speculation": True}).json()
+            with c.stream("POST", "/query", json={**body, "speculation": True, "stream": True}) as r:
+                streamed = "".join(json.loads(line[5:]).get("text", "") for line in r.iter_lines()
+                                   if line.startswith("data:") and '"text"' in line)
+            bad = c.post("/query", json={**body, "speculation": "sometimes"})
+            metrics = c.get("/metrics").text
+    assert on["answer"] == off["answer"] == streamed
+    assert on["usage"]["completion_tokens"] == off["usage"]["completion_tokens"] == 48
+    assert bad.status_code == 400 and "speculation" in bad.text
+    drafted = float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith("hypic_speculation_drafted_tokens_total")))
+    assert drafted == engine.speculation.drafted > 0
+    assert "hypic_speculation_accepted_tokens_total" in metrics

@@ -109,6 +109,8 @@ class _Common(SamplingExtras):
     seam: int | None = Field(None, ge=0)
     exact: bool = False  # exact reuse only, as in /query
     cache: CacheOptions | None = None
+    speculation: bool | None = Field(None, description="Speculative decoding with prompt-lookup drafts; null: the "
+                                     "gateway's setting (HYPIC_SPECULATION).")
     prompt_cache_key: str | None = Field(None, max_length=1024, description="OpenAI's grouping hint; accepted, the cache "
                                          "stays the key's tenant's whatever it says.")
     top_k: int = Field(-1, ge=-1, description="Sample from the k most likely tokens; -1 or 0: all.")  # vLLM's
@@ -224,7 +226,7 @@ def _generation(rt: Runtime, body: _Common, prompt: Prompt, max_tokens: int, log
     # Messages and segments are the tenant's own text: always the tenant's salt.
     return pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, body.exact, prompt.exact_prefix,
                                        cache_salt=cache_salt(tenant), cache_store=body.cache is None or body.cache.store,
-                                       max_tokens=max_tokens,
+                                       speculation=body.speculation, max_tokens=max_tokens,
                                        temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                        stop=body.stops(), logprobs=logprobs, top_logprobs=top_logprobs,
                                        top_k=max(body.top_k, 0), **body.extras())

@@ -55,6 +55,9 @@ class QueryRequest(SamplingExtras):
     collections: list[str] | None = Field(None, description="Retrieve from these collections of this key's tenant "
                                           "(default: its 'default').")
     cache: CacheOptions | None = Field(None, description='{"store": false}: keep nothing of this request in the cache.')
+    speculation: bool | None = Field(None, description="Speculative decoding with drafts looked up in the prompt (answers "
+                                     "copied from the documents come several tokens a step); null: the gateway's "
+                                     "setting (HYPIC_SPECULATION). Greedy answers are the same either way.")
     mode: str | None = Field(None, description="full, prefix, pic-naive or hypic (default: settings.default_mode).")
     seam: int | None = Field(None, ge=0, description="Seam width in tokens (default: the engine's).")
     exact: bool = Field(False, description="Exact reuse only: prefix mode (or full when named); 400 with an approximate mode.")
@@ -107,7 +110,7 @@ async def _answer(body: QueryRequest, request: Request):
     salt = rt.collections.salt(tenant, pipeline.collection_names(body.collections))
     gen = pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, body.exact, prompt.exact_prefix,
                                       cache_salt=salt, cache_store=body.cache is None or body.cache.store,
-                                      max_tokens=body.max_tokens,
+                                      speculation=body.speculation, max_tokens=body.max_tokens,
                                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                       **body.extras())
     stream = pipeline.start(rt, gen, started, "/query")

@@ -72,6 +72,10 @@ class Metrics:
         self.tenant_refused = Counter("hypic_tenant_quota_refusals", "Requests a tenant's quota refused (429), by the "
                                       "limit: documents, bytes, collections, requests.", ["tenant", "limit"], registry=r)
 
+    def watch_speculation(self, stats) -> None:
+        """Export the engine's speculative-decoding counters (`Engine.speculation`, read at each scrape)."""
+        self.registry.register(_SpeculationCollector(stats))
+
     def watch_store(self, store: SegmentStore) -> None:
         """Export `store.stats()` (hits by tier, misses, evictions, corrupt entries, bytes by tier)."""
         self.registry.register(_StoreCollector(store.stats))
@@ -101,6 +105,20 @@ class _WithLabel:
             labelled = copy.copy(metric)
             labelled.samples = [s._replace(labels={**s.labels, self._name: self._value}) for s in metric.samples]
             yield labelled
+
+
+class _SpeculationCollector:
+    def __init__(self, stats) -> None:
+        self._stats = stats
+
+    def collect(self):
+        s = self._stats
+        yield CounterMetricFamily("hypic_speculation_drafted_tokens", "Draft tokens fed to verification forwards "
+                                  "(speculative decoding).", value=s.drafted)
+        yield CounterMetricFamily("hypic_speculation_accepted_tokens", "Draft tokens the model agreed with (each "
+                                  "emitted without a decode step of its own).", value=s.accepted)
+        yield CounterMetricFamily("hypic_speculation_verify_steps", "Decode steps run as one verification forward.",
+                                  value=s.verify_steps)
 
 
 class _StoreCollector:

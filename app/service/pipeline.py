@@ -126,7 +126,7 @@ def sources(prompt: Prompt) -> dict:
 
 def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: str | None, seam: int | None,
                        exact: bool = False, exact_prefix: int = 0, cache_salt: str = "", cache_store: bool = True,
-                       **sampling) -> GenerationRequest:
+                       speculation: bool | None = None, **sampling) -> GenerationRequest:
     """An engine request; `sampling` are `SamplingParams` fields. Raises `InvalidRequestError` for max_tokens above
     `max_new_tokens`, an unknown mode, `exact` with an approximate mode and sampling values out
     of range; what depends on the model (token ids, the prompt's length) is checked once, by the
@@ -145,7 +145,7 @@ def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: s
         mode, seam = rt.guard.serving()
     return GenerationRequest(tuple(segments), Mode.parse(mode or rt.settings.default_mode), seam,
                              SamplingParams(**sampling), exact_prefix=exact_prefix, cache_salt=cache_salt,
-                             cache_store=cache_store)
+                             cache_store=cache_store, speculation=speculation)
 
 
 def require_room(rt: Runtime) -> None:

@@ -58,7 +58,7 @@ def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engin
     config = EngineConfig(seam=settings.seam, memory_budget_bytes=settings.cache_memory_bytes,
                           exact_budget_bytes=settings.exact_runs_bytes, exact_repeats=settings.exact_repeats,
                           scheduling=settings.scheduling, cold_prefill=settings.cold_prefill,
-                          decode_step=settings.decode_step)
+                          decode_step=settings.decode_step, speculation=settings.speculation)
     return Engine.from_pretrained(model.path, config, store_from_settings(settings), dtype=settings.dtype, device=settings.device,
                                   model_id=settings.served_model_name, prefill_workers=settings.prefill_workers,
                                   prefill_backend=settings.prefill_backend, prefill_threads=settings.prefill_worker_threads,
@@ -178,6 +178,7 @@ class Runtime:
                 self.model_name = self.settings.model_name or engine.model_id
                 self.metrics.model_name = self.model_name
             self.metrics.watch_store(engine.store)
+            self.metrics.watch_speculation(engine.speculation)
             self.guard = Guard.for_engine(self.settings, engine, self.model_name, self.metrics.registry, wake=self.engine_thread.wake,
                                           submit=lambda request, deliver: self.engine_thread.submit_internal(engine, request, deliver))
             self.engine_thread.run_when_idle(self.guard)

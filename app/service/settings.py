@@ -90,6 +90,10 @@ class Settings(BaseSettings):
                                                    "written for one token per sequence: fused weights, closed-form "
                                                    "linear-layer updates; llama, qwen3, qwen3_5 and bamba models, others "
                                                    "keep module) or module (the transformers modules, the reference).")
+    speculation: bool = Field(True, description="Speculative decoding: each running answer drafts its next tokens from "
+                              "its own prompt (n-gram lookup) and the decode forward verifies them, so text copied from "
+                              "the documents comes several tokens a step; greedy answers are unchanged. Runs with "
+                              "decode_step lean; a request's `speculation` field overrides.")
     scheduling: Literal["fcfs", "priority"] = Field("fcfs", description="Order in which waiting requests are admitted: "
                                                     "fcfs (arrival) or priority (a request's priority, then arrival).")
     prefill_workers: int = Field(0, ge=0, description="Model replicas computing cold chunks' cache entries in parallel "
