@@ -1,10 +1,10 @@
 """Per-token decode latency: the HF-module path against the lean step, beside the machine's floor.
 
 For each number of streams B: B prompts are prefilled (random tokens, `--context` each), then the
-decode batch runs `--steps` greedy steps on the module path (`DecodeBatch.forward` through the HF
-modules) and on the lean step (hypic_core/runner/decode_step.py), interleaved rep by rep (module,
-lean, lean, module, ...) from copies of the same prefilled caches, so load on a shared machine hits
-both alike. Reported: the median step (ms), ms per token (step / B), tok/s, and the floor: the
+decode batch runs `--steps` x `--reps` greedy steps on the module path (`DecodeBatch.forward`
+through the HF modules, on a model copy the step never touched) and on the lean step
+(hypic_core/runner/decode_step.py), in lockstep (one step of each in turn, the order alternating)
+from the same prompts, so load on a shared machine hits both alike. Reported: the median step (ms), ms per token (step / B), tok/s, and the floor: the
 bytes of the weights one step reads (every parameter but the embedding table, whose lookup reads B
 rows; a tied lm_head reads it in full once) at this machine's measured bandwidth (sum of a large
 tensor; a copy is printed too). With `--split`, one profiled run per path splits a step by layer
@@ -106,36 +106,57 @@ class ModuleRanges:
 
 def run(engine: Engine, caches: list, positions: list[int], steps: int, profile: bool = False):
     """Decode `steps` greedy steps of every row from copies of `caches` on `engine`'s decode batch.
-    Returns (per-step seconds, sampling seconds per step, profiler or None)."""
+    Returns (per-step seconds, profiler or None)."""
     batch = engine.runner.batch
     n = len(caches)
-    mine = {i: copy.deepcopy(c) for i, c in enumerate(caches)}
-    pos = list(positions)
-    tokens = [5] * n
-    times, sampling = [], []
-    prof = None
+    pos, tokens = list(positions), [5] * n
+    times = []
     with torch.inference_mode():
-        batch.sync(list(range(n)), mine)
+        batch.sync(list(range(n)), {i: copy.deepcopy(c) for i, c in enumerate(caches)})
         for _ in range(2):  # warm: buffers grown, first-call costs paid
-            logits = batch.forward(tokens, pos)
-            tokens = logits.argmax(-1).tolist()
+            tokens = batch.forward(tokens, pos).argmax(-1).tolist()
             pos = [p + 1 for p in pos]
         ctx = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
-        if ctx is not None:
-            prof = ctx.__enter__()
+        prof = ctx.__enter__() if ctx is not None else None
         for _ in range(steps):
             t0 = time.perf_counter()
             logits = batch.forward(tokens, pos)
-            t1 = time.perf_counter()
+            times.append(time.perf_counter() - t0)
             tokens = logits.argmax(-1).tolist()
-            t2 = time.perf_counter()
-            times.append(t1 - t0)
-            sampling.append(t2 - t1)
             pos = [p + 1 for p in pos]
         if ctx is not None:
             ctx.__exit__(None, None, None)
         batch.sync([], {})
-    return times, sampling, prof
+    return times, prof
+
+
+def lockstep(engines: dict[str, Engine], caches: dict[str, list], positions: list[int], steps: int):
+    """Every path decodes the same rows, one step each in turn (the order alternating step by step), so
+    a shared machine's load falls on all alike. Returns (seconds per step by path, sampling seconds)."""
+    names = list(engines)
+    state = {}
+    with torch.inference_mode():
+        for name in names:
+            batch = engines[name].runner.batch
+            batch.sync(list(range(len(positions))), {i: copy.deepcopy(c) for i, c in enumerate(caches[name])})
+            state[name] = (list(positions), [5] * len(positions))
+        times = {name: [] for name in names}
+        sampling = []
+        for k in range(steps + 2):  # the first two warm (buffers grown, first-call costs paid)
+            for name in (names if k % 2 == 0 else names[::-1]):
+                pos, tokens = state[name]
+                t0 = time.perf_counter()
+                logits = engines[name].runner.batch.forward(tokens, pos)
+                t1 = time.perf_counter()
+                tokens = logits.argmax(-1).tolist()
+                t2 = time.perf_counter()
+                if k >= 2:
+                    times[name].append(t1 - t0)
+                    sampling.append(t2 - t1)
+                state[name] = ([p + 1 for p in pos], tokens)
+        for name in names:
+            engines[name].runner.batch.sync([], {})
+    return times, sampling
 
 
 def split(prof, steps: int, total_ms: float) -> dict[str, float]:
@@ -156,7 +177,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
     ap.add_argument("--context", type=int, default=256, help="prompt tokens per stream")
-    ap.add_argument("--reps", type=int, default=3, help="runs per path (interleaved); the median step of all")
+    ap.add_argument("--reps", type=int, default=3, help="multiplies --steps (kept for the command lines in docs)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--split", action="store_true", help="also split one profiled run per path by layer kind")
     args = ap.parse_args()
@@ -176,11 +197,12 @@ def main() -> None:
     if lean is None:
         sys.exit(f"{path.name}: the lean step does not cover this model; nothing to compare")
     wbytes = weight_bytes(engine.model)
-    bw_sum, bw_copy = bandwidth(args.threads)
+    bw_sum, bw_copy = bandwidth(args.threads)  # best of 5; a busy machine reads slower, so the floor is then too high
     floor_ms = 1e3 * wbytes / (bw_sum * 1e9)
     params = sum(p.numel() for p in engine.model.parameters()) / 1e6
     print(f"model: {path.name} ({params:.1f}M parameters, {args.dtype}), CPU, {args.threads} torch thread(s); "
-          f"context {args.context} tokens per stream, {args.steps} steps x {args.reps} reps per path, interleaved")
+          f"context {args.context} tokens per stream, {args.steps * args.reps} steps per path in lockstep; "
+          f"load average at start {open('/proc/loadavg').read().split()[0]}")
     print(f"bandwidth: sum {bw_sum:.1f} GB/s, copy {bw_copy:.1f} GB/s (read + write); weights read per step "
           f"{wbytes / 1e6:.0f} MB -> floor {floor_ms:.1f} ms per step")
     print()
@@ -196,13 +218,7 @@ def main() -> None:
         pre = {kind: [e.prefill(r) for r in prompts] for kind, e in engines.items()}
         caches = {kind: [p.cache for p in ps] for kind, ps in pre.items()}
         positions = [p.position for p in pre["module"]]
-        got = {"module": [], "lean": []}
-        samp = []
-        for r in range(args.reps):
-            for name in (("module", "lean") if r % 2 == 0 else ("lean", "module")):
-                times, sampling, _ = run(engines[name], caches[name], positions, args.steps)
-                got[name] += times
-                samp += sampling
+        got, samp = lockstep(engines, caches, positions, args.steps * args.reps)
         m, ln = (1e3 * statistics.median(got[k]) for k in ("module", "lean"))
         print(f"| {b} | {m:.1f} | {ln:.1f} | {m / ln:.2f}x | {m / b:.1f} | {ln / b:.1f} | {1e3 * b / m:.1f} | "
               f"{1e3 * b / ln:.1f} | {floor_ms:.1f} | {ln / floor_ms:.2f}x | {1e3 * statistics.median(samp):.2f} |",
@@ -212,12 +228,13 @@ def main() -> None:
                 hooks = ModuleRanges(engine.model, engine.adapter) if name == "module" else None
                 lean.ranges = name == "lean"
                 try:
-                    times, _, prof = run(engines[name], caches[name], positions, min(args.steps, 8), profile=True)
+                    times, prof = run(engines[name], caches[name], positions, min(args.steps, 8), profile=True)
                 finally:
                     if hooks is not None:
                         hooks.remove()
                     lean.ranges = False
                 splits[(b, name)] = split(prof, len(times), 1e3 * sum(times) / len(times))
+    print(f"load average at end {open('/proc/loadavg').read().split()[0]}")
     if splits:
         kinds = ["attention", "mamba2", "gated_deltanet", "mlp", "lm_head", "embed+rope", "other"]
         kinds = [k for k in kinds if any(k in s for s in splits.values())]
