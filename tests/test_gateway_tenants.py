@@ -293,3 +293,25 @@ def test_a_tenant_creates_at_most_max_tenant_collections(tmp_path, monkeypatch):
     assert refused.value.limit == "collections"
     assert collections.writable("alice", "second") is second and collections.names("alice") == ["default", "second", "public"]
     assert collections.names("bob") == ["default", "public"]
+
+
+def test_ray_routing_uses_prompt_cache_key_and_names_no_chunks_of_other_collections():
+    import hashlib
+
+    from app.serve_ray.keys import chunk_key, hint_key, routing_keys, tenant_of_headers
+
+    def search(query, top_k, document_ids):
+        return ["c0"]
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "q"}], "rag": {}, "prompt_cache_key": "team-x"}
+    assert routing_keys("POST", "/v1/chat/completions", b"", json.dumps(chat).encode(), search) == (chunk_key("c0"), hint_key("team-x"))
+    other = chat | {"rag": {"collections": ["manuals"]}}
+    assert routing_keys("POST", "/v1/chat/completions", b"", json.dumps(other).encode(), search) == (hint_key("team-x"),)
+    assert routing_keys("POST", "/query", b"", b'{"question": "q", "collections": ["manuals"]}', search) == ()
+    assert routing_keys("GET", "/query", b"question=q&collections=manuals", b"", search) == ()
+    assert routing_keys("POST", "/query", b"", b'{"question": "q"}', None) == ()  # another tenant: the ingress does not search
+    tenants = {hashlib.sha256(b"key-a").digest(): "alice", hashlib.sha256(b"legacy").digest(): "default"}
+    assert tenant_of_headers([(b"authorization", b"Bearer key-a")], tenants) == "alice"
+    assert tenant_of_headers([(b"authorization", b"Bearer legacy")], tenants) == "default"
+    assert tenant_of_headers([(b"authorization", b"Bearer nope")], tenants) is None
+    assert tenant_of_headers([], {}) == "default"

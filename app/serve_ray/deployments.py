@@ -20,6 +20,7 @@ routing keys on the argument the router reads (docs/deploy-ray.md weighs the alt
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -33,7 +34,7 @@ from ..http.errors import APIError
 from ..service.runtime import corpus_to_seed
 from ..service.settings import Settings
 from .asgi import REPLICA_HEADER, ForwardedRequest, serve_asgi
-from .keys import routing_keys
+from .keys import routing_keys, tenant_of_headers
 from .router import ChunkAffinityRouter
 
 log = logging.getLogger("hypic.serve_ray")
@@ -88,6 +89,8 @@ class Ingress:
         self._index = None
         self._index_lock = threading.Lock()
         self._index_failed = False
+        # Keys by digest, to tell the default tenant's requests (the only ones whose chunks the ingress can name).
+        self._tenants = {hashlib.sha256(k.encode()).digest(): t for k, t in settings.tenant_keys.items()}
 
     def __serve_build_asgi_app__(self):
         async def app(scope, receive, send) -> None:  # a function: uvicorn takes a bound method for ASGI2
@@ -116,8 +119,9 @@ class Ingress:
                 return await _send_json(send, error.status, error.body())
             if not message.get("more_body", False):
                 break
+        search = self._search if tenant_of_headers(scope["headers"], self._tenants) == "default" else None
         keys = await anyio.to_thread.run_sync(lambda: routing_keys(scope["method"], scope["path"], scope.get("query_string", b""),
-                                                                   bytes(body), self._search, self.settings.default_top_k))
+                                                                   bytes(body), search, self.settings.default_top_k))
         request = ForwardedRequest.from_scope(scope, bytes(body), keys)
         parts = self.gateway.forward.remote(request)
         started = finished = False

@@ -6,6 +6,12 @@
 - Retrieved chunks (`/query`, GET or POST; `rag` on the OpenAI endpoints): "chunk:" + chunk id of
   each hit of `search(query, top_k, document_ids)`, the search the replica will run itself (the
   index is shared and deterministic, so both find the same chunks while it does not change).
+- `prompt_cache_key` (OpenAI endpoints): "hint:" + a hash of it, so requests a client groups under
+  one key tend to one replica.
+- Tenants (app/service/tenants.py): the ingress searches the default tenant's default collection
+  only; a request of another tenant (`search` None: the ingress knows the tenant from the key) or
+  one naming `collections` gets no retrieved-chunk keys. Routing only places a request: a
+  replica's cache is salted by tenant whatever the route.
 - Anything else (other paths, a body that is not a JSON object, fields of the wrong type, a
   failed search): no keys for that part. A request the gateway will refuse routes like any
   other; the replica gives the error. Never raises.
@@ -36,12 +42,28 @@ def chunk_key(chunk_id: str) -> str:
     return "chunk:" + chunk_id
 
 
+def hint_key(prompt_cache_key: str) -> str:
+    return "hint:" + hashlib.blake2b(prompt_cache_key.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def tenant_of_headers(headers: Sequence[tuple[bytes, bytes]], tenants: dict[bytes, str]) -> str | None:
+    """The tenant the request's bearer key opens: `tenants` maps sha256 digests of keys to tenants
+    (empty: no keys, the tenant 'default'); None for a missing or unknown key (the replica answers 401)."""
+    if not tenants:
+        return "default"
+    given = [v for k, v in headers if k.lower() == b"authorization"]
+    scheme, _, token = (given[0] if len(given) == 1 else b"").strip().partition(b" ")
+    return tenants.get(hashlib.sha256(token.strip()).digest()) if scheme.lower() == b"bearer" else None
+
+
 def routing_keys(method: str, path: str, query_string: bytes, body: bytes, search: Search | None,
                  default_top_k: int = 4) -> tuple[str, ...]:
     """The keys of one request (module docstring), in prompt order, without repeats."""
     path = "/" + path.strip("/")
     if method == "GET" and path == "/query":
         params = parse_qs(query_string.decode("latin-1"))
+        if params.get("collections"):
+            return ()
         question = (params.get("question") or [""])[-1]
         return _retrieved(search, question, _int((params.get("top_k") or [None])[-1]) or default_top_k,
                           params.get("document_ids"))
@@ -54,15 +76,20 @@ def routing_keys(method: str, path: str, query_string: bytes, body: bytes, searc
     if not isinstance(payload, dict):
         return ()
     if path == "/query":
+        if payload.get("collections") is not None:
+            return ()
         return _retrieved(search, payload.get("question"), _int(payload.get("top_k")) or default_top_k,
                           payload.get("document_ids"))
     keys: list[str] = []
     rag = payload.get("rag")
-    if isinstance(rag, dict):
+    if isinstance(rag, dict) and rag.get("collections") is None:
         keys += _retrieved(search, _query_text(path, payload), _int(rag.get("top_k")) or default_top_k, rag.get("document_ids"))
     segments = payload.get("segments")
     if isinstance(segments, list):
         keys += [text_key(s) for s in segments if isinstance(s, str)]
+    hint = payload.get("prompt_cache_key")
+    if isinstance(hint, str) and hint:
+        keys.append(hint_key(hint))
     return tuple(dict.fromkeys(keys))
 
 
