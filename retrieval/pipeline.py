@@ -8,6 +8,11 @@ its plain twin, same signature: chunk one document, embed its chunks, next docum
 return the same chunks; vectors agree to float rounding (a batch's padding can move the last
 bit), and are bit-identical for embedders that treat texts independently (hashing).
 
+Ingestion yields the CPU: its windows are embedded, and its chunks cut, on threads whose
+niceness is `INGEST_NICE` above the process's (Linux; `lower_priority`), so on a busy machine
+the engine and a query's own embed (which never waits for these windows: retrieval/embedder.py)
+run first.
+
 Progress: `progress(IngestProgress)` is called from the calling thread after every window;
 `ProgressLog` turns those calls into one log line every few seconds, for runs without a
 terminal (the gateway's log, `hypic ingest > file`).
@@ -16,10 +21,13 @@ terminal (the gateway's log, `hypic ingest > file`).
 from __future__ import annotations
 
 import bisect
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +40,34 @@ from retrieval.errors import DimensionMismatchError
 # Chunks embedded per call. Larger windows sort more chunks by length (less padding); 256
 # halved the padding of 64-chunk slices on real text (docs/retrieval.md, "Ingest throughput").
 EMBED_WINDOW = 256
+INGEST_NICE = 10  # niceness added to the threads that cut and embed an ingestion's chunks
+
+
+def lower_priority(by: int = INGEST_NICE) -> None:
+    """Raise the calling thread's niceness by `by` (at most 19), so that the scheduler prefers the
+    process's other threads. Linux only, where niceness is per thread (elsewhere it would lower
+    the whole process); best effort. It cannot be undone without privileges: call it only on
+    threads that do nothing else."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+    except OSError:
+        pass
+
+
+_bulk: ThreadPoolExecutor | None = None
+_bulk_lock = threading.Lock()
+
+
+def _bulk_thread() -> ThreadPoolExecutor:
+    """The one low-priority thread every ingestion's windows are embedded on, in turn."""
+    global _bulk
+    with _bulk_lock:
+        if _bulk is None:
+            _bulk = ThreadPoolExecutor(1, thread_name_prefix="hypic-ingest-embed", initializer=lower_priority)
+        return _bulk
 
 
 @dataclass(frozen=True)
@@ -92,6 +128,7 @@ def chunk_and_embed(documents: Sequence[Document], chunker: Chunker, embedder: E
     stop = threading.Event()
 
     def produce() -> None:
+        lower_priority()
         try:
             for document in documents:
                 if stop.is_set():
@@ -142,7 +179,7 @@ def _embed_in_windows(per_document: Iterator[list[Chunk]], total: int, embedder:
 
     def embed_upto(count: int) -> None:
         nonlocal embedded
-        parts.append(_embed(embedder, [c.text for c in chunks[embedded:count]]))
+        parts.append(_bulk_thread().submit(_embed, embedder, [c.text for c in chunks[embedded:count]]).result())
         embedded = count
         if progress is not None:
             progress(IngestProgress(bisect.bisect_right(ends, embedded), total, embedded, len(chunks), time.perf_counter() - started))

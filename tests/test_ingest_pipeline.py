@@ -3,6 +3,9 @@ against its per-document reference twin; embedding workers; progress lines."""
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import time
 
 import numpy as np
@@ -134,3 +137,28 @@ def test_cli_without_a_terminal_logs_progress_lines(tmp_path, monkeypatch):
                                       "--tokenizer", str(minilm_model_dir()), "--log-every", "0.1"])
     assert result.exit_code == 0, result.output
     assert "ingest: 1/1 documents, 1 chunks embedded (1 cut)" in result.stderr
+
+
+class NicenessRecorder(HashingEmbedder):
+    """A hashing embedder that notes the niceness of each thread it embeds on."""
+
+    def __init__(self) -> None:
+        super().__init__(64)
+        self.seen: list[int] = []
+
+    def embed(self, texts):
+        self.seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return super().embed(texts)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_ingestion_embeds_at_a_lower_priority_and_leaves_the_callers(chunker):
+    """An upload's windows are embedded on a thread niced INGEST_NICE above the caller, so the
+    engine and queries' embeds get the CPU first; the caller's own priority is unchanged."""
+    from retrieval.pipeline import INGEST_NICE
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    embedder = NicenessRecorder()
+    chunk_and_embed(corpus(), chunker, embedder, window=5)
+    assert len(embedder.seen) > 1 and set(embedder.seen) == {min(19, mine + INGEST_NICE)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
