@@ -112,6 +112,8 @@ def test_no_cache_hit_across_tenants_on_the_same_chunk_text(alice, gateway):
     first = ask(dora, question)
     assert first["sources"][0]["text"] == SECRET + " Probe."
     assert reused(first["usage"]) == 0
+    by_kind = _tenant_tokens(dora, "dora")  # /metrics agrees: dora's prompt tokens were all computed for her
+    assert by_kind.get("exact", 0) == by_kind.get("composed", 0) == 0 and by_kind["fresh"] > 0
     assert reused(ask(dora, question)["usage"]) > 0  # dora's own entries serve dora
     # The OpenAI route, with alice's chunk text sent verbatim as a segment: no hit for bob either.
     body = {"model": "tiny", "max_tokens": 1, "segments": [SECRET + " Segment.", PUBLIC + " Segment."],
@@ -190,6 +192,15 @@ def test_document_and_byte_quotas_answer_429_with_retry_after(gateway):
         assert add(carol, "d1", "Small document 1, replaced.").status_code == 201  # a replacement adds nothing
         quota = carol.get("/collections").json()["quota"]
         assert quota["documents"] == 6 and quota["max_documents"] == 6
+
+
+def _tenant_tokens(c: httpx.Client, tenant: str) -> dict[str, float]:
+    """`hypic_tenant_prompt_tokens_total` of `tenant`, by kind."""
+    found = {}
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("hypic_tenant_prompt_tokens_total{") and f'tenant="{tenant}"' in line:
+            found[line.split('kind="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def _hold_open(url: str, key: str) -> socket.socket:

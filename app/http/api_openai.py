@@ -157,7 +157,7 @@ async def chat_completions(body: ChatRequest, request: Request):
                                                               reserve=asked or rt.settings.answer_reserve_tokens))
     gen = _generation(rt, body, prompt, asked or rt.settings.max_new_tokens, body.logprobs, body.top_logprobs or 0,
                       tenant_of(request))
-    stream = pipeline.start(rt, gen, started, "/v1/chat/completions")
+    stream = pipeline.start(rt, gen, started, "/v1/chat/completions", tenant_of(request))
     reply = _Reply(rt, "chat.completion", body, chat=True, prompt=prompt)
     if body.stream:
         return sse.response(reply.stream(stream), rt.settings.sse_keepalive_s)
@@ -183,7 +183,7 @@ async def completions(body: CompletionRequest, request: Request):
     want = body.logprobs is not None
     gen = _generation(rt, body, built, body.max_tokens or rt.settings.max_new_tokens, want, body.logprobs or 0,
                       tenant_of(request))
-    stream = pipeline.start(rt, gen, started, "/v1/completions")
+    stream = pipeline.start(rt, gen, started, "/v1/completions", tenant_of(request))
     reply = _Reply(rt, "text_completion", body, chat=False, prompt=built)
     if body.stream:
         return sse.response(reply.stream(stream), rt.settings.sse_keepalive_s)

@@ -113,7 +113,7 @@ async def _answer(body: QueryRequest, request: Request):
                                       speculation=body.speculation, max_tokens=body.max_tokens,
                                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                       **body.extras())
-    stream = pipeline.start(rt, gen, started, "/query")
+    stream = pipeline.start(rt, gen, started, "/query", tenant)
     sources = pipeline.sources(prompt)
     if body.stream:
         return sse.response(_events(stream, sources, found.ms), rt.settings.sse_keepalive_s)

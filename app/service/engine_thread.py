@@ -134,6 +134,7 @@ class _Route:
     context: contextvars.Context  # the submitting request's, so log lines carry its request id
     eos_ids: frozenset[int]
     last_token_at: float | None = None
+    tenant: str | None = None  # the `tenant` label of its prompt tokens (app/service/tenants.py)
 
 
 class EngineThread:
@@ -163,12 +164,14 @@ class EngineThread:
         with self._lock:
             return len(self._routes) < self.capacity
 
-    def submit(self, engine: Engine, request: GenerationRequest, started: float, route: str) -> TokenStream:
+    def submit(self, engine: Engine, request: GenerationRequest, started: float, route: str,
+               tenant: str | None = None) -> TokenStream:
         """Admit `request`; call on the event loop. Raises `QueueFullError` when full and the
         engine's `InvalidRequestError` for a request it refuses.
 
         `started` (a `time.perf_counter()` value) is the request's arrival, for TTFT and
-        end-to-end latency under the metrics label `route`.
+        end-to-end latency under the metrics label `route`; `tenant`, the label its prompt tokens
+        are counted under per tenant.
         """
         stream = TokenStream(asyncio.get_running_loop(), started)
         with self._lock:
@@ -177,7 +180,7 @@ class EngineThread:
                 raise QueueFullError(self.capacity)
             seq = engine.add_request(request, abort=stream.abort)
             self._engine = engine
-            self._routes[seq.request_id] = _Route(stream, route, contextvars.copy_context(), engine.eos_ids)
+            self._routes[seq.request_id] = _Route(stream, route, contextvars.copy_context(), engine.eos_ids, tenant=tenant)
             self._publish()
             self._wake.notify()
         return stream
@@ -276,7 +279,7 @@ class EngineThread:
         stream, now = route.stream, time.perf_counter()
         if out.stats is not None:
             outbox.push(stream, out.stats)
-            self.metrics.observe_prefill(out.stats)
+            self.metrics.observe_prefill(out.stats, route.tenant)
         if out.token_id is not None:
             if route.last_token_at is None:
                 stream.first_token_at = now

@@ -69,6 +69,8 @@ class Metrics:
                                        ["tenant", "status"], registry=r)
         self.tenant_in_flight = Gauge("hypic_tenant_requests_in_flight", "Requests of each tenant in flight.", ["tenant"],
                                       registry=r)
+        self.tenant_prompt_tokens = Counter("hypic_tenant_prompt_tokens", "Prompt tokens by tenant and how their work was "
+                                            "done (the kinds of hypic_prompt_tokens).", ["tenant", "kind"], registry=r)
         self.tenant_refused = Counter("hypic_tenant_quota_refusals", "Requests a tenant's quota refused (429), by the "
                                       "limit: documents, bytes, collections, requests.", ["tenant", "limit"], registry=r)
 
@@ -80,11 +82,13 @@ class Metrics:
         """Export `store.stats()` (hits by tier, misses, evictions, corrupt entries, bytes by tier)."""
         self.registry.register(_StoreCollector(store.stats))
 
-    def observe_prefill(self, stats: PrefillStats) -> None:
+    def observe_prefill(self, stats: PrefillStats, tenant: str | None = None) -> None:
         self.queue.observe(stats.timings_ms.get("queue", 0.0) / 1000.0)
         self.prefill.labels(stats.mode).observe(stats.timings_ms.get("prefill", 0.0) / 1000.0)
         for kind in ("exact", "composed", "seam", "fresh"):
             self.prompt_tokens.labels(kind).inc(getattr(stats, f"{kind}_tokens"))
+            if tenant is not None:
+                self.tenant_prompt_tokens.labels(tenant, kind).inc(getattr(stats, f"{kind}_tokens"))
         self.segments.labels("hit").inc(stats.segment_hits)
         self.segments.labels("miss").inc(stats.segment_misses)
         if stats.exact_forward:

@@ -155,10 +155,10 @@ def require_room(rt: Runtime) -> None:
         raise QueueFullError(rt.engine_thread.capacity)
 
 
-def start(rt: Runtime, request: GenerationRequest, started: float, route: str) -> TokenStream:
-    """Admit `request` to the engine thread; the engine's `InvalidRequestError` for a request it refuses
+def start(rt: Runtime, request: GenerationRequest, started: float, route: str, tenant: str = DEFAULT_TENANT) -> TokenStream:
+    """Admit `request` (of `tenant`) to the engine thread; the engine's `InvalidRequestError` for a request it refuses
     (naming the field), `QueueFullError` when the queue is full."""
-    stream = rt.engine_thread.submit(rt.engine, request, started, route)
+    stream = rt.engine_thread.submit(rt.engine, request, started, route, rt.tenant_labels(tenant))
     if rt.guard is not None:
         rt.guard.offer(request)  # maybe a shadow check, run once the engine is idle
     return stream
