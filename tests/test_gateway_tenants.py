@@ -326,3 +326,17 @@ def test_ray_routing_uses_prompt_cache_key_and_names_no_chunks_of_other_collecti
     assert tenant_of_headers([(b"authorization", b"Bearer legacy")], tenants) == "default"
     assert tenant_of_headers([(b"authorization", b"Bearer nope")], tenants) is None
     assert tenant_of_headers([], {}) == "default"
+
+
+def test_a_collection_written_beside_the_gateway_is_served_to_its_tenant_only(gateway, alice, bob):
+    """As `hypic ingest --index-dir <collections>/<tenant>/<name>` leaves it."""
+    from app.service.tenants import Chunk
+    from retrieval import HashingEmbedder, VectorIndex
+
+    _, app = gateway
+    root = app.state.runtime.settings.collections_root
+    VectorIndex(root / "alice" / "books", HashingEmbedder(64)).upsert([Chunk("b0", "atlas", "Atlas", "", 0, "Maps of the Alna.", 5)])
+    hits = alice.post("/search", json={"query": "maps of the Alna", "collections": ["books"]}).json()["data"]
+    assert [(h["document_id"], h["collection"]) for h in hits] == [("atlas", "books")]
+    assert "books" in {c["name"] for c in alice.get("/collections").json()["data"]}
+    assert bob.post("/search", json={"query": "maps", "collections": ["books"]}).status_code == 400
