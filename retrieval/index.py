@@ -302,6 +302,10 @@ class VectorIndex:
             by_row = self._chunks_by_row([row for _, row in found])
         return [SearchHit(score, by_row[row]) for score, row in found]
 
+    def query_vector(self, query: str | np.ndarray) -> np.ndarray:
+        """`query` as `search` uses it: a text embedded, or a vector checked against the index dimension."""
+        return self._query_vector(query)
+
     def _query_vector(self, query: str | np.ndarray) -> np.ndarray:
         vector = self.embedder.embed([query]) if isinstance(query, str) else np.asarray(query, dtype=np.float32).reshape(1, -1)
         if vector.shape != (1, self._manifest.dim):

@@ -2,7 +2,8 @@
 
 Keys: "legacy" (HYPIC_API_KEY, the tenant 'default', which holds the startup corpus), "key-a"
 (alice), "key-b" (bob), "key-c" (carol, used for the quotas), "key-d" (dora: the probe, whose
-first request is in the cache test). Collection "public" is shared, written
+first request is in the cache test), "key-e" (erin: several collections at once). Every tenant may
+keep 6 documents. Collection "public" is shared, written
 by alice. Cache hits are read from `usage` (cached_tokens: exact reuse; composed_tokens: reuse by
 composition), never from timings.
 """
@@ -21,7 +22,7 @@ from app.service.tenants import Collections, TenantLabels, cache_salt
 from app.testing import LiveServer, single_torch_thread, tiny_gateway
 
 CORPUS = [{"id": "corpus-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."}]
-KEYS = {"key-a": "alice", "key-b": "bob", "key-c": "carol", "key-d": "dora"}
+KEYS = {"key-a": "alice", "key-b": "bob", "key-c": "carol", "key-d": "dora", "key-e": "erin"}
 SECRET = ("The vault code of Brill is 4417. Tam Oke keeps the key in the cafe on the river Alna, "
           "and Ines Kell knows where the second key is hidden.")
 PUBLIC = "The river Alna flows through Varo into the sea; the cafe by the bridge opened in 1999."
@@ -340,3 +341,18 @@ def test_a_collection_written_beside_the_gateway_is_served_to_its_tenant_only(ga
     assert [(h["document_id"], h["collection"]) for h in hits] == [("atlas", "books")]
     assert "books" in {c["name"] for c in alice.get("/collections").json()["data"]}
     assert bob.post("/search", json={"query": "maps", "collections": ["books"]}).status_code == 400
+
+
+def test_several_collections_are_searched_together_and_document_ids_span_them(gateway):
+    erin = client(gateway, "key-e")
+    assert add(erin, "m1", "The ferry to Varo leaves at noon.", collection="multi-a").status_code == 201
+    assert add(erin, "m2", "The ferry back from Varo leaves at six.", collection="multi-b").status_code == 201
+    both = {"query": "ferry Varo", "collections": ["multi-a", "multi-b"], "top_k": 4}
+    hits = erin.post("/search", json=both).json()["data"]
+    assert {(h["document_id"], h["collection"]) for h in hits} == {("m1", "multi-a"), ("m2", "multi-b")}
+    assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+    only = erin.post("/search", json=both | {"document_ids": ["m2"]}).json()["data"]
+    assert [h["document_id"] for h in only] == ["m2"]
+    r = erin.post("/search", json=both | {"document_ids": ["m2", "nope"]})
+    assert r.status_code == 400 and param_of(r) == "document_ids"
+    erin.close()

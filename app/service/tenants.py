@@ -158,6 +158,7 @@ class Collections:
             name, index = indexes[0]
             return [CollectionHit(h.score, h.chunk, name) for h in index.search(query, top_k, document_ids)]
         wanted = None if document_ids is None else list(dict.fromkeys(document_ids))
+        query = indexes[0][1].query_vector(query)  # embedded once for every collection (one embedder)
         hits: list[CollectionHit] = []
         held: set[str] = set()
         for name, index in indexes:
