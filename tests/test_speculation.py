@@ -47,20 +47,22 @@ def test_prompt_lookup_drafts_the_longest_latest_match_and_never_itself():
         PromptLookup([], max_n=0)
 
 
-def test_draft_budget_grows_shrinks_and_rests():
-    b = DraftBudget(max_k=8, k=4)
-    b.record(4, 4)
-    assert b.next_k() == 6
-    b.record(6, 2)
-    assert b.next_k() == 3
-    b.record(3, 0)
-    assert b.next_k() == 1 and b.pause == 0
-    b.record(1, 0)  # two failures in a row: rest 2 steps
-    assert [b.next_k() for _ in range(3)] == [0, 0, 1]
-    b.record(1, 0)
-    assert b.pause == 4
+def test_draft_budget_drafts_what_acceptance_pays_for():
+    b = DraftBudget(max_k=8, cost=0.3)
+    assert b.next_k() == 1  # the prior (0.6)
+    for _ in range(3):
+        b.record(8, 8)  # copying: drafts grow to the cap
+    assert b.rate > 0.9 and b.next_k() == 8
+    b.record(8, 2)  # two kept, then a miss
+    assert 0 < b.next_k() < 8
+    for _ in range(6):
+        b.record(1, 0)
+    assert b.next_k() == 0  # not copying: no draft ...
+    assert [b.next_k() for _ in range(8)] == [0] * 6 + [1, 0]  # ... but a one-token probe every 8 steps
     b.record(0, 0)  # nothing drafted: nothing learned
-    assert b.pause == 4
+    assert b.rate < 0.3
+    assert DraftBudget(cost=0.0, rate=0.2).next_k() == 8  # free tokens: always the longest draft
+    assert DraftBudget(cost=2.0, rate=0.95).next_k() == 0  # dear tokens: never
 
 
 # --- the verification forward against the lean step ------------------------------------------
@@ -148,7 +150,7 @@ def test_greedy_tokens_identical_with_and_without_speculation(family):
     model = model_of(family)
     outs, stats = {}, {}
     for spec in (False, True):
-        engine = Engine(model, config=EngineConfig(seam=4, decode_step="lean", speculation=spec))
+        engine = Engine(model, config=EngineConfig(seam=4, decode_step="lean", speculation=spec, speculation_min_ngram=1))
         outs[spec] = run(engine, requests(), abort_at=6)
         stats[spec] = engine.speculation
     for i, (a, b) in enumerate(zip(outs[False], outs[True])):
@@ -173,7 +175,7 @@ def test_stop_strings_and_max_tokens_cut_inside_an_accepted_draft(tiny_tokenizer
     prompt = tuple(tiny_tokenizer.encode("The river Alna flows through Varo. The river Alna flows through Varo. The river"))
     base = engine_out = None
     for spec in (False, True):
-        engine = Engine(model, tiny_tokenizer, EngineConfig(seam=4, decode_step="lean", speculation=spec))
+        engine = Engine(model, tiny_tokenizer, EngineConfig(seam=4, decode_step="lean", speculation=spec, speculation_min_ngram=1))
         plain = list(engine.generate(GenerationRequest((prompt,), mode="full", sampling=SamplingParams(max_tokens=30))))
         text = "".join(o.text for o in plain)
         stop = text[len(text) // 2: len(text) // 2 + 3] if len(text) > 6 else None
@@ -188,6 +190,16 @@ def test_stop_strings_and_max_tokens_cut_inside_an_accepted_draft(tiny_tokenizer
             base = result
     assert engine_out[0] == base
     assert [len(r) for r in base[1:4]] == [1, 7, 13]
+
+
+class FixedBudget:
+    """Always 8 tokens (the drafts above decide)."""
+
+    def next_k(self):
+        return 8
+
+    def record(self, drafted, accepted):
+        pass
 
 
 class FixedDrafter:
@@ -213,10 +225,10 @@ def test_a_draft_rejected_at_its_first_token_and_one_accepted_whole(family):
     engine = Engine(model, config=EngineConfig(decode_step="lean", speculation=True))
     seq = engine.add_request(req, collect=True)
     wrong = (plain[1] + 1) % 300  # plain[1] comes next: the draft misses at once
-    # step 1 samples plain[0]; step 2 feeds plain[0] with the draft [wrong, ...]: rejected at once, emits plain[1]
-    # (the budget halves to 4); step 3 feeds plain[1] with plain[2:6]: accepted whole, emits plain[2:7]
+    # step 1 samples plain[0]; step 2 feeds plain[0] with the draft [wrong, ...]: rejected at once, emits plain[1];
+    # step 3 feeds plain[1] with plain[2:6]: accepted whole, emits plain[2:7]
     seq.drafter = FixedDrafter(seq, [[wrong, plain[3]], plain[2:6]])
-    seq.draft_budget = DraftBudget(max_k=8, k=8)
+    seq.draft_budget = FixedBudget()
     counts = []
     while engine.has_unfinished():
         counts.append(sum(1 for o in engine.step() if o.token_id is not None))
@@ -303,7 +315,7 @@ def test_gateway_answers_the_same_with_speculation_and_counts_it(tiny_tokenizer,
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
     settings = Settings(_env_file=None, torch_threads=None, index_dir=tmp_path / "index", corpus_path=tmp_path / "corpus.jsonl")
     engine = Engine(tiny_model("qwen3_5", vocab_size=len(tiny_tokenizer)), tiny_tokenizer,
-                    EngineConfig(seam=4, decode_step="lean"), model_id="tiny")
+                    EngineConfig(seam=4, decode_step="lean", speculation_min_ngram=1), model_id="tiny")
     engine.eos_ids = frozenset()  # answers run to max_tokens
     app = create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64)))
     body = {"question": "Who is the mayor of Varo?", "top_k": 2, "max_tokens": 48}

@@ -6,9 +6,9 @@ occurred earlier, and proposes what followed its latest earlier occurrence: up t
 engine feeds them after the last sampled token in one verification forward
 (hypic_core/runner/verify_step.py) and keeps the prefix the model agrees with.
 
-`DraftBudget` sets k from how drafts fared: longer after a draft accepted whole, shorter after a
-partial one, and none for a while (doubling) after drafts keep failing, so a sequence that does
-not copy pays for a probe now and then, not every step.
+`DraftBudget` sets k from how drafts fared and what a drafted token costs in the verification
+forward: long drafts while a sequence copies, none (a one-token probe now and then) while it
+does not, so a sequence that does not copy pays little.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class PromptLookup:
     For each n, `_next[n]` maps an n-gram to the index just after its latest occurrence whose
     continuation is known (the suffix itself is entered only once a token follows it)."""
 
-    def __init__(self, tokens: Iterable[int], max_n: int = 3, min_n: int = 1):
+    def __init__(self, tokens: Iterable[int], max_n: int = 3, min_n: int = 2):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
@@ -53,28 +53,45 @@ class PromptLookup:
 
 @dataclass
 class DraftBudget:
-    """How many tokens to draft next (`k`), adapted to the acceptance of earlier drafts."""
+    """How many tokens to draft next (`k`), from the acceptance of earlier drafts and what a drafted token costs.
+
+    `rate` estimates the chance that a draft token is accepted given the one before it was (a moving
+    average over drafted tokens, starting at `prior`). A draft of k tokens then yields
+    (1 - rate^(k+1)) / (1 - rate) tokens in a forward that costs 1 + cost * k plain steps (`cost`: the
+    price of one more token in the verification forward, which on a CPU whose small matrix products
+    are compute-bound is far from free). `next_k` picks the k with the best yield per cost, 0 when
+    no k beats plain decoding: then a probe of one token is tried every `probe` steps so that a
+    sequence which starts copying later is noticed."""
 
     max_k: int = 8
-    k: int = 4
-    failures: int = 0  # drafts in a row with no token accepted
-    pause: int = 0  # steps left without drafting
+    cost: float = 0.3
+    prior: float = 0.6
+    probe: int = 8
+    rate: float = -1.0  # < 0: no draft seen yet (the prior)
+    idle: int = 0  # steps since the last draft
 
     def next_k(self) -> int:
-        if self.pause > 0:
-            self.pause -= 1
-            return 0
-        return min(self.k, self.max_k)
+        rate = self.prior if self.rate < 0 else self.rate
+        best, best_gain = 0, 1.0
+        for k in range(1, self.max_k + 1):
+            gain = (1.0 - rate ** (k + 1)) / (1.0 - rate) / (1.0 + self.cost * k) if rate < 1.0 else (k + 1) / (1 + self.cost * k)
+            if gain > best_gain + 1e-9:
+                best, best_gain = k, gain
+        if best == 0:
+            self.idle += 1
+            if self.idle >= self.probe:
+                self.idle = 0
+                return 1
+        return best
 
     def record(self, drafted: int, accepted: int) -> None:
+        """A draft of `drafted` tokens of which the first `accepted` were kept."""
         if drafted <= 0:
             return
-        if accepted >= drafted:
-            self.k, self.failures = min(self.max_k, self.k + 2), 0
-        elif accepted > 0:
-            self.k, self.failures = max(1, accepted + 1), 0
-        else:
-            self.failures += 1
-            self.k = max(1, self.k // 2)
-            if self.failures >= 2:  # keeps failing: rest, longer each time (at most 64 steps)
-                self.pause = min(64, 2 ** (self.failures - 1))
+        self.idle = 0
+        # per-token outcomes: `accepted` successes, then one failure unless the whole draft was kept
+        trials = accepted + (1 if accepted < drafted else 0)
+        rate = self.prior if self.rate < 0 else self.rate
+        for i in range(trials):
+            rate = 0.8 * rate + 0.2 * (1.0 if i < accepted else 0.0)
+        self.rate = rate

@@ -46,7 +46,7 @@ from ..errors import InvalidRequestError, PromptTooLongError
 from ..runner.model_runner import ModelRunner
 from ..runner.verify_step import Verified, VerifyStep
 from .context_cache import ColdWork, ContextCacheManager
-from .drafting import PromptLookup
+from .drafting import DraftBudget, PromptLookup
 from .lookups import Lookups
 from .output import OutputProcessor
 from .prefill import CostModel
@@ -622,12 +622,13 @@ class Engine:
         for s in seqs:
             if not self._speculates(s):
                 continue
-            k = min(s.draft_budget.next_k(), self.config.speculation_max_draft, s.max_new_tokens - s.num_generated - 1,
-                    self.max_positions - s.position - 2)
+            if s.drafter is None:
+                s.drafter = PromptLookup([t for seg in s.request.segments for t in seg], self.config.speculation_ngram,
+                                         self.config.speculation_min_ngram)
+                s.draft_budget = DraftBudget(self.config.speculation_max_draft, self.config.speculation_cost)
+            k = min(s.draft_budget.next_k(), s.max_new_tokens - s.num_generated - 1, self.max_positions - s.position - 2)
             if k <= 0:
                 continue
-            if s.drafter is None:
-                s.drafter = PromptLookup([t for seg in s.request.segments for t in seg], self.config.speculation_ngram)
             s.drafter.extend(s.output_ids[len(s.drafter.tokens) - s.request.prompt_tokens:])
             draft = s.drafter.propose(k)
             if draft:

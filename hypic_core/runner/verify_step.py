@@ -155,10 +155,11 @@ class VerifyStep:
         vb[rows, :, cols] = v
         B, T, W, G = lay.b, lay.t, lay.width, H // Hkv
         keys, values = kb[:B, :, :W], vb[:B, :, :W]  # [B, Hkv, W, D]
-        qp = lay.pad(q).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
-        scores = torch.matmul(qp, keys[:, :, None].transpose(-1, -2)) * att.scale + bias  # [B, Hkv, G, T, W]
+        # [B, Hkv, G*T, D] against the live columns as they lie in the buffers (no broadcast: no copy of K/V)
+        qp = lay.pad(q).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        scores = torch.matmul(qp, keys.transpose(-1, -2)).view(B, Hkv, G, T, W) * att.scale + bias
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, values[:, :, None])  # [B, Hkv, G, T, D]
+        out = torch.matmul(probs.view(B, Hkv, G * T, W), values).view(B, Hkv, G, T, D)
         out = lay.unpad(out.permute(0, 3, 1, 2, 4)).reshape(N, H * D)
         if gate is not None:
             out = out * torch.sigmoid(gate)
