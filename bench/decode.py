@@ -13,7 +13,7 @@ on the lean one); "other" is what no range covers (embedding, rotary, masks, cac
 Python between modules). Sampling (argmax of the logits) is timed apart.
 
 Run:  .venv/bin/python bench/decode.py --model smollm2-135m-instruct --threads 2 [--streams 1 2 4 8]
-      [--steps 32 --context 256 --reps 3 --dtype float32 --split]
+      [--steps 32 --context 256 --reps 3 --dtype float32 --split --packed]
 `--model` takes a directory or a registry name (hypic models list).
 """
 
@@ -180,6 +180,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="multiplies --steps (kept for the command lines in docs)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--split", action="store_true", help="also split one profiled run per path by layer kind")
+    ap.add_argument("--packed", action="store_true", help="also run decode_step lean-packed (oneDNN-packed weights)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = Path(args.model)
@@ -190,8 +191,9 @@ def main() -> None:
     # Two copies of the model: the lean step makes the modules' weights views of its fused, transposed
     # ones, so the module path is measured on a model the step never touched (weights as loaded).
     dtype = getattr(torch, args.dtype)
+    kinds = ("module", "lean", "lean-packed") if args.packed else ("module", "lean")
     engines = {kind: Engine.from_pretrained(path, EngineConfig(max_running=max(args.streams), decode_step=kind), dtype=dtype)
-               for kind in ("module", "lean")}
+               for kind in kinds}
     engine = engines["module"]
     lean = engines["lean"].runner.batch.step
     if lean is None:
@@ -211,7 +213,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
-    splits = {}
+    splits, packed_rows = {}, []
     for b in args.streams:
         prompts = [GenerationRequest((tuple(torch.randint(10, vocab, (args.context,), generator=gen).tolist()),), mode="full")
                    for _ in range(b)]
@@ -223,6 +225,10 @@ def main() -> None:
         print(f"| {b} | {m:.1f} | {ln:.1f} | {m / ln:.2f}x | {m / b:.1f} | {ln / b:.1f} | {1e3 * b / m:.1f} | "
               f"{1e3 * b / ln:.1f} | {floor_ms:.1f} | {ln / floor_ms:.2f}x | {1e3 * statistics.median(samp):.2f} |",
               flush=True)
+        if "lean-packed" in got:
+            pk = 1e3 * statistics.median(got["lean-packed"])
+            packed_rows.append(f"| {b} | {m:.1f} | {ln:.1f} | {pk:.1f} | {m / pk:.2f}x | {ln / pk:.2f}x | "
+                               f"{pk / b:.1f} | {1e3 * b / pk:.1f} | {pk / floor_ms:.2f}x |")
         if args.split and b in (args.streams[0], args.streams[-1]):
             for name in ("module", "lean"):
                 hooks = ModuleRanges(engine.model, engine.adapter) if name == "module" else None
@@ -235,6 +241,13 @@ def main() -> None:
                     lean.ranges = False
                 splits[(b, name)] = split(prof, len(times), 1e3 * sum(times) / len(times))
     print(f"load average at end {open('/proc/loadavg').read().split()[0]}")
+    if packed_rows:
+        print()
+        print("lean-packed (the lean step on a second, oneDNN-packed copy of the weights), same lockstep runs:")
+        print("| streams | module ms/step | lean ms/step | packed ms/step | packed vs module | packed vs lean | "
+              "packed ms/token | packed tok/s | packed / floor |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("\n".join(packed_rows))
     if splits:
         kinds = ["attention", "mamba2", "gated_deltanet", "mlp", "lm_head", "embed+rope", "other"]
         kinds = [k for k in kinds if any(k in s for s in splits.values())]

@@ -11,7 +11,7 @@ from .errors import InvalidRequestError
 
 DEFAULT_SEAM = 8  # the reference implementation's default seam width
 COLD_PREFILL = ("stitch", "exact", "auto")  # EngineConfig.cold_prefill
-DECODE_STEPS = ("module", "lean")  # EngineConfig.decode_step
+DECODE_STEPS = ("module", "lean", "lean-packed")  # EngineConfig.decode_step
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias positive ones
 
 
@@ -130,7 +130,8 @@ class EngineConfig:
     cold_prefill: str = "stitch"  # "stitch", "exact" or "auto" (see above)
     background_tokens: int = 1 << 20  # deferred cold work queued at most, in segment tokens
     # The batched decode forward: "lean" (hypic_core/runner/decode_step.py: fused weights, closed-form
-    # one-token updates; a family it does not cover keeps the module path) or "module" (the HF modules).
+    # one-token updates; a family it does not cover keeps the module path), "lean-packed" (the same on
+    # a second, oneDNN-packed copy of the weights: faster at 2-8 rows on AVX2 CPUs) or "module" (the HF modules).
     decode_step: str = "module"
     # Canonical entries computed after this fixed head (token ids: BOS and the chat template's system
     # part), whose own K/V and state are then dropped; part of every entry key. () : computed alone.

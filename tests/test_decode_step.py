@@ -133,15 +133,18 @@ def test_decode_step_setting_is_validated():
         EngineConfig(decode_step="fast")
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "smollm2-hybrid-135m"])
-def test_lean_step_on_the_real_models(name, smollm2_dir):
+@pytest.mark.parametrize("name,kind", [("smollm2-135m-instruct", "lean"), ("smollm2-hybrid-135m", "lean"),
+                                       ("smollm2-hybrid-135m", "lean-packed")])
+def test_lean_step_on_the_real_models(name, kind, smollm2_dir):
     """The real SmolLM2 (dense llama) and its distilled hybrid (bamba: 13 Mamba2 mixers): 4 rows, one
     joining and one leaving, 4 steps, fp32 logits within 1e-4 and the same greedy tokens."""
     from hypic_core.models.registry import resolve
 
     torch.set_num_threads(1)
-    engine = Engine.from_pretrained(resolve(name).path, EngineConfig(seam=4, decode_step="lean"))
-    assert engine.runner.decode_step == "lean"
+    engine = Engine.from_pretrained(resolve(name).path, EngineConfig(seam=4, decode_step=kind))
+    if kind == "lean-packed" and not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    assert engine.runner.decode_step == kind
     reqs = [GenerationRequest(random_segments(s, vocab=40000, seed=i, low=10), mode=m)
             for i, (s, m) in enumerate(zip(((12, 6), (20, 4), (7,), (16, 8, 3), (10, 5)), MODES))]
     assert lean_against_module(engine, reqs, steps=4, join_at=1, leave_at=2) == 4 + 5 + 4 + 4
@@ -155,3 +158,14 @@ def test_gateway_setting_reads_hypic_decode_step(monkeypatch):
     assert Settings(_env_file=None, torch_threads=None).decode_step == "lean"
     monkeypatch.setenv("HYPIC_DECODE_STEP", "module")
     assert Settings(_env_file=None, torch_threads=None).decode_step == "module"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "bamba"])
+def test_packed_lean_step_equals_module_path(family):
+    """decode_step="lean-packed" (oneDNN-packed weight copies) holds the same bounds as "lean"."""
+    engine = Engine(tiny_model(family), config=EngineConfig(seam=3, decode_step="lean-packed"))
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    assert engine.runner.decode_step == "lean-packed"
+    reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
+    assert lean_against_module(engine, reqs, steps=6, join_at=2, leave_at=3) == 4 + 4 + 6 + 5 + 5 + 5

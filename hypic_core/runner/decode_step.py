@@ -69,8 +69,30 @@ def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tenso
     return weight, bias
 
 
-def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [B, in] @ weight [in, out] (+ bias)."""
+class _Packed:
+    """A weight in oneDNN's packed layout (opaque: the modules keep their own [out, in] copy beside it)."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+
+def _fuse_packed(linears: Sequence[torch.nn.Linear]) -> tuple[_Packed, torch.Tensor | None]:
+    """As `_fuse`, packed for oneDNN's fp32 linear (for 8 rows; it served 1-8 rows at least as fast as
+    [in, out] in bench/decode_kernels.py): a second copy of the weights, the modules left as they are."""
+    weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                          for m in linears])
+    return _Packed(torch.ops.mkldnn._reorder_linear_weight(weight, 8)), bias
+
+
+def _mm(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [B, in] @ weight [in, out] (+ bias), or through oneDNN's packed linear."""
+    if isinstance(weight, _Packed):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.weight, bias, "none", [], "")
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
@@ -115,18 +137,18 @@ class _Step:
 class _Attention:
     """Full attention (llama / qwen3 / qwen3_5 gated / bamba) on the batch's K/V row buffers."""
 
-    def __init__(self, attn: torch.nn.Module, j: int, config):
+    def __init__(self, attn: torch.nn.Module, j: int, config, fuse=_fuse):
         self.j = j
         self.D = int(attn.head_dim)
         self.H = int(config.num_attention_heads)
         self.Hkv = int(config.num_key_value_heads)
         self.gated = attn.q_proj.out_features == 2 * self.H * self.D
         self.nq = attn.q_proj.out_features
-        self.w, self.b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.w, self.b = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         self.q_norm = _Norm(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None
         self.k_norm = _Norm(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None
         self.scale = float(attn.scaling)
-        self.o_w, self.o_b = _fuse([attn.o_proj])
+        self.o_w, self.o_b = fuse([attn.o_proj])
 
     def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
         B, H, Hkv, D = s.b, self.H, self.Hkv, self.D
@@ -170,9 +192,9 @@ def _conv_step(conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: 
 class _Mamba2:
     """Bamba's Mamba2 mixer, one token: S <- exp(dt a) S + dt x B^T, y = S C + D x, gated group RMSNorm."""
 
-    def __init__(self, m: torch.nn.Module, p: int):
+    def __init__(self, m: torch.nn.Module, p: int, fuse=_fuse):
         self.p = p
-        self.w, self.b = _fuse([m.in_proj])
+        self.w, self.b = fuse([m.in_proj])
         self.I, self.C, self.H, self.P = int(m.intermediate_size), int(m.conv_dim), int(m.num_heads), int(m.head_dim)
         self.G, self.N = int(m.n_groups), int(m.ssm_state_size)
         self.conv_w = m.conv1d.weight.detach()[:, 0]  # [C, K]
@@ -180,7 +202,7 @@ class _Mamba2:
         self.A = -torch.exp(m.A_log.detach().float())
         self.dt_bias, self.D = m.dt_bias.detach(), m.D.detach()
         self.norm_w, self.norm_eps = m.norm.weight.detach(), float(m.norm.variance_epsilon)
-        self.o_w, self.o_b = _fuse([m.out_proj])
+        self.o_w, self.o_b = fuse([m.out_proj])
 
     def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
         B, H, P, G, N = s.b, self.H, self.P, self.G, self.N
@@ -212,9 +234,9 @@ class _Mamba2:
 class _GatedDeltaNet:
     """qwen3_5's Gated DeltaNet mixer, one token: S <- exp(g) S; S <- S + k (b (v - S^T k))^T; o = S^T q."""
 
-    def __init__(self, m: torch.nn.Module, p: int):
+    def __init__(self, m: torch.nn.Module, p: int, fuse=_fuse):
         self.p = p
-        self.w, self.b = _fuse([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+        self.w, self.b = fuse([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
         self.Hk, self.Hv, self.dk, self.dv = int(m.num_k_heads), int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim)
         self.key_dim, self.value_dim, self.C = int(m.key_dim), int(m.value_dim), int(m.conv_dim)
         self.conv_w = m.conv1d.weight.detach()[:, 0]
@@ -222,7 +244,7 @@ class _GatedDeltaNet:
         self.neg_A = -m.A_log.detach().float().exp()
         self.dt_bias = m.dt_bias.detach()
         self.norm_w, self.norm_eps = m.norm.weight.detach(), float(m.norm.variance_epsilon)
-        self.o_w, self.o_b = _fuse([m.out_proj])
+        self.o_w, self.o_b = fuse([m.out_proj])
 
     def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
         B, Hk, Hv, dk, dv = s.b, self.Hk, self.Hv, self.dk, self.dv
@@ -256,15 +278,15 @@ class _GatedDeltaNet:
 class _MLP:
     """silu(gate) * up, down, with gate and up fused; any other MLP (MoE) runs as its module."""
 
-    def __init__(self, mlp: torch.nn.Module):
+    def __init__(self, mlp: torch.nn.Module, fuse=_fuse):
         self.module = None
         act = getattr(mlp, "act_fn", None)
         probe = torch.randn(8)
         if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) and act is not None \
                 and torch.allclose(act(probe), F.silu(probe)):
             self.n = mlp.gate_proj.out_features
-            self.w, self.b = _fuse([mlp.gate_proj, mlp.up_proj])
-            self.d_w, self.d_b = _fuse([mlp.down_proj])
+            self.w, self.b = fuse([mlp.gate_proj, mlp.up_proj])
+            self.d_w, self.d_b = fuse([mlp.down_proj])
         else:
             self.module = mlp
 
@@ -282,12 +304,14 @@ class LeanDecodeStep:
     `ranges = True` wraps each part in a torch.profiler `record_function` (bench/decode.py splits the
     step by layer kind with it)."""
 
-    def __init__(self, model: torch.nn.Module, adapter):
+    def __init__(self, model: torch.nn.Module, adapter, packed: bool = False):
+        fuse = _fuse_packed if packed else _fuse
+        self.packed = packed
         base = model.base_model
         self.model = model
         self.rotary = getattr(base, "rotary_emb", None)
         self.final_norm = _Norm(getattr(base, "norm", None) or base.final_layernorm)
-        self.lm_w, self.lm_b = _fuse([model.get_output_embeddings()])  # a tied embedding table becomes a view too
+        self.lm_w, self.lm_b = fuse([model.get_output_embeddings()])  # a tied embedding table becomes a view too
         self.embed = base.embed_tokens.weight.detach()  # read after: a tied table is now that view
         attn_j = {i: j for j, i in enumerate(adapter.attention_layers)}
         lin_p = {i: p for p, i in enumerate(adapter.linear_layers)}
@@ -295,21 +319,24 @@ class LeanDecodeStep:
         for i, layer in enumerate(base.layers[: adapter.num_layers]):
             norm2 = getattr(layer, "post_attention_layernorm", None) or layer.pre_ff_layernorm
             if getattr(layer, "self_attn", None) is not None and i in attn_j:
-                mixer, kind = _Attention(layer.self_attn, attn_j[i], model.config), "attention"
+                mixer, kind = _Attention(layer.self_attn, attn_j[i], model.config, fuse), "attention"
             elif getattr(layer, "mamba", None) is not None:
-                mixer, kind = _Mamba2(layer.mamba, lin_p[i]), "mamba2"
+                mixer, kind = _Mamba2(layer.mamba, lin_p[i], fuse), "mamba2"
             elif getattr(layer, "linear_attn", None) is not None:
-                mixer, kind = _GatedDeltaNet(layer.linear_attn, lin_p[i]), "gated_deltanet"
+                mixer, kind = _GatedDeltaNet(layer.linear_attn, lin_p[i], fuse), "gated_deltanet"
             else:
                 raise ValueError(f"layer {i} ({type(layer).__name__}): no mixer the lean step knows")
             mlp = getattr(layer, "mlp", None) or layer.feed_forward
-            self.layers.append((_Norm(layer.input_layernorm), mixer, kind, _Norm(norm2), _MLP(mlp)))
+            self.layers.append((_Norm(layer.input_layernorm), mixer, kind, _Norm(norm2), _MLP(mlp, fuse)))
         self.ranges = False
 
     @classmethod
-    def build(cls, model: torch.nn.Module, adapter) -> "LeanDecodeStep | None":
-        """The step for `model`, or None when its family is not covered (`uncovered_reason`)."""
-        return None if uncovered_reason(model) else cls(model, adapter)
+    def build(cls, model: torch.nn.Module, adapter, packed: bool = False) -> "LeanDecodeStep | None":
+        """The step for `model`, or None when its family is not covered (`uncovered_reason`). `packed`:
+        oneDNN-packed weights (a second copy; faster at 2-8 rows on this CPU), when oneDNN is there."""
+        if uncovered_reason(model):
+            return None
+        return cls(model, adapter, packed=packed and torch.backends.mkldnn.is_available() and model.dtype == torch.float32)
 
     def _range(self, name: str):
         return torch.profiler.record_function(name) if self.ranges else _NULL

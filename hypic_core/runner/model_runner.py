@@ -69,8 +69,9 @@ class ModelRunner:
         (a family the lean step does not cover keeps "module": runner/decode_step.py `uncovered_reason`)."""
         from .decode_step import LeanDecodeStep
 
-        self.batch.step = LeanDecodeStep.build(self.model, self.adapter) if kind == "lean" else None
-        self.decode_step = "lean" if self.batch.step is not None else "module"
+        step = LeanDecodeStep.build(self.model, self.adapter, packed=kind == "lean-packed") if kind != "module" else None
+        self.batch.step = step
+        self.decode_step = "module" if step is None else "lean-packed" if step.packed else "lean"
         return self.decode_step
 
     def forward(self, token_ids: Sequence[int], start: int, cache: DynamicCache, logits: bool = False):
