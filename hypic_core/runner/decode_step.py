@@ -70,29 +70,29 @@ def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tenso
 
 
 class _Packed:
-    """A weight in oneDNN's packed layout (opaque: the modules keep their own [out, in] copy beside it)."""
+    """A weight twice: `plain`, transposed [in, out] (the modules' own, as `_fuse` leaves it), for one
+    row, and `packed`, oneDNN's packed layout (opaque, a second copy), for two rows or more."""
 
-    __slots__ = ("weight",)
+    __slots__ = ("plain", "packed")
 
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
+    def __init__(self, plain: torch.Tensor, packed: torch.Tensor):
+        self.plain, self.packed = plain, packed
 
 
 def _fuse_packed(linears: Sequence[torch.nn.Linear]) -> tuple[_Packed, torch.Tensor | None]:
-    """As `_fuse`, packed for oneDNN's fp32 linear (for 8 rows; it served 1-8 rows at least as fast as
-    [in, out] in bench/decode_kernels.py): a second copy of the weights, the modules left as they are."""
-    weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
-    bias = None
-    if any(m.bias is not None for m in linears):
-        bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
-                          for m in linears])
-    return _Packed(torch.ops.mkldnn._reorder_linear_weight(weight, 8)), bias
+    """As `_fuse`, plus a copy packed for oneDNN's fp32 linear (for 8 rows): in bench/decode_kernels.py
+    on this AVX2 CPU it ran 2-8 rows 1.3-2.5x faster than either plain layout, one row slower than
+    [in, out]."""
+    plain, bias = _fuse(linears)
+    return _Packed(plain, torch.ops.mkldnn._reorder_linear_weight(plain.t().contiguous(), 8)), bias
 
 
 def _mm(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [B, in] @ weight [in, out] (+ bias), or through oneDNN's packed linear."""
+    """x [B, in] @ weight [in, out] (+ bias); a `_Packed` weight: oneDNN's packed linear from two rows on."""
     if isinstance(weight, _Packed):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.weight, bias, "none", [], "")
+        if x.shape[0] > 1:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.packed, bias, "none", [], "")
+        weight = weight.plain
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
@@ -333,7 +333,8 @@ class LeanDecodeStep:
     @classmethod
     def build(cls, model: torch.nn.Module, adapter, packed: bool = False) -> "LeanDecodeStep | None":
         """The step for `model`, or None when its family is not covered (`uncovered_reason`). `packed`:
-        oneDNN-packed weights (a second copy; faster at 2-8 rows on this CPU), when oneDNN is there."""
+        a second copy of the weights packed for oneDNN, used from two rows on (faster at 2-8 rows on this
+        CPU), when oneDNN is there."""
         if uncovered_reason(model):
             return None
         return cls(model, adapter, packed=packed and torch.backends.mkldnn.is_available() and model.dtype == torch.float32)
