@@ -8,7 +8,7 @@ query latencies (end to end, and the `retrieval_ms` the gateway reports) idle an
 upload, side by side.
 
     .venv/bin/python bench/upload_query.py --documents 900
-    PYTHONPATH=/path/to/another/checkout .venv/bin/python bench/upload_query.py   # that checkout's gateway
+    .venv/bin/python bench/upload_query.py --root /path/to/another/checkout   # that checkout's gateway
 
 The hostile round of issue 51 measured 13-15 s per query during a 300-document upload (28 s
 during 900): the embedder held one lock for a whole window of 256 chunks.
@@ -79,14 +79,18 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1000, help="characters per generated document")
     parser.add_argument("--idle", type=int, default=20, help="queries before the upload")
     parser.add_argument("--every", type=float, default=0.25, help="seconds between queries during the upload")
+    parser.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        help="the checkout whose gateway to run (default: this one)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         port = 20000 + os.getpid() % 20000
         env = {**os.environ, "HYPIC_INDEX_DIR": f"{tmp}/index", "HYPIC_CACHE_DIR": "none", "HYPIC_PORT": str(port),
                "HYPIC_MODEL": "hypic-tiny", "HYPIC_EMBEDDER": "minilm", "HYPIC_GUARD_ENABLED": "false",
-               "HYPIC_LOG_LEVEL": "warning", "TOKENIZERS_PARALLELISM": "false"}
-        server = subprocess.Popen([sys.executable, "-c", "from app.cli import main; main()", "serve"], env=env)
+               "HYPIC_LOG_LEVEL": "warning", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": args.root}
+        # In the checkout (`python -c` puts the working directory first on sys.path), with its models/.
+        server = subprocess.Popen([sys.executable, "-c", "import app; print('gateway from', app.__file__, flush=True); "
+                                   "from app.cli import main; main()", "serve"], env=env, cwd=args.root)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 300
