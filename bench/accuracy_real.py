@@ -393,7 +393,8 @@ def main() -> None:
     section = "\n".join([
         f"<!-- {tag}:begin -->",
         f"### {name} on real text ({results['family']}: {results['linear_layers']} linear + "
-        f"{results['attention_layers']} attention layers, {results['dtype']})",
+        f"{results['attention_layers']} attention layers, {results['dtype']})"
+        + (f", PARTIAL: {results['n']} of {args.n} questions" if results.get("partial") else ""),
         "",
         f"`{command}` ({results['n']} questions from data/real_qa, 3-10 chunks each, greedy, "
         + (f"a run cut short: only the questions its shares finished" if results.get("partial")
