@@ -34,7 +34,8 @@ def summary(models: dict[str, dict], ttft: dict, default: str) -> list[str]:
              "| seam tokens / prompt | warm TTFT full / config |", "|---|---|---:|---|---|---:|---:|---:|---:|"]
     for model, rows in models.items():
         full = rows["full"]
-        for label, r in rows.items():
+        for label in sorted(rows, key=lambda k: k != default):  # the default first
+            r = rows[label]
             if label == "full":
                 continue
             n = len(r)
