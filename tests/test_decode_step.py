@@ -21,7 +21,7 @@ from hypic_core.errors import InvalidRequestError
 from hypic_core.runner.decode_step import LeanDecodeStep, uncovered_reason
 from hypic_core.testing import FAMILIES, tiny_model
 
-COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "bamba")
+COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba")
 SHAPES = ((5, 9), (12, 30, 7), (40, 3), (8, 8, 8, 8, 4), (25, 60, 11), (2,))
 MODES = ("full", "prefix", "pic-naive", "hypic", "hypic", "full")
 
@@ -160,7 +160,7 @@ def test_gateway_setting_reads_hypic_decode_step(monkeypatch):
     assert Settings(_env_file=None, torch_threads=None).decode_step == "module"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "bamba"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_next", "bamba"])
 def test_packed_lean_step_equals_module_path(family):
     """decode_step="lean-packed" (oneDNN-packed weight copies) holds the same bounds as "lean"."""
     engine = Engine(tiny_model(family), config=EngineConfig(seam=3, decode_step="lean-packed"))

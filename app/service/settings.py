@@ -88,8 +88,8 @@ class Settings(BaseSettings):
                                                              "exact (so whenever every entry is missing) or stitch (never).")
     decode_step: Literal["lean", "lean-packed", "module"] = Field("lean", description="The batched decode forward: lean "
                                                    "(one forward written for one token per sequence: fused weights, "
-                                                   "closed-form linear-layer updates; llama, qwen3, qwen3_5 and bamba "
-                                                   "models, others keep module), lean-packed (the same on a second, "
+                                                   "closed-form linear-layer updates; llama, qwen3, qwen3_5, qwen3_next "
+                                                   "and bamba models, others keep module), lean-packed (the same on a second, "
                                                    "oneDNN-packed copy of the weights: faster with several streams on "
                                                    "AVX2 CPUs) or module (the transformers modules, the reference).")
     speculation: bool = Field(True, description="Speculative decoding: each running answer drafts its next tokens from "

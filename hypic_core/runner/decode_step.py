@@ -14,10 +14,10 @@ What it does per step that the module path does per layer or per token:
   S <- exp(dt a) S + dt x B^T; Gated DeltaNet S <- exp(g)(I - b k k^T) S + b k v^T.
 
 Families it covers (`LeanDecodeStep.build` returns None with the reason otherwise, and the batch
-keeps the module path): dense llama / qwen3, Gated DeltaNet qwen3_5 (+ its MoE variant, whose
-sparse MLP runs as its module), Mamba2 bamba. Not covered: qwen3_next and olmo_hybrid (other
-GDN projection layouts / post-norms), granitemoehybrid, nemotron_h, zamba2, falcon_h1 (Mamba2
-with multipliers, shared or parallel blocks), kimi_linear (KDA + MLA), minimax (lightning).
+keeps the module path): dense llama / qwen3, Gated DeltaNet qwen3_5 (+ its MoE variant) and
+qwen3_next (its grouped projections reordered into a copy; sparse MLPs run as their modules), Mamba2
+bamba. Not covered: olmo_hybrid (post-norms), granitemoehybrid, nemotron_h, zamba2, falcon_h1
+(Mamba2 with multipliers, shared or parallel blocks), kimi_linear (KDA + MLA), minimax (lightning).
 
 The module path (`DecodeBatch.forward` without a step) stays the reference:
 tests/test_decode_step.py holds fp32 logits within 1e-4 and greedy tokens identical step for
@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-_COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "bamba")
+_COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "bamba")
 _NULL = contextlib.nullcontext()
 
 
@@ -236,7 +236,8 @@ class _GatedDeltaNet:
 
     def __init__(self, m: torch.nn.Module, p: int, fuse=_fuse):
         self.p = p
-        self.w, self.b = fuse([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+        parts = _grouped_projections(m) if hasattr(m, "in_proj_qkvz") else [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]
+        self.w, self.b = fuse(parts)
         self.Hk, self.Hv, self.dk, self.dv = int(m.num_k_heads), int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim)
         self.key_dim, self.value_dim, self.C = int(m.key_dim), int(m.value_dim), int(m.conv_dim)
         self.conv_w = m.conv1d.weight.detach()[:, 0]
@@ -273,6 +274,24 @@ class _GatedDeltaNet:
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)
         o = (self.norm_w * o.to(dtype)) * F.silu(z.view(B, Hv, dv).float())
         return _mm(o.to(dtype).reshape(B, Hv * dv), self.o_w, self.o_b)
+
+
+def _grouped_projections(m: torch.nn.Module) -> list[torch.nn.Linear]:
+    """qwen3_next's in_proj_qkvz / in_proj_ba (rows grouped per key head: [q k v z], [b a]) as four
+    linears in qwen3_5's order (qkv, z, b, a). They are copies: the fused weight made from them is
+    this layer's second copy, the modules keep theirs."""
+    hk, hv, dk, dv = int(m.num_k_heads), int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim)
+    r = hv // hk
+    w = m.in_proj_qkvz.weight.detach()
+    q, k, v, z = w.view(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = m.in_proj_ba.weight.detach().view(hk, 2 * r, -1).split([r, r], dim=1)
+    out = []
+    for rows in (torch.cat([q.reshape(hk * dk, -1), k.reshape(hk * dk, -1), v.reshape(hv * dv, -1)]),
+                 z.reshape(hv * dv, -1), b.reshape(hv, -1), a.reshape(hv, -1)):
+        lin = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+        lin.weight.data = rows.contiguous()
+        out.append(lin)
+    return out
 
 
 class _MLP:
