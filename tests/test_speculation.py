@@ -24,7 +24,7 @@ from hypic_core.errors import InvalidRequestError
 from hypic_core.runner.verify_step import VerifyStep
 from hypic_core.testing import FAMILIES, tiny_model
 
-COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "bamba")
+COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba")  # families the lean step covers
 MOE = ("qwen3_5_moe", "qwen3_next", "granitemoehybrid", "kimi_linear", "minimax")  # grouped expert matmuls: no float64
 
 
