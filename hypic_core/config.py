@@ -145,8 +145,8 @@ class EngineConfig:
     speculation_max_draft: int = 8
     speculation_ngram: int = 3
     speculation_min_ngram: int = 2  # a single repeated token is weak evidence: drafts need a longer match
-    # What one more token in the verification forward costs, in plain decode steps (drafting.py DraftBudget):
-    # drafts are only as long as the acceptance seen so far pays for. Measured ~0.3-0.5 on a 2-core CPU.
+    # What one more token in the verification forward costs, in plain decode steps, until the engine has
+    # measured it (drafting.py DraftCost): drafts are only as long as the acceptance seen so far pays for.
     speculation_cost: float = 0.3
 
     def __post_init__(self) -> None:

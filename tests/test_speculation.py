@@ -17,7 +17,7 @@ import torch
 
 from conftest import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine.drafting import DraftBudget, PromptLookup
+from hypic_core.engine.drafting import DraftBudget, DraftCost, PromptLookup
 from hypic_core.engine.engine import Engine
 from hypic_core.engine.sampling import Sampler
 from hypic_core.errors import InvalidRequestError
@@ -63,6 +63,20 @@ def test_draft_budget_drafts_what_acceptance_pays_for():
     assert b.rate < 0.3
     assert DraftBudget(cost=0.0, rate=0.2).next_k() == 8  # free tokens: always the longest draft
     assert DraftBudget(cost=2.0, rate=0.95).next_k() == 0  # dear tokens: never
+
+
+def test_draft_cost_is_measured_against_plain_steps_of_the_same_batch():
+    cost = DraftCost(0.3)
+    cost.verify(1, 4, 0.2)  # no plain step of one row seen yet: the prior stays
+    assert cost.cost == 0.3
+    cost.plain(1, 0.1)
+    for _ in range(60):
+        cost.verify(1, 4, 0.3)  # 3x a plain step for 4 draft tokens: 0.5 a token
+    assert abs(cost.cost - 0.5) < 0.01
+    cost.plain(8, 0.2)
+    for _ in range(60):
+        cost.verify(8, 10, 0.2)  # free: a GPU's few more rows
+    assert cost.cost < 0.01
 
 
 # --- the verification forward against the lean step ------------------------------------------

@@ -95,3 +95,26 @@ class DraftBudget:
         for i in range(trials):
             rate = 0.8 * rate + 0.2 * (1.0 if i < accepted else 0.0)
         self.rate = rate
+
+
+class DraftCost:
+    """The measured price of one drafted token, in plain decode steps: how much longer a verification
+    forward of a batch takes than a plain step of the same batch, per draft token it carried. A
+    moving average from `prior` (EngineConfig.speculation_cost); on a GPU it falls towards 0 (a few
+    more rows are free), on a CPU whose small matrix products are compute-bound it rises, and every
+    `DraftBudget` drafts accordingly."""
+
+    def __init__(self, prior: float):
+        self.cost = prior
+        self._plain: dict[int, float] = {}  # batch rows -> moving average of a plain step's seconds
+
+    def plain(self, rows: int, seconds: float) -> None:
+        seen = self._plain.get(rows)
+        self._plain[rows] = seconds if seen is None else 0.8 * seen + 0.2 * seconds
+
+    def verify(self, rows: int, drafted: int, seconds: float) -> None:
+        base = self._plain.get(rows)
+        if base is None or drafted <= 0:
+            return  # no plain step of this batch size seen yet: nothing to compare with
+        sample = max(0.0, seconds / base - 1.0) / drafted
+        self.cost = 0.9 * self.cost + 0.1 * min(sample, 10.0)

@@ -46,7 +46,7 @@ from ..errors import InvalidRequestError, PromptTooLongError
 from ..runner.model_runner import ModelRunner
 from ..runner.verify_step import Verified, VerifyStep
 from .context_cache import ColdWork, ContextCacheManager
-from .drafting import DraftBudget, PromptLookup
+from .drafting import DraftBudget, DraftCost, PromptLookup
 from .lookups import Lookups
 from .output import OutputProcessor
 from .prefill import CostModel
@@ -128,6 +128,7 @@ class Engine:
             prefill_pool.bind(self.fingerprint, self.runner)
         self.speculation = SpeculationStats()
         self._verify: VerifyStep | None = None  # built on the first draft (speculation needs the lean decode step)
+        self._draft_cost = DraftCost(self.config.speculation_cost)
         # A store that reads disk or Redis is looked up off the engine thread (lookups.py).
         self.lookups = Lookups(self.context.prefetch, self.scheduler.add) if getattr(store, "slow", False) else None
 
@@ -551,9 +552,11 @@ class Engine:
                 for s in live:
                     s.cache = None  # its rows live in the batch now
                 drafts = self._drafts(batch.keys)
+                t0 = time.perf_counter()
                 if drafts:  # one verification forward: each row its last token and its draft (hypic_core/runner/verify_step.py)
                     fed = [[s.output_ids[-1], *drafts.get(s, ())] for s in batch.keys]
                     done.verified = self._verify.verify(batch, fed, [s.position for s in batch.keys])
+                    self._draft_cost.verify(len(fed), sum(map(len, drafts.values())), time.perf_counter() - t0)
                     done.drafts = drafts
                     self.speculation.verify_steps += 1
                     for r, s in enumerate(batch.keys):
@@ -561,6 +564,7 @@ class Engine:
                     return  # positions advance by what each row keeps (`_update`)
                 rows = batch.forward([s.output_ids[-1] for s in batch.keys], [s.position for s in batch.keys])
                 logits = dict(zip(batch.keys, rows))
+                self._draft_cost.plain(len(rows), time.perf_counter() - t0)
             else:
                 logits = {s: self.runner.forward([s.output_ids[-1]], s.position, s.cache, logits=True) for s in live}
         except Exception as exc:
@@ -625,7 +629,8 @@ class Engine:
             if s.drafter is None:
                 s.drafter = PromptLookup([t for seg in s.request.segments for t in seg], self.config.speculation_ngram,
                                          self.config.speculation_min_ngram)
-                s.draft_budget = DraftBudget(self.config.speculation_max_draft, self.config.speculation_cost)
+                s.draft_budget = DraftBudget(self.config.speculation_max_draft)
+            s.draft_budget.cost = self._draft_cost.cost  # what a drafted token costs on this machine now
             k = min(s.draft_budget.next_k(), s.max_new_tokens - s.num_generated - 1, self.max_positions - s.position - 2)
             if k <= 0:
                 continue
