@@ -79,9 +79,9 @@ class PrefillResult:
 class Executed:
     """What a step's model work left: next-token logits per sequence, or the error that ended it."""
 
-    logits: dict[Sequence, torch.Tensor] = field(default_factory=dict)  # [vocab]; [n, vocab] when n tokens were verified
+    logits: dict[Sequence, torch.Tensor] = field(default_factory=dict)  # [vocab]; [n, vocab] for a verified row
     errors: dict[Sequence, BaseException] = field(default_factory=dict)
-    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # the draft tokens each verified sequence was fed
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # the draft tokens each verified row was fed (maybe none)
     verified: Verified | None = None  # the decode ran as one verification forward (speculation)
 
 
@@ -557,7 +557,7 @@ class Engine:
                     fed = [[s.output_ids[-1], *drafts.get(s, ())] for s in batch.keys]
                     done.verified = self._verify.verify(batch, fed, [s.position for s in batch.keys])
                     self._draft_cost.verify(len(fed), sum(map(len, drafts.values())), time.perf_counter() - t0)
-                    done.drafts = drafts
+                    done.drafts = {s: list(drafts.get(s, ())) for s in batch.keys}
                     self.speculation.verify_steps += 1
                     for r, s in enumerate(batch.keys):
                         done.logits[s] = done.verified.logits[r, :len(fed[r])]
@@ -582,8 +582,8 @@ class Engine:
         outputs += [self._finish(seq, "error", exc) for seq, exc in executed.errors.items()]
         kept: dict[Sequence, int] = {}
         for seq, logits in executed.logits.items():
-            if logits.dim() == 2:
-                outs = self._accept(seq, logits, executed.drafts.get(seq, []))
+            if seq in executed.drafts:  # a row of the verification forward: logits after each token it was fed
+                outs = self._accept(seq, logits, executed.drafts[seq])
                 kept[seq] = len(outs)
                 outputs += outs
             else:
@@ -607,9 +607,10 @@ class Engine:
             outs.append(out)
             if out.finish_reason is not None or guess is None or out.token_id != guess:
                 break
-        accepted = sum(1 for t, o in enumerate(outs) if t < len(draft) and o.token_id == draft[t])
-        seq.draft_budget.record(len(draft), accepted)
-        self.speculation.accepted += accepted
+        if draft:
+            accepted = sum(1 for t, o in enumerate(outs) if t < len(draft) and o.token_id == draft[t])
+            seq.draft_budget.record(len(draft), accepted)
+            self.speculation.accepted += accepted
         return outs
 
     def _drafts(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
