@@ -339,15 +339,16 @@ def test_openai_valid_extras_are_accepted(gateway, path, base, extra):
 def test_openai_extras_reach_the_sampling_params(gateway):
     from app.http import api_openai
     from app.service.prompter import Prompt
+    from app.service.tenants import DEFAULT_TENANT
 
     app, _ = gateway
     rt = app.state.runtime
     body = api_openai.ChatRequest(**CHAT, top_k=-1, min_p=0.2, repetition_penalty=1.5, min_tokens=2, ignore_eos=True)
-    sampling = api_openai._generation(rt, body, Prompt([(5, 6, 7)], [], 0), 3, False, 0).sampling
+    sampling = api_openai._generation(rt, body, Prompt([(5, 6, 7)], [], 0), 3, False, 0, DEFAULT_TENANT).sampling
     assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty, sampling.min_tokens, sampling.ignore_eos) == (
         0, 0.2, 1.5, 2, True)
     body = api_openai.CompletionRequest(**COMPLETION, top_k=7)
-    sampling = api_openai._generation(rt, body, Prompt([(5, 6, 7)], [], 0), 3, False, 0).sampling
+    sampling = api_openai._generation(rt, body, Prompt([(5, 6, 7)], [], 0), 3, False, 0, DEFAULT_TENANT).sampling
     assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty, sampling.min_tokens, sampling.ignore_eos) == (
         7, 0.0, 1.0, 0, False)
 
