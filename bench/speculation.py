@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode-step", default="lean", choices=["lean", "lean-packed"])
     parser.add_argument("--write", default=None, help="write the table into this markdown file's section")
     parser.add_argument("--note", default="", help="a line under the table (e.g. what else ran on the machine)")
     args = parser.parse_args()
@@ -110,8 +111,8 @@ def main() -> None:
     lines = ["| model | workload | streams | drafts kept | tokens / step (off / **on**) | TPOT ms (off / **on**) | "
              "aggregate tok/s (off / **on**) | same greedy tokens |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for name in args.models:
-        engine = Engine.from_pretrained(resolve(name).path, EngineConfig(seam=8, decode_step="lean"))
-        assert engine.runner.decode_step == "lean", f"{name}: no lean decode step, nothing to speculate on"
+        engine = Engine.from_pretrained(resolve(name).path, EngineConfig(seam=8, decode_step=args.decode_step))
+        assert engine.runner.decode_step == args.decode_step, f"{name}: no lean decode step, nothing to speculate on"
         settings = Settings(_env_file=None, model=name)
         known = resolve(name).known
         prompter = Prompter(engine.tokenizer, settings.prompt_layout(engine.tokenizer, known.prompt if known else None),
@@ -126,8 +127,8 @@ def main() -> None:
                     print(lines[-1], flush=True)
         del engine
     command = "python bench/speculation.py " + " ".join(sys.argv[1:])
-    text = "\n".join(lines) + f"\n\nCommand: `{command}`, {args.threads} threads, {args.questions} prompts per workload, " \
-        f"{args.tokens} forced greedy tokens each.{(' ' + args.note) if args.note else ''}\n"
+    text = "\n".join(lines) + f"\n\nCommand: `{command}`, {args.threads} threads, decode step {args.decode_step}, " \
+        f"{args.questions} prompts per workload, {args.tokens} forced greedy tokens each.{(' ' + args.note) if args.note else ''}\n"
     print(text)
     if args.write:
         section = ("<!-- speculation:begin -->\n## Speculative decoding (prompt-lookup drafts)\n\n"

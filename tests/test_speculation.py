@@ -65,18 +65,22 @@ def test_draft_budget_drafts_what_acceptance_pays_for():
     assert DraftBudget(cost=2.0, rate=0.95).next_k() == 0  # dear tokens: never
 
 
-def test_draft_cost_is_measured_against_plain_steps_of_the_same_batch():
+def test_draft_cost_is_measured_per_batch_size_against_plain_steps():
     cost = DraftCost(0.3)
-    cost.verify(1, 4, 0.2)  # no plain step of one row seen yet: the prior stays
-    assert cost.cost == 0.3
     cost.plain(1, 0.1)
-    for _ in range(60):
+    assert not cost.ready(1)
+    cost.verify(1, 4, 0.2)  # one plain step is not a baseline yet: the prior stays
+    assert cost.cost(1) == 0.3
+    cost.plain(1, 0.1)
+    assert cost.ready(1) and not cost.ready(8)
+    for _ in range(40):
         cost.verify(1, 4, 0.3)  # 3x a plain step for 4 draft tokens: 0.5 a token
-    assert abs(cost.cost - 0.5) < 0.01
-    cost.plain(8, 0.2)
-    for _ in range(60):
+    assert abs(cost.cost(1) - 0.5) < 0.01
+    for _ in range(2):
+        cost.plain(8, 0.2)
+    for _ in range(40):
         cost.verify(8, 10, 0.2)  # free: a GPU's few more rows
-    assert cost.cost < 0.01
+    assert cost.cost(8) < 0.01 and abs(cost.cost(1) - 0.5) < 0.01 and cost.cost(4) == 0.3
 
 
 # --- the verification forward against the lean step ------------------------------------------
@@ -238,17 +242,18 @@ def test_a_draft_rejected_at_its_first_token_and_one_accepted_whole(family):
     plain = Engine(model, config=EngineConfig(decode_step="lean", speculation=False)).generated_tokens(req)
     engine = Engine(model, config=EngineConfig(decode_step="lean", speculation=True))
     seq = engine.add_request(req, collect=True)
-    wrong = (plain[1] + 1) % 300  # plain[1] comes next: the draft misses at once
-    # step 1 samples plain[0]; step 2 feeds plain[0] with the draft [wrong, ...]: rejected at once, emits plain[1];
-    # step 3 feeds plain[1] with plain[2:6]: accepted whole, emits plain[2:7]
-    seq.drafter = FixedDrafter(seq, [[wrong, plain[3]], plain[2:6]])
+    wrong = (plain[3] + 1) % 300  # plain[3] comes next: the draft misses at once
+    # step 1 samples plain[0]; steps 2-3 decode plainly (the engine times plain steps of one row first);
+    # step 4 feeds plain[2] with the draft [wrong, ...]: rejected at once, emits plain[3];
+    # step 5 feeds plain[3] with plain[4:8]: accepted whole, emits plain[4:9]
+    seq.drafter = FixedDrafter(seq, [[wrong, plain[4]], plain[4:8]])
     seq.draft_budget = FixedBudget()
     counts = []
     while engine.has_unfinished():
         counts.append(sum(1 for o in engine.step() if o.token_id is not None))
     got = [o.token_id for o in seq.outbox if o.token_id is not None]
     assert got == plain
-    assert counts[:3] == [1, 1, 5]  # the rejected draft gave one token, the one accepted whole five
+    assert counts[:5] == [1, 1, 1, 1, 5]  # the rejected draft gave one token, the one accepted whole five
     assert engine.speculation.drafted == 6 and engine.speculation.accepted == 4
 
 

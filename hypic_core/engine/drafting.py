@@ -98,23 +98,31 @@ class DraftBudget:
 
 
 class DraftCost:
-    """The measured price of one drafted token, in plain decode steps: how much longer a verification
-    forward of a batch takes than a plain step of the same batch, per draft token it carried. A
-    moving average from `prior` (EngineConfig.speculation_cost); on a GPU it falls towards 0 (a few
-    more rows are free), on a CPU whose small matrix products are compute-bound it rises, and every
-    `DraftBudget` drafts accordingly."""
+    """The measured price of one drafted token, in plain decode steps, per batch size: how much longer a
+    verification forward of B rows takes than a plain step of B rows, per draft token it carried.
+    Moving averages from `prior` (EngineConfig.speculation_cost). On a GPU it falls towards 0 (a few
+    more rows are free); on a CPU whose small matrix products are compute-bound it is large, and more
+    so in a batch, where one row's draft lengthens every row's recurrences. `ready(B)`: a plain step
+    of B rows has been timed twice (the engine drafts for a batch size only then), so each size is
+    judged against its own baseline."""
 
     def __init__(self, prior: float):
-        self.cost = prior
-        self._plain: dict[int, float] = {}  # batch rows -> moving average of a plain step's seconds
+        self.prior = prior
+        self._plain: dict[int, tuple[int, float]] = {}  # rows -> (plain steps timed, moving average seconds)
+        self._cost: dict[int, float] = {}  # rows -> moving average price of a draft token
+
+    def ready(self, rows: int) -> bool:
+        return self._plain.get(rows, (0, 0.0))[0] >= 2
+
+    def cost(self, rows: int) -> float:
+        return self._cost.get(rows, self.prior)
 
     def plain(self, rows: int, seconds: float) -> None:
-        seen = self._plain.get(rows)
-        self._plain[rows] = seconds if seen is None else 0.8 * seen + 0.2 * seconds
+        n, avg = self._plain.get(rows, (0, seconds))
+        self._plain[rows] = (n + 1, seconds if n == 0 else 0.8 * avg + 0.2 * seconds)
 
     def verify(self, rows: int, drafted: int, seconds: float) -> None:
-        base = self._plain.get(rows)
-        if base is None or drafted <= 0:
-            return  # no plain step of this batch size seen yet: nothing to compare with
-        sample = max(0.0, seconds / base - 1.0) / drafted
-        self.cost = 0.9 * self.cost + 0.1 * min(sample, 10.0)
+        if not self.ready(rows) or drafted <= 0:
+            return
+        sample = max(0.0, seconds / self._plain[rows][1] - 1.0) / drafted
+        self._cost[rows] = 0.8 * self.cost(rows) + 0.2 * min(sample, 10.0)

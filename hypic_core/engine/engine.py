@@ -621,8 +621,9 @@ class Engine:
         step = self.runner.batch.step
         if self._verify is None or self._verify.lean is not step:
             self._verify = VerifyStep.build(self.runner.batch)
-        if self._verify is None:
-            return {}
+        if self._verify is None or not self._draft_cost.ready(len(seqs)):
+            return {}  # no plain step of this batch size timed yet: nothing to weigh a draft against
+        price = self._draft_cost.cost(len(seqs))
         drafts: dict[Sequence, list[int]] = {}
         for s in seqs:
             if not self._speculates(s):
@@ -631,7 +632,7 @@ class Engine:
                 s.drafter = PromptLookup([t for seg in s.request.segments for t in seg], self.config.speculation_ngram,
                                          self.config.speculation_min_ngram)
                 s.draft_budget = DraftBudget(self.config.speculation_max_draft)
-            s.draft_budget.cost = self._draft_cost.cost  # what a drafted token costs on this machine now
+            s.draft_budget.cost = price  # what a drafted token costs at this batch size on this machine now
             k = min(s.draft_budget.next_k(), s.max_new_tokens - s.num_generated - 1, self.max_positions - s.position - 2)
             if k <= 0:
                 continue
