@@ -623,7 +623,9 @@ class Engine:
             self._verify = VerifyStep.build(self.runner.batch)
         if self._verify is None or not self._draft_cost.ready(len(seqs)):
             return {}  # no plain step of this batch size timed yet: nothing to weigh a draft against
-        price = self._draft_cost.cost(len(seqs))
+        # A plain step of B rows yields B tokens; one row's draft token makes the whole step dearer by the
+        # measured price, i.e. by B tokens' worth of that row's share.
+        price = self._draft_cost.cost(len(seqs)) * len(seqs)
         drafts: dict[Sequence, list[int]] = {}
         for s in seqs:
             if not self._speculates(s):
