@@ -14,8 +14,9 @@ what plain decoding would have left, and nothing after it may survive:
   state and the new inputs. Keeping per-token states (instead of snapshotting and re-running the
   kept tokens) costs memory (T x the state per row, for one forward) but no second forward.
 
-The expensive part, every weight matrix, runs once on the flat list of real tokens (no padding);
-only attention scores and the recurrences use a padded [B, T] layout. Families: those of the
+The expensive part, every weight matrix, runs once on the flat list of real tokens (no padding).
+Attention runs row by row over each row's own live columns (a batched, padded product cost more
+than the drafts saved once contexts were long); the recurrences step a padded [B, T] layout. Families: those of the
 lean decode step (runner/decode_step.py); the engine does not speculate on the others.
 
 Reference: feeding the same tokens one at a time through the lean step. tests/test_speculation.py
@@ -49,6 +50,7 @@ class _Layout:
 
     def __init__(self, counts: Sequence[int], lengths: Sequence[int], device):
         self.b, self.t = len(counts), max(counts)
+        self.counts, self.lengths = list(counts), list(lengths)
         counts_t = torch.tensor(list(counts), device=device)
         steps = torch.arange(self.t, device=device)
         self.real = steps[None, :] < counts_t[:, None]  # [B, T]
@@ -56,9 +58,13 @@ class _Layout:
         self.n = int(self.flat.numel())
         lengths_t = torch.tensor(list(lengths), dtype=torch.long, device=device)
         self.cols = lengths_t[:, None] + steps[None, :]  # [B, T]: the column each token writes
-        self.width = int(max(lengths)) + self.t
-        visible = torch.arange(self.width, device=device)[None, None, :] <= self.cols[:, :, None]  # [B, T, W]
-        self.visible = visible
+        self._causal: dict[int, torch.Tensor] = {}
+
+    def causal(self, n: int, dtype) -> torch.Tensor:
+        """[n, n] additive mask: token t of a row's new tokens sees the new tokens up to itself."""
+        if n not in self._causal:
+            self._causal[n] = torch.full((n, n), float("-inf"), dtype=dtype).triu_(1)
+        return self._causal[n]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Flat [N, ...] -> padded [B, T, ...] (zeros where a row has no token)."""
@@ -98,14 +104,12 @@ class VerifyStep:
             pos = torch.tensor([p + i for p, n in zip(positions, counts) for i in range(n)], dtype=torch.long, device=dev)
             c, s = lean.rotary(h[None], pos[None])
             cos, sin = c[0][:, None, :], s[0][:, None, :]  # [N, 1, rot]
-        bias = torch.zeros(lay.visible.shape, dtype=lean.embed.dtype, device=dev).masked_fill_(
-            ~lay.visible, float("-inf"))[:, None, None]  # [B, 1, 1, T, W]
         conv_out: list[torch.Tensor] = []
         states_out: list[list[torch.Tensor]] = []
         for norm1, mixer, kind, norm2, mlp in lean.layers:
             x = norm1(h)
             if kind == "attention":
-                y = self._attention(mixer, x, batch, lay, cos, sin, bias)
+                y = self._attention(mixer, x, batch, lay, cos, sin)
             elif kind == "mamba2":
                 y = self._mamba2(mixer, x, batch, lay, conv_out, states_out)
             else:
@@ -136,7 +140,7 @@ class VerifyStep:
 
     # --- layers --------------------------------------------------------------------------------
     @staticmethod
-    def _attention(att, x, batch, lay: _Layout, cos, sin, bias) -> torch.Tensor:
+    def _attention(att, x, batch, lay: _Layout, cos, sin) -> torch.Tensor:
         N, H, Hkv, D = x.shape[0], att.H, att.Hkv, att.D
         q, k, v = _mm(x, att.w, att.b).split([att.nq, Hkv * D, Hkv * D], dim=-1)
         gate = None
@@ -153,14 +157,22 @@ class VerifyStep:
         cols = lay.cols.reshape(-1)[lay.flat]
         kb[rows, :, cols] = k
         vb[rows, :, cols] = v
-        B, T, W, G = lay.b, lay.t, lay.width, H // Hkv
-        keys, values = kb[:B, :, :W], vb[:B, :, :W]  # [B, Hkv, W, D]
-        # [B, Hkv, G*T, D] against the live columns as they lie in the buffers (no broadcast: no copy of K/V)
-        qp = lay.pad(q).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        scores = torch.matmul(qp, keys.transpose(-1, -2)).view(B, Hkv, G, T, W) * att.scale + bias
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs.view(B, Hkv, G * T, W), values).view(B, Hkv, G, T, D)
-        out = lay.unpad(out.permute(0, 3, 1, 2, 4)).reshape(N, H * D)
+        # Row by row, each over its own live columns as they lie in the buffers: no padding to the longest
+        # row or the longest draft (with long contexts that padding cost more than the draft saved), no copy.
+        G, outs, at = H // Hkv, [], 0
+        for r, (n, L) in enumerate(zip(lay.counts, lay.lengths)):
+            W = L + n
+            qr = q[at:at + n].view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
+            scores = torch.matmul(qr, kb[r, :, :W].transpose(-1, -2)) * att.scale  # [Hkv, G*n, W]
+            if n > 1:
+                scores = scores.view(Hkv, G, n, W)
+                scores[..., L:] += lay.causal(n, scores.dtype)
+                scores = scores.view(Hkv, G * n, W)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            o = torch.matmul(probs, vb[r, :, :W])  # [Hkv, G*n, D]
+            outs.append(o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, H * D))
+            at += n
+        out = torch.cat(outs)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return _mm(out, att.o_w, att.o_b)
