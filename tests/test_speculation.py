@@ -81,6 +81,14 @@ def test_draft_cost_is_measured_per_batch_size_against_plain_steps():
     for _ in range(40):
         cost.verify(8, 10, 0.2)  # free: a GPU's few more rows
     assert cost.cost(8) < 0.01 and abs(cost.cost(1) - 0.5) < 0.01 and cost.cost(4) == 0.3
+    # the result checked: 8 rows emitting 9 tokens in 0.2 s pay against plain steps (8 in 0.2 s)
+    for _ in range(10):
+        cost.verified(8, 9, 0.2)
+    assert cost.pays(8)
+    for _ in range(8):
+        cost.verified(8, 9, 0.4)  # 9 tokens in 0.4 s against 8 in 0.2 s, 8 steps running: rest 32 steps, try again
+    assert [cost.pays(8) for _ in range(33)] == [False] * 32 + [True]
+    assert cost.pays(1)
 
 
 # --- the verification forward against the lean step ------------------------------------------

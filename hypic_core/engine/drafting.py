@@ -104,12 +104,40 @@ class DraftCost:
     more rows are free); on a CPU whose small matrix products are compute-bound it is large, and more
     so in a batch, where one row's draft lengthens every row's recurrences. `ready(B)`: a plain step
     of B rows has been timed twice (the engine drafts for a batch size only then), so each size is
-    judged against its own baseline."""
+    judged against its own baseline.
 
-    def __init__(self, prior: float):
-        self.prior = prior
+    The price is a linear model; a verification forward also has costs a draft's length does not
+    explain (each row's recurrences stepped to the longest draft). So the result is checked too:
+    `pays(B)` is false while verification steps of B rows have produced fewer tokens per second than
+    plain steps of B rows (judged after `judge` of them); the engine then drafts nothing at that size
+    for `rest` steps and tries again."""
+
+    def __init__(self, prior: float, rest: int = 32, judge: int = 8):
+        self.prior, self.rest, self.judge = prior, rest, judge  # judged after `judge` verification steps
         self._plain: dict[int, tuple[int, float]] = {}  # rows -> (plain steps timed, moving average seconds)
         self._cost: dict[int, float] = {}  # rows -> moving average price of a draft token
+        self._rate: dict[int, tuple[int, float]] = {}  # rows -> (verification steps, moving average tokens per second)
+        self._resting: dict[int, int] = {}  # rows -> steps left without drafting
+
+    def pays(self, rows: int) -> bool:
+        """Whether to draft in a step of `rows` rows (counts a resting step)."""
+        left = self._resting.get(rows, 0)
+        if left > 0:
+            self._resting[rows] = left - 1
+            return False
+        return True
+
+    def verified(self, rows: int, tokens: int, seconds: float) -> None:
+        """A verification step of `rows` rows emitted `tokens` tokens in `seconds` (forward included)."""
+        if not self.ready(rows) or seconds <= 0:
+            return
+        rate = tokens / seconds
+        n, seen = self._rate.get(rows, (0, rate))
+        n, avg = n + 1, (rate if n == 0 else 0.9 * seen + 0.1 * rate)
+        self._rate[rows] = (n, avg)
+        if n >= self.judge and avg < rows / self._plain[rows][1]:  # plain steps do better at this size: rest
+            self._resting[rows] = self.rest
+            self._rate.pop(rows)
 
     def ready(self, rows: int) -> bool:
         return self._plain.get(rows, (0, 0.0))[0] >= 2

@@ -83,6 +83,7 @@ class Executed:
     errors: dict[Sequence, BaseException] = field(default_factory=dict)
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # the draft tokens each verified row was fed (maybe none)
     verified: Verified | None = None  # the decode ran as one verification forward (speculation)
+    verify_seconds: float = 0.0  # its forward's time
 
 
 @dataclass
@@ -556,7 +557,8 @@ class Engine:
                 if drafts:  # one verification forward: each row its last token and its draft (hypic_core/runner/verify_step.py)
                     fed = [[s.output_ids[-1], *drafts.get(s, ())] for s in batch.keys]
                     done.verified = self._verify.verify(batch, fed, [s.position for s in batch.keys])
-                    self._draft_cost.verify(len(fed), sum(map(len, drafts.values())), time.perf_counter() - t0)
+                    done.verify_seconds = time.perf_counter() - t0
+                    self._draft_cost.verify(len(fed), sum(map(len, drafts.values())), done.verify_seconds)
                     done.drafts = {s: list(drafts.get(s, ())) for s in batch.keys}
                     self.speculation.verify_steps += 1
                     for r, s in enumerate(batch.keys):
@@ -593,6 +595,7 @@ class Engine:
             VerifyStep.commit(batch, executed.verified, [kept.get(s, 1) for s in batch.keys])
             for s in batch.keys:
                 s.position += kept.get(s, 1)
+            self._draft_cost.verified(len(batch.keys), sum(kept.values()), executed.verify_seconds)
         self.runner.batch.sync([s for s in self.runner.batch.keys if not s.finished], {})
         return outputs
 
@@ -621,8 +624,8 @@ class Engine:
         step = self.runner.batch.step
         if self._verify is None or self._verify.lean is not step:
             self._verify = VerifyStep.build(self.runner.batch)
-        if self._verify is None or not self._draft_cost.ready(len(seqs)):
-            return {}  # no plain step of this batch size timed yet: nothing to weigh a draft against
+        if self._verify is None or not self._draft_cost.ready(len(seqs)) or not self._draft_cost.pays(len(seqs)):
+            return {}  # no plain step of this size timed yet, or verification has not paid at this size lately
         # A plain step of B rows yields B tokens; one row's draft token makes the whole step dearer by the
         # measured price, i.e. by B tokens' worth of that row's share.
         price = self._draft_cost.cost(len(seqs)) * len(seqs)
