@@ -132,7 +132,7 @@ def test_fast_paths_equal_reference_with_prefix(family):
                 assert maxdiff(a.transition, b.transition) <= 1e-4 and maxdiff(a.end, b.end) <= 1e-4
             for a, b in zip(other.conv_tails, r.conv_tails):
                 assert maxdiff(a, b) <= 1e-5
-        for t, conv in zip(r.conv_tails, range(len(r.conv_tails))):
+        for t in r.conv_tails:
             assert t.shape[-1] <= len(r.token_ids)  # a short segment's tail holds its own inputs only
 
 

@@ -97,12 +97,8 @@ class TieredSegmentStore(SegmentStore):
             if found is None and not stored:
                 self._stats.misses += 1
                 return None
-        if found is _COLLISION:
-            log.warning("segment %s: stored token ids differ from the lookup's; evicted", k)
-            self._delete_stored(key)
-            return None
         if found is not None:
-            return found.to(self.device)
+            return self._served(key, found)
         # I/O, network and decoding run outside the lock.
         dk = self.disk_key(key)
         for i, tier in enumerate(stored):
@@ -125,11 +121,16 @@ class TieredSegmentStore(SegmentStore):
         k, t0 = key.to_str(), time.perf_counter()
         with self._lock:
             found = self._lookup_memory(k, tuple(token_ids), t0)
+        return None if found is None else self._served(key, found)
+
+    def _served(self, key: SegmentKey, found) -> SegmentEntry | None:
+        """A memory tier's answer (`_lookup_memory`, not None) on the model's device; a collision, evicted from
+        the stored tiers too, is None."""
         if found is _COLLISION:
-            log.warning("segment %s: stored token ids differ from the lookup's; evicted", k)
+            log.warning("segment %s: stored token ids differ from the lookup's; evicted", key.to_str())
             self._delete_stored(key)
             return None
-        return None if found is None else found.to(self.device)
+        return found.to(self.device)
 
     def _lookup_memory(self, k: str, token_ids: tuple[int, ...], t0: float):
         """(Lock held.) The memory tiers' entry, promoted to the hot tier; None; or _COLLISION."""

@@ -22,7 +22,7 @@ from ..algebra.entry import SegmentEntry
 from ..algebra.keys import SegmentKey
 from ..cache.exact_runs import ExactRuns, chain_hashes
 from ..cache.store import SegmentStore
-from ..config import EngineConfig, Mode
+from ..config import EngineConfig
 from ..runner.model_runner import ModelRunner, PartialEntry
 from .prefill import CostModel, exact_wins, strategy_for
 from .sequence import PrefillProgress, Run, Sequence
@@ -127,7 +127,7 @@ class ContextCacheManager:
         context, prefetched = seq.request.context, seq.found
         found: list[SegmentEntry | None] = [None] * len(context)
         for i, seg in enumerate(context[first:], start=first):
-            if prefetched is None or i < seq.request.exact_prefix:
+            if prefetched is None:
                 found[i] = self.store.lookup(self.key(seq, seg), seg)
             else:  # looked up as it arrived; a miss then may have been computed since (memory only)
                 found[i] = prefetched[i] or self.store.lookup_memory(self.key(seq, seg), seg)
@@ -136,9 +136,9 @@ class ContextCacheManager:
     def prefetch(self, seq: Sequence) -> None:
         """(Any thread.) Look up `seq`'s stitched segments before it is laid out, keeping what was
         found in `seq.found` for `lookup`: the disk and network reads of a slow store then run
-        outside the engine thread (hypic_core/engine/lookups.py). Only for the stitched modes."""
-        if seq.mode in (Mode.HYPIC, Mode.PIC_NAIVE):
-            seq.found = self.lookup(seq, seq.request.exact_prefix)
+        outside the engine thread (hypic_core/engine/lookups.py). For a mode that looks up (`prefill.looks_up`);
+        `first` of every later `lookup` is at least `exact_prefix`."""
+        seq.found = self.lookup(seq, seq.request.exact_prefix)
 
     def entries(self, seq: Sequence, progress: PrefillProgress, found: list[SegmentEntry | None]) -> None:
         """Take the entries `lookup` found for the stitched segments (`progress.exact`..); each miss

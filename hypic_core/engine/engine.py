@@ -41,7 +41,7 @@ from ..algebra.entry import SegmentEntry
 from ..algebra.keys import SegmentKey, model_fingerprint
 from ..cache.exact_runs import ExactRuns
 from ..cache.store import MemorySegmentStore, SegmentStore
-from ..config import EngineConfig, GenerationRequest, Mode
+from ..config import EngineConfig, GenerationRequest
 from ..errors import InvalidRequestError, PromptTooLongError
 from ..runner.model_runner import ModelRunner
 from ..runner.verify_step import Verified, VerifyStep
@@ -49,7 +49,7 @@ from .context_cache import ColdWork, ContextCacheManager
 from .drafting import DraftBudget, DraftCost, PromptLookup
 from .lookups import Lookups
 from .output import OutputProcessor
-from .prefill import CostModel
+from .prefill import CostModel, looks_up
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import AbortHandle, PrefillProgress, PrefillStats, Run, Sequence, Status, StepOutput
 
@@ -219,7 +219,7 @@ class Engine:
         if prefilled is not None:
             seq.prefill = PrefillProgress(prefilled.cache, logits=prefilled.logits)
             seq.stats, seq.prefill_left = prefilled.stats, 1
-        elif self.lookups is not None and seq.mode in (Mode.HYPIC, Mode.PIC_NAIVE):
+        elif self.lookups is not None and looks_up(seq.mode):
             self.lookups.submit(seq)  # queued once its segments are looked up, off this thread
             return seq
         self.scheduler.add(seq)

@@ -148,3 +148,8 @@ STRATEGIES: dict[Mode, PrefillStrategy] = {Mode.FULL: FullPrefill(), Mode.PREFIX
 
 def strategy_for(mode: Mode) -> PrefillStrategy:
     return STRATEGIES[mode]
+
+
+def looks_up(mode: Mode) -> bool:
+    """Whether `mode`'s layout looks its context segments up in the segment store."""
+    return isinstance(STRATEGIES[mode], StitchedPrefill)

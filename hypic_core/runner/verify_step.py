@@ -55,7 +55,6 @@ class _Layout:
         steps = torch.arange(self.t, device=device)
         self.real = steps[None, :] < counts_t[:, None]  # [B, T]
         self.flat = self.real.reshape(-1).nonzero()[:, 0]  # grid index of each real token
-        self.n = int(self.flat.numel())
         lengths_t = torch.tensor(list(lengths), dtype=torch.long, device=device)
         self.cols = lengths_t[:, None] + steps[None, :]  # [B, T]: the column each token writes
         self._causal: dict[int, torch.Tensor] = {}
