@@ -165,8 +165,12 @@ def query_command(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate at most.")] = 128,
     mode: Annotated[str | None, typer.Option(help="full, prefix, pic-naive or hypic.")] = None,
     sources: Annotated[bool, typer.Option("--sources/--no-sources", help="Print the retrieved sources first.")] = False,
+    collection: Annotated[list[str] | None, typer.Option("--collection", help="Search this collection of your key's tenant "
+                                                         "(repeatable; default: its 'default'). GET /collections lists them.")] = None,
 ) -> None:
-    """Stream the answer to QUESTION from a running gateway (POST /query, SSE) to the terminal."""
+    """Stream the answer to QUESTION from a running gateway (POST /query, SSE) to the terminal.
+    The API key is HYPIC_API_KEY; `--collection` becomes the request's `collections`, checked by the gateway
+    as for any client (an unknown or invalid name exits 1 with the gateway's message, naming `collections[i]`)."""
     import httpx
 
     from app.http.sse import parse
@@ -176,7 +180,7 @@ def query_command(
     base = url or f"http://{settings.host}:{settings.port}"
     headers = {"Authorization": f"Bearer {settings.api_key.get_secret_value()}"} if settings.api_key else {}
     body = {"question": question, "max_tokens": max_tokens, "stream": True}
-    body |= {k: v for k, v in {"top_k": top_k, "mode": mode}.items() if v is not None}
+    body |= {k: v for k, v in {"top_k": top_k, "mode": mode, "collections": collection or None}.items() if v is not None}
     try:
         with httpx.stream("POST", f"{base}/query", json=body, headers=headers, timeout=httpx.Timeout(10.0, read=None)) as response:
             if response.status_code != 200:
@@ -186,7 +190,8 @@ def query_command(
                 payload = json.loads(data)
                 if event == "sources" and sources:
                     for s in payload["sources"]:
-                        typer.echo(f"[{s['score']:.3f}] {s['document_id']}: {s['text']}", err=True)
+                        where = f"{s['collection']}/" if s.get("collection", "default") != "default" else ""
+                        typer.echo(f"[{s['score']:.3f}] {where}{s['document_id']}: {s['text']}", err=True)
                 elif event == "delta":
                     sys.stdout.write(payload["text"])
                     sys.stdout.flush()
@@ -202,10 +207,13 @@ def query_command(
 
 
 def _message(text: str) -> str:
+    """An error body's message, with the field it names when the message does not say it."""
     try:
-        return json.loads(text)["error"]["message"]
+        error = json.loads(text)["error"]
+        message, param = error["message"], error.get("param")
     except (ValueError, KeyError, TypeError):
         return text
+    return f"{param}: {message}" if param and not str(message).startswith(param) else message
 
 
 def _fail(message: str) -> None:
