@@ -3,7 +3,7 @@
     POST   /documents              add or replace documents (body by Content-Type, below)
     GET    /documents              a page of documents: ?limit= (1-1000, default 100) &after=<id>
     GET    /documents/{id}         one document, with its chunks
-    DELETE /documents/{id}         remove a document
+    DELETE /documents/{id}         remove a document, and its chunks' work from the segment cache
     POST   /search                 {"query", "top_k"?, "document_ids"?, "collections"?} -> ranked chunks
     GET    /collections            the collections this key's tenant reads, and its quota
 
@@ -12,6 +12,9 @@ its collections: `?collection=` (default 'default') on the /documents routes, `c
 /search. A tenant never sees, changes or searches another tenant's collections; a shared
 collection (HYPIC_SHARED_COLLECTIONS) is read by every tenant and written only by those it names
 (else 403). An upload past the tenant's document or byte quota is a 429 and changes nothing.
+A deleted document's text also leaves the cache: its chunks' segment entries (every tier, every seam
+width) and the exact snapshots holding them, under the salts it could be cached under
+(app/service/forgetting.py).
 
 POST /documents takes, by Content-Type:
 - `application/json`: one `{"id", "text", "title"?, "source"?}` object or a list of them;
@@ -37,6 +40,7 @@ start with `/documents/`, or they would shadow it.
 
 from __future__ import annotations
 
+import logging
 import unicodedata
 
 import anyio
@@ -53,7 +57,7 @@ from retrieval.index import DocumentInfo
 from retrieval.ingest import document_from_text, ingest_documents
 from retrieval.strict_json import lone_surrogate
 
-from ..service import pipeline
+from ..service import forgetting, pipeline
 from ..service.errors import QuotaExceededError
 from ..service.tenants import DEFAULT_COLLECTION, check_collection_name
 
@@ -63,6 +67,7 @@ from .errors import APIError
 from .routing import StrictJSONRoute
 from .tenancy import tenant_of
 
+log = logging.getLogger(__name__)
 router = APIRouter(route_class=StrictJSONRoute)
 COLLECTION = Query(DEFAULT_COLLECTION, description="The collection of this key's tenant (app/service/tenants.py).")
 JSON_TYPES = ("application/json",)
@@ -197,8 +202,18 @@ async def delete_document(document_id: str, request: Request, collection: str = 
     tenant = tenant_of(request)
     document_id = pipeline.document_id(document_id, "document_id")
     check_collection_name(collection, "collection")
+
+    def remove() -> int:
+        index = rt.collections.writable(tenant, collection, create=False)
+        chunks = index.chunks(document_id)
+        removed = index.delete_document(document_id)
+        forgotten = forgetting.forget_chunks(rt, tenant, collection, chunks)
+        log.info("document %r of %s/%s deleted: %d chunks; cache entries removed %s, exact snapshots %d", document_id,
+                 tenant, collection, removed, forgotten.entries, forgotten.snapshots)
+        return removed
+
     try:
-        chunks = await anyio.to_thread.run_sync(lambda: rt.collections.writable(tenant, collection, create=False).delete_document(document_id))
+        chunks = await anyio.to_thread.run_sync(remove)
     except DocumentNotFoundError as exc:
         raise _not_found(exc) from None
     except IndexLockedError as exc:

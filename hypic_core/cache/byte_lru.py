@@ -64,6 +64,10 @@ class ByteLRU(Generic[K, V]):
         self.nbytes -= value.nbytes
         return key, value
 
+    def keys(self) -> list[K]:
+        """The keys held, least recently used first (a copy: the caller may pop while walking it)."""
+        return list(self._items)
+
     def __contains__(self, key: K) -> bool:
         return key in self._items
 

@@ -51,6 +51,7 @@ from typing import Callable
 
 import diskcache
 
+from .forget import SegmentPattern
 from .serde import CorruptEntry
 from .tier import TierStats, WriteBehindTier
 
@@ -456,6 +457,22 @@ class DiskTier(WriteBehindTier):
         except _IO_ERRORS as e:
             self._failed("delete", e)
 
+    def forget(self, pattern: SegmentPattern) -> int | None:
+        """Delete every row (and its value file) whose key `pattern.matches_stored`: one scan of the index
+        over the model's keys (a GLOB on their common head), then one delete per match. None while the
+        tier is down or when the scan fails (logged once)."""
+        cache = self._cache
+        if cache is None:
+            return None
+        head = "".join(f"[{c}]" if c in "*?[" else c for c in pattern.head)  # GLOB has no escape character
+        try:
+            rows = cache._sql("SELECT CAST(key AS BLOB) FROM Cache WHERE raw = 1 AND key GLOB ?", (head + "*",)).fetchall()
+            doomed = [k for k in (_text(key) for (key,) in rows) if k is not None and pattern.matches_stored(k)]
+            return sum(bool(cache.delete(k)) for k in doomed)
+        except _IO_ERRORS as e:
+            self._failed("delete", e)
+            return None
+
     # --- the writer thread's hooks (WriteBehindTier) ----------------------------------------
     def _wants(self, key: str) -> bool:
         return key not in self  # already on disk: `make_value` is never called
@@ -506,6 +523,14 @@ class DiskTier(WriteBehindTier):
         if first:
             log.warning("disk cache %s failed in %s (%s: %s); serving from memory tiers, further %s errors not logged",
                         op, self.directory, type(error).__name__, error, kind)
+
+
+def _text(data: bytes | None) -> str | None:
+    """A key read as bytes, as text; None for one that is not UTF-8 (no key this tier writes)."""
+    try:
+        return None if data is None else bytes(data).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def _utf8(data: bytes | None) -> bool:

@@ -20,7 +20,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -89,6 +89,31 @@ class ExactRuns:
                 self._seen.move_to_end(h)
             while len(self._seen) > self.max_seen:
                 self._seen.popitem(last=False)
+
+    def forget(self, segment_digests: Iterable[str]) -> int:
+        """Drop every snapshot one of whose segments is one of `segment_digests` (the strings `chain_hashes`
+        was given), and the sightings of its paths through one; returns how many. A path's hash names its last segment only
+        through its parent (h_j = sha256(h_{j-1} + d_j)), so each boundary of each snapshot is checked
+        against each digest. Sightings that never became a snapshot hold hashes only (no text) and stay."""
+        wanted = [d.encode() for d in set(segment_digests)]
+        with self._lock:
+            doomed: dict[int, int] = {}  # snapshot id -> position of its first forgotten segment
+            for sid, chain in self._chains.items():
+                parent = b""
+                for j, h in enumerate(chain):
+                    if any(hashlib.sha256(parent + d).hexdigest() == h for d in wanted):
+                        doomed[sid] = j
+                        break
+                    parent = bytes.fromhex(h)
+            for sid, first in doomed.items():
+                self._snaps.pop(sid)
+                chain = self._chains.pop(sid)
+                for h in chain:
+                    if self._index.get(h, (None,))[0] == sid:
+                        del self._index[h]
+                for h in chain[first:]:  # the paths through a forgotten segment
+                    self._seen.pop(h, None)
+            return len(doomed)
 
     def insert(self, chain: list[str], snap: ExactSnapshot) -> None:
         """Index `snap` (its boundaries are `chain`'s segments); it may push older snapshots out, or

@@ -40,6 +40,7 @@ import re
 import threading
 import time
 
+from .forget import SegmentPattern
 from .serde import CorruptEntry
 from .tier import TierStats, WriteBehindTier
 
@@ -265,6 +266,30 @@ class RedisTier(WriteBehindTier):
             return
         with self._lock:
             self._stats.bytes = int(held)
+
+    def forget(self, pattern: SegmentPattern) -> int | None:
+        """Delete every entry (value and account) whose key `pattern.matches_stored`: one SCAN over the
+        values of the model's keys (`<prefix>e:<head>*`), then one delete per match. None while the tier
+        is down or when a call fails (counted)."""
+        if not self.available:
+            return None
+        match = "".join(f"\\{c}" if c in "*?[]\\" else c for c in self._entry_prefix + pattern.head) + "*"
+        try:
+            doomed = []
+            for name in self._client.scan_iter(match=match, count=1000):
+                key = bytes(name)[len(self._entry_prefix.encode()):].decode("utf-8", "replace")
+                if pattern.matches_stored(key):
+                    doomed.append(key)
+            held = None
+            for key in doomed:
+                held = self._delete(keys=self._keys, args=[self._entry_prefix, key])
+        except self._errors as e:
+            self._failed("delete", e)
+            return None
+        if held is not None:
+            with self._lock:
+                self._stats.bytes = int(held)
+        return len(doomed)
 
     def stats(self) -> TierStats:
         """Counters of this process; `bytes` is the shared total as last seen (no network call)."""

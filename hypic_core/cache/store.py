@@ -16,6 +16,7 @@ from ..algebra.keys import SegmentKey
 from .byte_lru import ByteLRU
 
 if TYPE_CHECKING:
+    from .forget import SegmentPattern
     from .tier import TierStats
 
 
@@ -102,6 +103,12 @@ class SegmentStore(ABC):
     def close(self) -> None:
         """Release the store's resources (a tiered store finishes queued disk writes). Default: none."""
 
+    def forget(self, pattern: SegmentPattern) -> dict[str, int]:
+        """Remove every entry `pattern` matches (hypic_core/cache/forget.py: some segments under some salts, at
+        every seam width) from every tier; returns the entries removed per tier name. Blocks on the
+        stored tiers' I/O; never raises for it. Default: NotImplementedError (a store that cannot list its keys)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot forget entries")
+
 
 class MemorySegmentStore(SegmentStore):
     """A `ByteLRU` of entries on whatever device they were inserted on."""
@@ -139,6 +146,14 @@ class MemorySegmentStore(SegmentStore):
         with self._lock:
             self._lru.pop(key.to_str())
             self._stats.bytes[self.tier] = self._lru.nbytes
+
+    def forget(self, pattern: SegmentPattern) -> dict[str, int]:
+        with self._lock:
+            doomed = [k for k in self._lru.keys() if pattern.matches(k)]
+            for k in doomed:
+                self._lru.pop(k)
+            self._stats.bytes[self.tier] = self._lru.nbytes
+        return {self.tier: len(doomed)}
 
     def __len__(self) -> int:
         return len(self._lru)

@@ -3,7 +3,7 @@
 A stored tier maps `str` keys to checked `bytes` values (hypic_core/cache/serde.py makes and
 checks them); `TieredSegmentStore` asks its stored tiers in order after the memory tiers.
 Adding a tier is one file (a `WriteBehindTier` subclass with `name`, `get`, `put`, `delete`,
-`stats`) and one line in `build_store`.
+`stats`, and `forget` where it can list its keys) and one line in `build_store`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from .forget import SegmentPattern
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,10 @@ class StoredTier(Protocol):
 
     def delete(self, key: str) -> None: ...
 
+    def forget(self, pattern: SegmentPattern) -> int | None:
+        """Delete every key `pattern.matches_stored`; the number deleted, or None when the tier cannot
+        list its keys (or is down). Blocks on I/O."""
+
     def stats(self) -> TierStats: ...
 
     def flush(self) -> None:
@@ -81,6 +88,10 @@ class WriteBehindTier:
 
     def put(self, key: str, value: bytes) -> bool:
         raise NotImplementedError
+
+    def forget(self, pattern: SegmentPattern) -> int | None:
+        """Delete the keys `pattern` matches; None: this tier cannot list its keys (the default)."""
+        return None
 
     def put_later(self, key: str, make_value: Callable[[], bytes]) -> bool:
         """Queue a write; `make_value` runs on the writer thread. Never blocks. False (a dropped

@@ -27,6 +27,7 @@ import torch
 
 from ..algebra.entry import SegmentEntry
 from ..algebra.keys import SegmentKey
+from .forget import SegmentPattern
 from .lru import LRUTier, MemoryTier
 from .serde import STORAGE_DTYPES, CorruptEntry, decode, encode
 from .store import SegmentStore, StoreStats
@@ -193,6 +194,28 @@ class TieredSegmentStore(SegmentStore):
         with self._lock:
             self._drop_memory(key.to_str())
         self._delete_stored(key)
+
+    def forget(self, pattern: SegmentPattern) -> dict[str, int]:
+        """Remove every entry `pattern` matches from the memory tiers, then from each stored tier once its
+        queued writes are done (so a write queued before this call cannot bring one back). A stored tier
+        that is down or cannot list its keys is logged and left out of the result."""
+        removed: dict[str, int] = {}
+        with self._lock:
+            for tier in self._tiers:
+                doomed = [k for k in tier.keys() if pattern.matches(k)]
+                for k in doomed:
+                    tier.pop(k)
+                self._stats.bytes[tier.spec.name] = tier.nbytes
+                removed[tier.spec.name] = len(doomed)
+        for tier in list(self.stored):
+            tier.flush()
+            n = tier.forget(pattern)
+            if n is None:
+                log.warning("%s cache tier: could not forget %d segment(s) (down, or it cannot list its keys); "
+                            "they stay until evicted", tier.name, len(pattern.tails))
+            else:
+                removed[tier.name] = n
+        return removed
 
     def _delete_stored(self, key: SegmentKey) -> None:
         for tier in list(self.stored):
