@@ -4,9 +4,15 @@
 #   2. starts the stack with Compose: `ingest` ingests a documents directory (the demo corpus, mounted the
 #      way your own documents are), then the gateway serves the bundled model mounted as your own model is;
 #   3. waits for the gateway's healthcheck, asks POST /query and checks that an answer and sources come back;
-#   4. waits for the segment cache's disk tier, restarts the gateway container and asks again: the answer
+#   4. teams: the stack runs with three keys: HYPIC_API_KEY (the operator's, tenant `default`, which owns what
+#      `ingest` loaded: the demo corpus) and HYPIC_API_KEYS (team-a, team-b). The operator shares the demo corpus
+#      as the collection `demo` (HYPIC_SHARED_COLLECTIONS, filled with `hypic ingest --index-dir` in the running
+#      container, docs/deploy.md "Teams"); team A uploads a document into its own collection, team B can neither
+#      list, read, delete, search nor be answered from it, both get answers from `demo`, a request without a key
+#      is a 401, and team A's delete removes the document;
+#   5. waits for the segment cache's disk tier, restarts the gateway container and asks again: the answer
 #      must come from the cache volume (hypic_cache_hits_total{tier="disk"} > 0, composed_tokens > 0), unchanged;
-#   5. `down -v` (also on failure, after printing the logs).
+#   6. `down -v` (also on failure, after printing the logs).
 #
 #   docker/smoke.sh 2>&1 | tee docs/deploy-smoke.txt
 #
@@ -104,8 +110,13 @@ cp data/demo_corpus.jsonl "$WORK/documents/"
 chmod 755 "$WORK" "$WORK/documents"
 chmod 644 "$WORK/documents/demo_corpus.jsonl"
 export HYPIC_DOCUMENTS="$WORK/documents" HYPIC_MODELS="$ROOT/models" HYPIC_MODEL=/models/hypic-tiny
-export HYPIC_PORT="$PORT" HYPIC_BIND=127.0.0.1 HYPIC_API_KEY=
+export HYPIC_PORT="$PORT" HYPIC_BIND=127.0.0.1
 export HYPIC_CACHE_SECRET="${HYPIC_CACHE_SECRET:-$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')}"  # signs the Redis tier's entries
+# Teams: the operator's key opens the tenant `default`; team-a and team-b have a key each and collections of their own.
+random_key() { printf '%s-%s' "$1" "$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"; }
+OP_KEY="$(random_key op)" A_KEY="$(random_key a)" B_KEY="$(random_key b)"
+export HYPIC_API_KEY="$OP_KEY" HYPIC_API_KEYS="{\"$A_KEY\": \"team-a\", \"$B_KEY\": \"team-b\"}"
+export HYPIC_SHARED_COLLECTIONS='{"demo": []}'  # read by every tenant, written by none through the API
 compose down -v --remove-orphans >/dev/null 2>&1 || true
 log "docker compose up -d (ingest first; the gateway waits for it to succeed)"
 compose up -d
@@ -141,16 +152,30 @@ with socket.create_connection((url.hostname, url.port or 6379), timeout=5) as s:
     assert reply.startswith(b"+PONG"), reply' "$REDIS_URL" || fail "the gateway cannot reach Redis at $REDIS_URL"
 log "the gateway reaches Redis at $REDIS_URL (HYPIC_REDIS_URL)"
 
-query() {  # prints: answer <TAB> sources <TAB> composed_tokens <TAB> cached_tokens <TAB> prompt_tokens
-    curl -fsS "$URL/query" -H 'content-type: application/json' \
-        -d "{\"question\": \"$QUESTION\", \"top_k\": 5, \"max_tokens\": 16}" > "$WORK/reply.json" \
-        || fail "POST /query failed"
-    python3 - "$WORK/reply.json" <<'EOF'
+api() {  # api KEY METHOD PATH [JSON BODY]: prints the HTTP status; the reply's body is in $WORK/body.json
+    local args=(-sS -o "$WORK/body.json" -w '%{http_code}' -X "$2" "$URL$3")
+    [ -z "$1" ] || args+=(-H "Authorization: Bearer $1")
+    [ -z "${4:-}" ] || args+=(-H 'content-type: application/json' --data "$4")
+    curl "${args[@]}" || fail "$2 $3: no answer"
+}
+expect() {  # expect STATUS KEY METHOD PATH [JSON BODY]: fails unless the gateway answers STATUS
+    local status
+    status="$(api "${@:2}")"
+    [ "$status" = "$1" ] || fail "$3 $4 answered $status, expected $1: $(head -c 400 "$WORK/body.json")"
+}
+field() {  # field PYTHON-EXPRESSION: evaluated on the last reply's JSON (r)
+    python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$WORK/body.json" "$1"
+}
+query() {  # query KEY [COLLECTIONS JSON] [QUESTION]: prints answer <TAB> sources <TAB> composed_tokens <TAB>
+           # cached_tokens <TAB> prompt_tokens <TAB> the sources' collection/document ids (comma-separated)
+    expect 200 "$1" POST /query "{\"question\": \"${3:-$QUESTION}\", \"top_k\": 5, \"max_tokens\": 16${2:+, \"collections\": $2}}"
+    python3 - "$WORK/body.json" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
 u = r["usage"]
+docs = ",".join(sorted({f"{s['collection']}/{s['document_id']}" for s in r["sources"]}))
 print("\t".join(map(str, [r["answer"].strip().replace("\t", " ").replace("\n", " "), len(r["sources"]),
-                          u["composed_tokens"], u["cached_tokens"], u["prompt_tokens"]])))
+                          u["composed_tokens"], u["cached_tokens"], u["prompt_tokens"], docs or "-"])))
 EOF
 }
 metric() {  # metric NAME LABELS -> value (0 when absent)
@@ -164,15 +189,71 @@ for line in sys.stdin:
 print(int(total) if total.is_integer() else total)' "$1" "$2"
 }
 
-# 3. A first (cold) query.
-IFS=$'\t' read -r ANSWER1 SOURCES1 COMPOSED1 CACHED1 PROMPT1 < <(query)
+# 3. A first (cold) query, with the operator's key (the tenant `default`, which owns the ingested documents).
+query "$OP_KEY" > "$WORK/q.tsv"
+IFS=$'\t' read -r ANSWER1 SOURCES1 COMPOSED1 CACHED1 PROMPT1 _ < "$WORK/q.tsv"
 log "cold:  answer '$ANSWER1'; $SOURCES1 sources; prompt $PROMPT1 tokens, composed $COMPOSED1, exact $CACHED1"
 [ -n "$ANSWER1" ] || fail "empty answer"
 [ "$SOURCES1" -gt 0 ] || fail "no sources"
 case "$ANSWER1" in *"$EXPECTED"*) log "the answer names $EXPECTED, as the bundled model does" ;;
                    *) log "note: the answer does not name $EXPECTED (the bundled model's usual answer)" ;; esac
 
-# 4. The disk tier holds the entries; restart; the same query is served from the volume.
+# 4. Teams. Who owns the demo corpus: the tenant `default` (ingest wrote it to HYPIC_INDEX_DIR, that tenant's
+# collection `default`); team-a and team-b start with nothing, so the operator shares it as the collection `demo`.
+expect 401 "" POST /query "{\"question\": \"$QUESTION\"}"
+log "teams: a request without a key: 401 ($(field 'r["error"]["message"]'))"
+expect 401 "not-a-key" GET /documents
+log "teams: an unknown key: 401"
+expect 200 "$A_KEY" GET /documents
+[ "$(field 'len(r["data"])')" = 0 ] || fail "team-a sees documents in its 'default' collection: $(head -c 300 "$WORK/body.json")"
+expect 200 "$OP_KEY" GET "/documents?limit=1000"
+log "teams: the demo corpus belongs to the tenant 'default' (the operator's HYPIC_API_KEY: $(field 'len(r["data"])') documents" \
+    "in its collection 'default', written by the ingest service); team-a's and team-b's 'default' collections are empty"
+compose exec -T gateway hypic ingest --index-dir /var/lib/hypic/collections/_shared/demo /documents 2>&1 | tail -n 1 | sed 's/^/    /'
+expect 200 "$B_KEY" GET /collections
+log "teams: the operator shares it as the collection 'demo' (HYPIC_SHARED_COLLECTIONS='$HYPIC_SHARED_COLLECTIONS', filled by" \
+    "hypic ingest --index-dir /var/lib/hypic/collections/_shared/demo); team-b reads: $(field '", ".join("%s (%d documents, %s)" % (c["name"], c["documents"], "shared" if c["shared"] else "its own") for c in r["data"])')"
+expect 403 "$A_KEY" POST "/documents?collection=demo" '{"id": "graffiti", "text": "Seinaim is based in Paris."}'
+log "teams: team-a cannot write the shared collection: 403"
+
+SECRET_Q="What is the vault code of Brill?"
+SECRET="The vault code of Brill is 4417. Tam Oke keeps the key of the vault in the cafe by the bridge."
+expect 201 "$A_KEY" POST "/documents?collection=vault" "{\"id\": \"brill-vault\", \"title\": \"Brill\", \"text\": \"$SECRET\"}"
+log "teams: team-a uploaded brill-vault into its own collection 'vault' ($(field 'r["chunks"]') chunk)"
+query "$A_KEY" '["vault"]' "$SECRET_Q" > "$WORK/q.tsv"
+IFS=$'\t' read -r ANSWER _ _ _ _ DOCS < "$WORK/q.tsv"
+[ "$DOCS" = vault/brill-vault ] || fail "team-a's query over 'vault' had the sources $DOCS"
+log "teams: team-a's query over 'vault' is answered from it: '$ANSWER'; sources $DOCS"
+expect 200 "$B_KEY" GET /collections
+case "$(field '[c["name"] for c in r["data"]]')" in *vault*) fail "team-b lists team-a's collection: $(cat "$WORK/body.json")" ;; esac
+expect 400 "$B_KEY" GET "/documents?collection=vault"
+expect 400 "$B_KEY" GET "/documents/brill-vault?collection=vault"
+expect 404 "$B_KEY" GET "/documents/brill-vault"
+expect 400 "$B_KEY" DELETE "/documents/brill-vault?collection=vault"
+expect 400 "$B_KEY" POST /search '{"query": "vault code of Brill", "collections": ["vault"]}'
+expect 400 "$B_KEY" POST /query "{\"question\": \"$SECRET_Q\", \"collections\": [\"vault\"]}"
+log "teams: team-b cannot list, read, delete, search or query team-a's collection (each a 4xx: $(field 'r["error"]["message"]'))"
+for collections in "" '["demo"]' '["default", "demo"]'; do
+    query "$B_KEY" "$collections" "$SECRET_Q" > "$WORK/q.tsv"
+    IFS=$'\t' read -r ANSWER _ _ _ _ DOCS < "$WORK/q.tsv"
+    case "$DOCS $ANSWER" in *brill-vault*|*4417*) fail "team-b was answered from team-a's document: '$ANSWER' ($DOCS)" ;; esac
+done
+expect 200 "$B_KEY" POST /search '{"query": "vault code of Brill 4417", "collections": ["default", "demo"], "top_k": 8}'
+case "$(cat "$WORK/body.json")" in *4417*|*brill-vault*) fail "team-b's search found team-a's document" ;; esac
+log "teams: team-b's queries and searches over its own and the shared collections never show team-a's document"
+for team in a b; do
+    key="$A_KEY"; [ "$team" = a ] || key="$B_KEY"
+    query "$key" '["demo"]' > "$WORK/q.tsv"
+    IFS=$'\t' read -r ANSWER SOURCES _ _ _ DOCS < "$WORK/q.tsv"
+    [ "$SOURCES" -gt 0 ] || fail "team-$team: no sources from the shared demo corpus"
+    [ -z "$(printf '%s' "$DOCS" | tr ',' '\n' | grep -v '^demo/')" ] || fail "team-$team: sources not from 'demo': $DOCS"
+    log "teams: team-$team over 'demo': answer '$ANSWER'; $SOURCES sources, all from 'demo'"
+done
+expect 200 "$A_KEY" DELETE "/documents/brill-vault?collection=vault"
+expect 404 "$A_KEY" GET "/documents/brill-vault?collection=vault"
+log "teams: team-a deleted brill-vault (and its chunks' cache entries); it is gone: 404"
+
+# 5. The disk tier holds the entries; restart; the same query is served from the volume.
 deadline=$((SECONDS + 60))
 until [ "$(metric hypic_cache_bytes 'tier="disk"')" != 0 ]; do
     [ "$SECONDS" -lt "$deadline" ] || fail "the disk tier stayed empty"
@@ -190,7 +271,8 @@ compose restart gateway
 wait_healthy
 HITS0="$(metric hypic_cache_hits_total 'tier="disk"')"
 [ "$HITS0" = 0 ] || fail "disk hits before any query after the restart: $HITS0"
-IFS=$'\t' read -r ANSWER2 SOURCES2 COMPOSED2 CACHED2 PROMPT2 < <(query)
+query "$OP_KEY" > "$WORK/q.tsv"
+IFS=$'\t' read -r ANSWER2 SOURCES2 COMPOSED2 CACHED2 PROMPT2 _ < "$WORK/q.tsv"
 HITS="$(metric hypic_cache_hits_total 'tier="disk"')"
 log "warm:  answer '$ANSWER2'; $SOURCES2 sources; prompt $PROMPT2 tokens, composed $COMPOSED2, exact $CACHED2; disk hits $HITS"
 [ "$HITS" -gt 0 ] || fail "no disk-tier hit after the restart: the cache volume did not survive"

@@ -90,15 +90,16 @@ def test_ports_are_loopback_unless_asked(compose):
         assert "ports" not in compose["services"][name]
 
 
-@pytest.mark.parametrize("bind, key, code", [("127.0.0.1", "", 0), ("0.0.0.0", "", 78), ("0.0.0.0", "k", 0),
-                                             ("192.168.1.5", "", 78), ("[::1]", "", 0)])
-def test_ingest_refuses_an_open_port_without_a_key(compose, bind, key, code, tmp_path):
+@pytest.mark.parametrize("bind, key, keys, code", [("127.0.0.1", "", "", 0), ("0.0.0.0", "", "", 78), ("0.0.0.0", "k", "", 0),
+                                                   ("0.0.0.0", "", '{"ka": "team-a", "kb": "team-b"}', 0),
+                                                   ("192.168.1.5", "", "", 78), ("[::1]", "", "", 0)])
+def test_ingest_refuses_an_open_port_without_a_key(compose, bind, key, keys, code, tmp_path):
     """The ingest service's script, run by sh as in the container: an address beyond loopback needs
-    HYPIC_API_KEY (the gateway waits for ingest, so it does not start either). /documents does not
-    exist here, so a script that passes the check ingests nothing and exits 0."""
+    HYPIC_API_KEY or HYPIC_API_KEYS (the gateway waits for ingest, so it does not start either). /documents
+    does not exist here, so a script that passes the check ingests nothing and exits 0."""
     command = compose["services"]["ingest"]["command"]
     assert command[:2] == ["sh", "-c"]
-    env = {"PATH": os.environ["PATH"], "GATEWAY_PUBLISHED_ON": bind, "HYPIC_API_KEY": key}
+    env = {"PATH": os.environ["PATH"], "GATEWAY_PUBLISHED_ON": bind, "HYPIC_API_KEY": key, "HYPIC_API_KEYS": keys}
     run = subprocess.run(["sh", "-c", command[2]], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
     assert run.returncode == code, run.stderr
     assert ("HYPIC_API_KEY" in run.stderr) == (code == 78)
@@ -135,6 +136,30 @@ def test_environment_names_settings_the_gateway_has(compose):
     assert compose["services"]["gateway"]["environment"]["HYPIC_REDIS_URL"] == "redis://redis:6379/0"
     Settings(**{k.removeprefix("HYPIC_").lower(): v for k, v in compose["services"]["gateway"]["environment"].items()
                 if v and k not in PENDING_SETTINGS})  # the defaults are valid values
+
+
+def test_teams_settings_reach_both_services_and_the_smoke_run_uses_two_keys(monkeypatch):
+    """HYPIC_API_KEYS and HYPIC_SHARED_COLLECTIONS pass through to ingest and gateway (both read the same
+    settings) and make valid settings; docker/smoke.sh runs the stack with two team keys beside the operator's."""
+    keys = '{"key-a": "team-a", "key-b": "team-b"}'
+    model = load("compose.yaml", "compose.smoke.yaml", env={"HYPIC_API_KEY": "op", "HYPIC_API_KEYS": keys,
+                                                            "HYPIC_SHARED_COLLECTIONS": '{"demo": []}'})
+    for name in ("ingest", "gateway"):
+        env = model["services"][name]["environment"]
+        assert env["HYPIC_API_KEYS"] == keys and env["HYPIC_SHARED_COLLECTIONS"] == '{"demo": []}'
+    env = model["services"]["gateway"]["environment"]
+    for name in ("HYPIC_API_KEY", "HYPIC_API_KEYS", "HYPIC_SHARED_COLLECTIONS"):  # read as the container reads them
+        monkeypatch.setenv(name, env[name])
+    settings = Settings(_env_file=None)
+    assert settings.tenant_keys == {"op": "default", "key-a": "team-a", "key-b": "team-b"}
+    assert settings.shared_collections == {"demo": []}
+    assert "HYPIC_API_KEYS_FILE" not in env  # the file is mounted on the gateway only (docs/deploy.md): ingest would not find it
+    smoke = (DOCKER / "smoke.sh").read_text()
+    assert re.search(r'export HYPIC_API_KEY="\$OP_KEY" HYPIC_API_KEYS=".*team-a.*team-b', smoke)
+    assert "export HYPIC_SHARED_COLLECTIONS='{\"demo\": []}'" in smoke
+    assert "/var/lib/hypic/collections/_shared/demo" in smoke  # where Settings puts the shared collection, in the image
+    image = Settings(_env_file=None, index_dir="/var/lib/hypic/index")
+    assert image.collections_root / "_shared" / "demo" == Path("/var/lib/hypic/collections/_shared/demo")
 
 
 def test_the_shared_tier_needs_a_cache_secret():
