@@ -12,15 +12,21 @@ full's answer (up to --max-tokens tokens), teacher-forced, so a config is judged
 answer and not on its first token alone. 95% confidence intervals: Wilson for proportions, t-free normal for means.
 
 Configurations beyond the plain seams (`--variants`, the attention-side ladder of issue 49), each
-`SEAM[/FRACTION][+p]`: hypic with the seam head max(SEAM, ceil(FRACTION * chunk length))
-(`EngineConfig.seam_fraction`), and with `+p` every entry computed after the prompt's fixed head
+`SEAM[/FRACTION][+p][@RULE]`: hypic with the seam head max(SEAM, ceil(FRACTION * chunk length))
+(`EngineConfig.seam_fraction`), with `+p` every entry computed after the prompt's fixed head
 (`EngineConfig.entry_prefix`: the chat template's system part and the user turn's opening, what
-precedes the first document in every prompt). Each variant runs on its own engine over the same
+precedes the first document in every prompt), and with `@R` (rung 3, selective recompute) a
+budget of R x the reused tokens spent widening seam heads, nearest the question first
+(hypic_core/engine/recompute.py `head_widths`), or `@gold`: an oracle that computes the gold
+document whole in context (what a perfect query-aware choice of one document would give). Each variant runs on its own engine over the same
 loaded model. Every config is also paired per question against `full` (answers lost and gained, the
 accuracy difference with a paired 95% interval) and against `hypic s=8` (first-token KL difference).
 
 Run:  .venv/bin/python bench/accuracy_real.py --model smollm2-135m-instruct
-      [--n 84] [--seams 0 2 4 8 16 32] [--naive-seams 8] [--variants 8+p 8/0.15] [--max-tokens 32] [--tag real-smollm2]
+      [--n 84] [--seams 0 2 4 8 16 32] [--naive-seams 8] [--variants 8+p 8/0.15 8@0.1 8@gold] [--max-tokens 32] [--tag real-smollm2]
+
+`--set short` asks data/short_qa/'s 61 questions instead (six ~80-token documents each, in the
+prompter's retrieval order, the best next to the question; `--order shuffled` for a random order).
 Writes its section into docs/accuracy.md (between <!-- TAG:begin/end -->) and the raw rows to
 docs/accuracy_real_<model>.json; progress goes to stderr.
 """
@@ -47,32 +53,68 @@ from app.service.prompter import Prompter  # noqa: E402
 from app.service.settings import Settings  # noqa: E402
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from hypic_core.engine.engine import Engine  # noqa: E402
+from hypic_core.engine.recompute import head_widths  # noqa: E402
 from hypic_core.models.registry import resolve  # noqa: E402
 from markdown_section import write_section  # noqa: E402
 from real_qa import build_context, load_real_qa, normalize_answer, score  # noqa: E402
+from short_qa import load_short_qa  # noqa: E402
 from retrieval.document import Chunk, chunk_id_for  # noqa: E402
 from retrieval.index import SearchHit  # noqa: E402
 
 
 def configs(seams: list[int], naive_seams: list[int], prefix: bool = True,
-            variants: list[str] = ()) -> list[tuple[str, str, int, float, bool]]:
-    """(label, mode, seam, seam fraction, entry prefix) of every configuration, `full` first."""
-    out = [("full", "full", 0, 0.0, False)] + ([("prefix", "prefix", 0, 0.0, False)] if prefix else [])
-    out += [(f"pic-naive s={s}", "pic-naive", s, 0.0, False) for s in naive_seams]
-    out += [(f"hypic s={s}", "hypic", s, 0.0, False) for s in seams]
+            variants: list[str] = ()) -> list[tuple[str, str, int, float, bool, str]]:
+    """(label, mode, seam, seam fraction, entry prefix, recompute rule) of every configuration, `full` first."""
+    out = [("full", "full", 0, 0.0, False, "")] + ([("prefix", "prefix", 0, 0.0, False, "")] if prefix else [])
+    out += [(f"pic-naive s={s}", "pic-naive", s, 0.0, False, "") for s in naive_seams]
+    out += [(f"hypic s={s}", "hypic", s, 0.0, False, "") for s in seams]
     out += [variant(v) for v in variants]
     return out
 
 
-def variant(spec: str) -> tuple[str, str, int, float, bool]:
-    """`SEAM[/FRACTION][+p]` -> a hypic config (see the module docstring)."""
+def variant(spec: str) -> tuple[str, str, int, float, bool, str]:
+    """`SEAM[/FRACTION][+p][@RULE]` -> a hypic config (see the module docstring)."""
+    spec, at, rule = spec.partition("@")
+    if at and rule != "gold":
+        try:
+            ratio = float(rule)
+        except ValueError:
+            raise SystemExit(f"variant {spec}@{rule}: the rule is a budget ratio (e.g. @0.1) or 'gold'") from None
+        if not 0.0 <= ratio <= 1.0:
+            raise SystemExit(f"variant {spec}@{rule}: the budget ratio must be in [0, 1]")
     body, plus, flag = spec.partition("+")
     if plus and flag != "p":
         raise SystemExit(f"variant {spec!r}: only '+p' (entry prefix) may follow the seam")
     seam, _, frac = body.partition("/")
     fraction = float(frac) if frac else 0.0
-    label = f"hypic s={int(seam)}" + (f" f={fraction:g}" if fraction else "") + (" +prefix" if plus else "")
-    return label, "hypic", int(seam), fraction, bool(plus)
+    label = (f"hypic s={int(seam)}" + (f" f={fraction:g}" if fraction else "") + (" +prefix" if plus else "")
+             + ("" if not at else " gold whole (oracle)" if rule == "gold" else f" r={float(rule):g}"))
+    return label, "hypic", int(seam), fraction, bool(plus), rule
+
+
+def install_recompute(engine: Engine, rule: str) -> dict:
+    """Rung 3 on `engine` (a prototype, for measuring before anything is wired): each stitched segment's
+    seam head from `head_widths` at budget ratio `rule`, or with `rule` "gold" the segment the returned
+    dict's "gold" names computed whole (the benchmark sets it per question). Replaces the engine's
+    context-cache manager's `head` on this engine only; entries of every width are keyed by it."""
+    context = engine.context
+    plain = context.head  # the bound method: EngineConfig.head_width of the sequence's seam
+    state: dict = {"gold": None, "segments": None, "widths": {}}
+
+    def head(seq, segment):
+        request = seq.request
+        if state["segments"] != request.segments:
+            segs = request.context[request.exact_prefix:]
+            base = [plain(seq, s) for s in segs]
+            if rule == "gold":
+                widths = [len(s) if s == state["gold"] else b for s, b in zip(segs, base)]
+            else:
+                widths = head_widths([len(s) for s in segs], base, float(rule))
+            state["segments"], state["widths"] = request.segments, dict(zip(segs, widths))
+        return state["widths"].get(segment, plain(seq, segment))
+
+    context.head = head
+    return state
 
 
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
@@ -141,28 +183,43 @@ def evaluate(args) -> dict:
     layout = settings.prompt_layout(engine.tokenizer, model.known.prompt if model.known else None)
     prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
     head = entry_prefix(prompter)
-    engines = {(0.0, False): engine}  # (seam fraction, entry prefix) -> an engine over the same model
-    for _, _, _, fraction, prefixed in configs([], [], False, args.variants or []):
-        engines.setdefault((fraction, prefixed), Engine(
-            engine.model, engine.tokenizer, EngineConfig(seam=8, memory_budget_bytes=budget, seam_fraction=fraction,
-                                                         entry_prefix=head if prefixed else ()),
-            model_id=settings.served_model_name))
-    pairs = load_real_qa()[: args.n]
+    engines = {(0.0, False, ""): engine}  # (seam fraction, entry prefix, rule) -> an engine over the same model
+    recompute = {}  # rule -> what install_recompute returned
+    for _, _, _, fraction, prefixed, rule in configs([], [], False, args.variants or []):
+        if (fraction, prefixed, rule) not in engines:
+            engines[(fraction, prefixed, rule)] = Engine(
+                engine.model, engine.tokenizer, EngineConfig(seam=8, memory_budget_bytes=budget, seam_fraction=fraction,
+                                                             entry_prefix=head if prefixed else ()),
+                model_id=settings.served_model_name)
+            if rule:
+                recompute[(fraction, prefixed, rule)] = install_recompute(engines[(fraction, prefixed, rule)], rule)
+    pairs = questions(args)
     cfgs = configs(args.seams, args.seams if args.naive_seams is None else args.naive_seams, not args.no_prefix,
                    args.variants or [])
     rows: dict[str, list[dict]] = {label: [] for label, *_ in cfgs}
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     for i, pair in enumerate(pairs):
-        n_chunks = rng.randint(3, min(10, len(pair.distractors) + 1))
+        if args.set == "short":
+            n_chunks = len(pair.chunks)
+        else:
+            n_chunks = rng.randint(3, min(10, len(pair.distractors) + 1))
         if i < args.first:  # another process's share: the draw above keeps the contexts of a whole run
             continue
-        chunks, gold = build_context(pair, n_chunks, seed=args.seed)
+        if args.set == "short":
+            chunks, gold = list(pair.chunks), pair.gold
+        else:
+            chunks, gold = build_context(pair, n_chunks, seed=args.seed)
         segs = prompt_segments(prompter, pair.question, chunks)
         assert tuple(t for s in segs[:2] for t in s)[: len(head)] == head, "the prompt does not open with the entry prefix"
+        docs = segs[-1 - len(chunks):-1]  # the prompter's tail is the question alone
+        assert len(docs) == len(chunks) and all(engine.tokenizer.decode(d).count(c[:20]) for d, c in zip(docs, chunks)), \
+            "the documents are not the prompt's last context segments"
+        for state in recompute.values():
+            state["gold"] = docs[gold]
         full = None
-        for label, mode, seam, fraction, prefixed in cfgs:
-            engine = engines[(fraction, prefixed)]
+        for label, mode, seam, fraction, prefixed, rule in cfgs:
+            engine = engines[(fraction, prefixed, rule)]
             request = GenerationRequest(segs, mode=mode, seam=seam, sampling=SamplingParams(max_tokens=args.max_tokens))
             pre = engine.prefill(request)
             forked = copy.deepcopy(pre.cache)
@@ -185,11 +242,18 @@ def evaluate(args) -> dict:
         el = time.perf_counter() - t0
         print(f"[{i + 1}/{len(pairs)}] {el:.0f} s elapsed, ~{el / (i + 1 - args.first) * (len(pairs) - i - 1):.0f} s left; "
               f"full: {rows['full'][-1]['answer'][:60]!r}", file=sys.stderr, flush=True)
-    return {"model": args.model, "family": engine.adapter.family, "entry_prefix_tokens": len(head), "linear_layers": len(engine.adapter.linear_layers),
+    return {"model": args.model, "set": args.set, "order": args.order, "family": engine.adapter.family, "entry_prefix_tokens": len(head), "linear_layers": len(engine.adapter.linear_layers),
             "attention_layers": len(engine.adapter.attention_layers), "dtype": str(engine.runner.model.dtype),
             "n": len(pairs) - args.first, "first": args.first, "max_tokens": args.max_tokens, "seed": args.seed,
             "seconds": round(time.perf_counter() - t0),
             "configs": [list(c) for c in cfgs], "rows": rows}
+
+
+def questions(args) -> list:
+    """The questions of `--set` (real: data/real_qa's QAPair; short: data/short_qa's ShortQA), the first `--n`."""
+    if args.set == "short":
+        return load_short_qa(order=args.order, seed=args.seed)[: args.n]
+    return load_real_qa()[: args.n]
 
 
 def table(results: dict) -> list[str]:
@@ -298,7 +362,7 @@ def partial_share(data: dict, args) -> dict:
     with the run's arguments; what the rows do not say (family, layer counts, dtype) comes from `--merge`."""
     if "configs" in data:
         return data
-    ids = [pair.id for pair in load_real_qa()]
+    ids = [pair.id for pair in questions(args)]
     rows = data["rows"]
     n = len(rows["full"])
     cfgs = configs(args.seams, args.seams if args.naive_seams is None else args.naive_seams, not args.no_prefix,
@@ -320,7 +384,7 @@ def merge(results: dict, path: str, label: str) -> None:
             raise SystemExit(f"{path}: full answers {r['id']} differently; its rows are not this run's")
         picked.append(old["rows"][label][i])
     spec = next(c for c in old["configs"] if c[0] == label)
-    results["configs"].insert(1, [*spec, *[0.0, False][len(spec) - 3:]])
+    results["configs"].insert(1, [*spec, *[0.0, False, ""][len(spec) - 3:]])
     results["rows"][label] = picked
     for k in ("family", "linear_layers", "attention_layers", "dtype"):
         results.setdefault(k, old.get(k))
@@ -330,7 +394,11 @@ def merge(results: dict, path: str, label: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--n", type=int, default=84, help="questions (data/real_qa has 84)")
+    parser.add_argument("--n", type=int, default=84, help="questions (data/real_qa has 84, data/short_qa 61)")
+    parser.add_argument("--set", choices=("real", "short"), default="real",
+                        help="real: data/real_qa (3-10 passages of 130-330 tokens); short: data/short_qa (six ~80-token documents)")
+    parser.add_argument("--order", choices=("retrieval", "shuffled"), default="retrieval",
+                        help="--set short: the documents in the prompter's order (best next to the question) or shuffled")
     parser.add_argument("--seams", type=int, nargs="*", default=[0, 2, 4, 8, 16, 32], help="hypic seams (none: no hypic rows)")
     parser.add_argument("--naive-seams", type=int, nargs="*", default=None,
                         help="seams for pic-naive (default: --seams). On a dense model pic-naive equals hypic at every "
@@ -379,6 +447,7 @@ def main() -> None:
     naive = "" if args.naive_seams is None else " ".join([" --naive-seams", *map(str, args.naive_seams)])
     naive += " --no-prefix" if args.no_prefix else ""
     naive += " ".join([" --variants", *args.variants]) if args.variants else ""
+    naive += f" --set short" + (" --order shuffled" if args.order == "shuffled" else "") if args.set == "short" else ""
     naive += f" --tag {args.tag}" if args.tag else ""
     naive += f" --raw {args.raw}" if args.raw else ""
     naive += "".join(f" --merge {path} '{label}'" for path, label in args.merge)
@@ -396,7 +465,9 @@ def main() -> None:
         f"{results['attention_layers']} attention layers, {results['dtype']})"
         + (f", PARTIAL: {results['n']} of {args.n} questions" if results.get("partial") else ""),
         "",
-        f"`{command}` ({results['n']} questions from data/real_qa, 3-10 chunks each, greedy, "
+        f"`{command}` ({results['n']} questions from "
+        + (f"data/short_qa, six ~80-token documents each in {args.order} order, greedy, " if args.set == "short"
+           else "data/real_qa, 3-10 chunks each, greedy, ")
         + (f"a run cut short: only the questions its shares finished" if results.get("partial")
            else f"{results['seconds']} s on this machine's CPU")
         + f"{_shares_note(results)}). Raw rows: `docs/{raw}`."

@@ -2,7 +2,7 @@
 
 The workload of bench/families.py's real-model rows: a 32-token system prompt, `--chunks` chunks of
 `--chunk-len` tokens in a new order per repetition, a 64-token question. Each configuration
-(`SEAM[/FRACTION][+p]`, as bench/accuracy_real.py's `--variants`) gets its own engine over the same
+(`SEAM[/FRACTION][+p][@R]`, as bench/accuracy_real.py's `--variants`; `@R` a rung-3 recompute budget) gets its own engine over the same
 model; its store is filled by one request in another order, then each repetition times `full` and
 every configuration warm on the same new order, so the ratios are paired under the same load. With
 `+p` the entry prefix is the system prompt (what precedes the first chunk), which is then an exact
@@ -10,6 +10,11 @@ snapshot.
 
     .venv/bin/python bench/ladder_ttft.py --model smollm2-hybrid-135m smollm2-135m-instruct \\
         --configs 8 8+p 8/0.15 8/0.15+p --reps 5
+    .venv/bin/python bench/ladder_ttft.py --chunk-len 80 --configs 8 8@0.05 8@0.1 8@0.2 --reps 5   # short documents
+
+With a recompute budget the store is filled by the first request, in another order: the widths a
+segment gets depend on its place, so a repetition may still find an entry of its width missing;
+those repetitions are filled first (one untimed request in the same order), so every timing is warm.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from hypic_core.config import EngineConfig  # noqa: E402
 from hypic_core.engine.engine import Engine  # noqa: E402
 
-from accuracy_real import variant  # noqa: E402
+from accuracy_real import install_recompute, variant  # noqa: E402
 from families import real_model  # noqa: E402
 from ttft import ttft, ttft_out, workload  # noqa: E402
 
@@ -47,10 +52,16 @@ def measure(model: torch.nn.Module, args) -> dict[str, dict]:
 
     full_engine = Engine(model, config=EngineConfig(seam=8))
     engines = {}
+    budgeted = set()
     for spec in args.configs:
-        label, _, seam, fraction, prefixed = variant(spec)
+        label, _, seam, fraction, prefixed, rule = variant(spec)
         engine = Engine(model, config=EngineConfig(seam=seam, seam_fraction=fraction,
                                                    entry_prefix=system if prefixed else ()))
+        if rule == "gold":
+            raise SystemExit(f"{spec}: the gold oracle needs a question set; time a budget (@R) instead")
+        if rule:
+            install_recompute(engine, rule)
+            budgeted.add(label)
         ttft(engine, request(100), "hypic")  # fills the store (cold), another order
         engines[label] = engine
     ttft(full_engine, request(101), "full")  # warms kernels
@@ -62,6 +73,8 @@ def measure(model: torch.nn.Module, args) -> dict[str, dict]:
         t_full = ttft(full_engine, segs, "full")
         times["full"].append(t_full)
         for label, engine in engines.items():
+            if label in budgeted:
+                ttft(engine, segs, "hypic")  # the widths this order gives: their entries computed, untimed
             t, out = ttft_out(engine, segs, "hypic")
             assert out.stats.segment_misses == 0, f"{label}: not warm"
             times[label].append(t)
