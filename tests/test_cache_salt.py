@@ -80,7 +80,7 @@ def test_store_false_keeps_no_entry_snapshot_or_sighting(model, cold_prefill):
         eng.step()
     assert eng.store.inserts == 0 and len(eng.store) == 0
     assert len(eng.exact_runs._index) == 0 and len(eng.exact_runs._seen) == 0
-    assert len(eng.context.background) == 0
+    assert len(eng.cache_manager.background) == 0
     # It still answers as a request that stores does, and what it computed was not kept for anyone.
     stored = eng.prefill(request("tenant:a"))
     assert stored.stats.segment_hits == 0

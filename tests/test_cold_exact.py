@@ -11,7 +11,7 @@ Invariants, for every linear family and a dense one:
 - "stitch" keeps today's path; requests that measure composition (`exact_runs` False) always
   stitch; an aborted request leaves no background work; with exact_repeats a repeat in the same
   order is computed exactly and then restored, equal to full;
-- "auto" chooses by the cost model (hypic_core/engine/prefill.py), checked on its formula and on the
+- "auto" chooses by the cost model (hypic_core/engine/plan.py), checked on its formula and on the
   engine's choice for an all-miss and a mostly-warm request.
 """
 
@@ -25,7 +25,7 @@ from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError
 from hypic_core.algebra.keys import SegmentKey
-from hypic_core.engine.prefill import CostModel, exact_wins
+from hypic_core.engine.plan import CostModel, exact_wins
 from hypic_core.engine.sequence import Status
 from hypic_core.testing import tiny_model
 
@@ -137,13 +137,13 @@ def test_partial_miss_stitches_and_shared_work():
     while a.status is not Status.RUNNING:
         eng.step()
     assert a.stats.exact_forward and eng.has_background_work()
-    shared = eng.context._cold[SegmentKey.of(eng.fingerprint, 4, other[1]).to_str()]
+    shared = eng.cache_manager._cold[SegmentKey.of(eng.fingerprint, 4, other[1]).to_str()]
     b, _ = first(eng, req([other[0], segs[1], other[1], other[2]]))
     assert not b.stats.exact_forward and b.stats.segment_hits == 1 and shared.entry is not None
     eng.drain_background()
     for seg in other[:-1]:
         assert eng.store.lookup(SegmentKey.of(eng.fingerprint, 4, seg), seg) is not None
-    assert not eng.context._cold
+    assert not eng.cache_manager._cold
 
 
 def test_abort_before_first_token_leaves_no_background_work():
@@ -155,7 +155,7 @@ def test_abort_before_first_token_leaves_no_background_work():
     assert seq.stats.exact_forward and seq.prefill is not None and seq.prefill.logits is None
     seq.abort.abort()
     eng.step()
-    assert seq.finished and not eng.has_background_work() and not eng.context._cold and len(eng.store) == 0
+    assert seq.finished and not eng.has_background_work() and not eng.cache_manager._cold and len(eng.store) == 0
 
 
 def test_exact_repeats_a_repeat_is_exact_then_restored():
@@ -178,10 +178,10 @@ def test_background_queue_is_bounded():
     eng = engine_of(model, background_tokens=50)
     for seed in (9, 10):
         first(eng, req(random_segments(LENGTHS, seed=seed)))
-    queued = eng.context.pending_background()
-    assert sum(len(cw.segment) for cw in queued) <= 50 and eng.context.background_dropped > 0
+    queued = eng.cache_manager.pending_background()
+    assert sum(len(cw.segment) for cw in queued) <= 50 and eng.cache_manager.background_dropped > 0
     eng.drain_background()
-    assert not eng.context._cold
+    assert not eng.cache_manager._cold
 
 
 def test_cost_model_formula_and_choice():
@@ -202,7 +202,7 @@ def test_cost_model_formula_and_choice():
 def test_auto_chooses_by_cost():
     model = tiny_model("qwen3_5")
     eng = engine_of(model, "auto")
-    cost = eng.context.cost
+    cost = eng.cache_manager.cost
     assert cost.entry_overhead > 0 and cost.attention > 0
     segs = random_segments(LENGTHS, seed=11)
     out, _ = first(eng, req(segs))
@@ -211,7 +211,7 @@ def test_auto_chooses_by_cost():
     warm, _ = first(eng, req([segs[0], segs[2], segs[1], segs[3], random_segments((9,), seed=12)[0]]))
     assert not warm.stats.exact_forward and warm.stats.segment_hits == len(LENGTHS) - 1
     dense = engine_of(tiny_model("llama"), "auto")
-    assert dense.context.cost.entry_overhead == 0
+    assert dense.cache_manager.cost.entry_overhead == 0
 
 
 def test_cold_exact_runs_the_forwards_full_runs(model):
@@ -235,8 +235,8 @@ def test_failed_background_work_is_dropped_not_raised():
     first(eng, req(random_segments(LENGTHS, seed=14)))
     real = eng.runner.compute_entries
     eng.runner.compute_entries = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
-    assert eng.step() == [] and isinstance(eng.context.background_error, RuntimeError)
-    assert not eng.has_background_work() and not eng.context._cold
+    assert eng.step() == [] and isinstance(eng.cache_manager.background_error, RuntimeError)
+    assert not eng.has_background_work() and not eng.cache_manager._cold
     eng.runner.compute_entries = real
     out, _ = first(eng, req(random_segments(LENGTHS, seed=15)))  # the engine serves on
     assert out.stats.exact_forward

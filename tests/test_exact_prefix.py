@@ -62,7 +62,7 @@ def test_wide_seam_after_an_exact_prefix_equals_full(engine):
 
 
 def test_a_restored_prefix_equals_computing_it(engine):
-    engine.context.exact_runs = type(engine.exact_runs)(engine.exact_runs.budget_bytes)  # start empty
+    engine.cache_manager.exact_runs = type(engine.exact_runs)(engine.exact_runs.budget_bytes)  # start empty
     segs = random_segments(LENGTHS, seed=13)
     first = engine.prefill(req(segs, exact_prefix=2))
     assert first.stats.exact_tokens == 0 and first.stats.segment_misses >= 2
@@ -81,7 +81,7 @@ def test_a_restored_prefix_equals_computing_it(engine):
 
 def test_prefix_mode_snapshots_serve_pic_requests(engine):
     """A `prefix` request's snapshot covers its leading segments; a hypic request sharing them restores them."""
-    engine.context.exact_runs = type(engine.exact_runs)(engine.exact_runs.budget_bytes)
+    engine.cache_manager.exact_runs = type(engine.exact_runs)(engine.exact_runs.budget_bytes)
     segs = random_segments(LENGTHS, seed=15)
     engine.prefill(req(segs, "prefix"))
     out = engine.prefill(req(segs, exact_prefix=2))
@@ -94,7 +94,7 @@ def test_prefix_mode_snapshots_serve_pic_requests(engine):
 
 
 def test_accounting_partitions_the_prompt(engine):
-    engine.context.exact_runs = type(engine.exact_runs)(engine.exact_runs.budget_bytes)
+    engine.cache_manager.exact_runs = type(engine.exact_runs)(engine.exact_runs.budget_bytes)
     segs = random_segments(LENGTHS, seed=16)
     for mode, exact in (("full", 0), ("prefix", 0), ("prefix", 0), ("hypic", 0), ("hypic", 2), ("hypic", 2), ("pic-naive", 1)):
         s = engine.prefill(req(segs, mode, exact_prefix=exact)).stats

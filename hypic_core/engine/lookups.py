@@ -5,7 +5,7 @@ is laid out. With stored tiers (disk, a shared Redis) one lookup can take a disk
 network round trip, up to the Redis timeout when the server is stopped. Run on the engine
 thread, that time would stop every running stream; run where the request is added (the HTTP
 event loop), it would stop HTTP. So `Lookups` runs them on its own daemon threads and hands
-each sequence to the scheduler once its lookups are done (`ContextCacheManager.prefetch` keeps
+each sequence to the scheduler once its lookups are done (`CacheManager.prefetch` keeps
 what it found on the sequence, and `plan` uses it). Meanwhile the engine steps the sequences
 it already has.
 

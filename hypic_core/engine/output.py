@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from typing import Callable
+
 from ..config import SamplingParams
 from .detokenizer import detokenizer_for
 from .sampling import Sampler
@@ -48,7 +50,42 @@ class OutputProcessor:
         return StepOutput(seq.request_id, index, choice.token_id, text, choice.logprob, choice.top_logprobs, finish,
                           seq.stats if first else None, logits=logits if first and seq.request.keep_logits else None)
 
+    def update(self, scheduled, executed, speculator, release: Callable[[Sequence, StepOutput], None]) -> list[StepOutput]:
+        """The step's update: sample every sequence the step left logits for (a verified row: the tokens it
+        keeps, `Speculator.accept`), end the aborted and the failed ones. `release(seq, out)` is called
+        for every output (the engine delivers it, and releases a sequence it ends)."""
+
+        def emit(seq: Sequence, out: StepOutput) -> StepOutput:
+            release(seq, out)
+            return out
+
+        outputs = [emit(seq, self.ended(seq, "abort")) for seq in scheduled.aborted]
+        outputs += [emit(seq, self.ended(seq, "error", exc)) for seq, exc in executed.errors.items()]
+        kept: dict[Sequence, int] = {}
+        for seq, logits in executed.logits.items():
+            if seq in executed.drafts:  # a row of the verification forward: logits after each token it was fed
+                outs = speculator.accept(seq, logits, executed.drafts[seq], lambda t, guess, seq=seq, logits=logits:
+                                         emit(seq, self.next_token(seq, logits[t], draft=guess)))
+                kept[seq] = len(outs)
+                outputs += outs
+            else:
+                outputs.append(emit(seq, self.next_token(seq, logits)))
+        executed.kept = kept
+        return outputs
+
     def ended(self, seq: Sequence, reason: str, error: BaseException | None = None) -> StepOutput:
         """`seq`'s last output when it ends without a new token ("abort" or "error")."""
         return StepOutput(seq.request_id, seq.num_generated, None, seq.detokenizer.flush(), finish_reason=reason,
                           stats=seq.stats if seq.num_generated == 0 else None, error=error)
+
+
+def eos_ids(model, tokenizer) -> frozenset[int]:
+    """The token ids that end a sequence: the model's generation config's and the tokenizer's."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)

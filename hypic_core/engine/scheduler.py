@@ -4,8 +4,8 @@ It holds the waiting queue (a policy object: hypic_core/engine/request_queue.py)
 (prefilling + running) and never touches a tensor. Each step it hands every running sequence
 one decode token and gives prefill work a token budget (`max_step_tokens` minus the decode
 tokens), first to sequences already part-way through their prefill, then to waiting ones in
-the queue's order. As it admits one it asks the context-cache manager to lay out its prefill
-(hypic_core/engine/context_cache.py), which says how many tokens it really has to run. A long prefill therefore runs
+the queue's order. As it admits one it asks the cache manager to lay out its prefill
+(hypic_core/engine/cache_manager.py), which says how many tokens it really has to run. A long prefill therefore runs
 over several steps while the running streams keep producing a token per step (chunked
 prefill). Admission is bounded by a count (`max_running`) and by memory: the bytes of
 attention K/V and linear state each sequence can hold at most (`Sequence.reserved_bytes`)
@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..errors import InvalidRequestError
 from .request_queue import queue_for
 from .sequence import Sequence, Status
 
@@ -40,7 +41,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-class ContextCache(Protocol):
+class CachePlanner(Protocol):
     def plan(self, seq: Sequence) -> None:
         """Lay out `seq.prefill` and set `seq.prefill_left` (or `seq.error`); never raises."""
 
@@ -55,10 +56,10 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig | None = None, context_cache: ContextCache | None = None,
+    def __init__(self, config: SchedulerConfig | None = None, cache: CachePlanner | None = None,
                  policy: str = "fcfs") -> None:
         self.config = config or SchedulerConfig()
-        self.context_cache = context_cache  # None: sequences are admitted as they are (tests)
+        self.cache = cache  # None: sequences are admitted as they are (tests)
         self.waiting = queue_for(policy)
         self.active: list[Sequence] = []  # prefilling or running, in admission order
         self._lock = threading.Lock()  # guards `waiting` (add runs on other threads)
@@ -67,6 +68,14 @@ class Scheduler:
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` fits the memory budget on its own (else it would wait forever)."""
         return seq.reserved_bytes <= self.config.running_budget_bytes
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise InvalidRequestError (naming `max_tokens`) when `seq` can never fit the memory budget."""
+        if not self.can_ever_fit(seq):
+            raise InvalidRequestError(
+                "max_tokens", f"the prompt ({seq.request.prompt_tokens} tokens) plus max_tokens ({seq.max_new_tokens}) need "
+                f"{seq.reserved_bytes / 2**20:.1f} MiB of cache; the engine holds at most "
+                f"{self.config.running_budget_bytes / 2**20:.1f} MiB")
 
     def add(self, seq: Sequence) -> None:
         """Queue `seq` (status WAITING) for admission."""
@@ -98,7 +107,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         """Pick this step's work (see the module docstring). Aborted sequences leave every queue.
 
-        Each sequence admitted is laid out by the context cache before its budget is decided (a
+        Each sequence admitted is laid out by the cache manager before its budget is decided (a
         warm request needs a small part of its prompt).
         """
         cfg = self.config
@@ -124,10 +133,10 @@ class Scheduler:
                 self.active.append(s)
             reserved += s.reserved_bytes
             s.status, s.first_scheduled = Status.PREFILLING, time.perf_counter()
-            if self.context_cache is not None:
+            if self.cache is not None:
                 # Outside the lock: laying out a prefill may read the disk or a shared tier, and
                 # `add` (the HTTP event loop's) must never wait for that.
-                self.context_cache.plan(s)
+                self.cache.plan(s)
             grant = min(max(s.prefill_left, 1), budget)
             prefills.append((s, grant))
             budget -= grant

@@ -21,12 +21,13 @@ import torch
 
 from ..algebra.entry import SegmentEntry
 from ..config import GenerationRequest, Mode
+from ..errors import InvalidRequestError, PromptTooLongError
 from .detokenizer import IncrementalDetokenizer, StreamDetokenizer
 from .drafting import DraftBudget
 from .sampling import Sampler
 
 if TYPE_CHECKING:
-    from .context_cache import ColdWork
+    from .entry_builder import EntryJob
 
 _ids = itertools.count()
 
@@ -102,7 +103,7 @@ class PrefillProgress:
 
     cache: Any  # the sequence's own transformers cache
     entries: list[SegmentEntry | None] = field(default_factory=list)  # stitched: one per context segment
-    cold: list[tuple["ColdWork", list[int]]] = field(default_factory=list)  # (shared work, entry slots it fills)
+    cold: list[tuple["EntryJob", list[int]]] = field(default_factory=list)  # (shared work, entry slots it fills)
     stitch_pending: bool = False
     runs: deque[Run] = field(default_factory=deque)
     # the exact run (snapshots: hypic_core/cache/exact_runs.py)
@@ -211,3 +212,14 @@ class Sequence:
         if params.ignore_eos or self.num_generated < params.min_tokens:
             return self.eos_ids
         return frozenset()
+
+
+def validate(request: GenerationRequest, vocab_size: int, max_positions: int) -> None:
+    """Raise InvalidRequestError / PromptTooLongError (naming the field) for a request a model of
+    `vocab_size` tokens and a context of `max_positions` cannot take."""
+    for i, seg in enumerate(request.segments):
+        bad = [t for t in seg if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"segments[{i}]", f"token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    if request.prompt_tokens >= max_positions:
+        raise PromptTooLongError("prompt", f"{request.prompt_tokens} tokens; the model's context is {max_positions} tokens")

@@ -21,6 +21,7 @@ other processes. `compute_entries` has `ModelRunner.compute_entries`'s signature
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -84,11 +85,26 @@ class PrefillPool:
             self._backend.start(w)
 
     # --- setup -----------------------------------------------------------------------------
-    def bind(self, fingerprint: str, runner) -> None:
-        """Name entries with the engine's model `fingerprint`; `runner` (a ModelRunner on the same
-        weights) computes what no worker can. A replica whose weights differ is never used."""
+    def bind(self, fingerprint: str, runner) -> str:
+        """Serve the engine of model `fingerprint`; `runner` (a ModelRunner on the same weights) computes
+        what no worker can. A replica whose weights differ is never used. Returns the name of the
+        entries it computes: `fingerprint`, unless it splits segments (its entries then approximate
+        the canonical ones, and are kept apart). Refuses an entry prefix (ValueError): its replicas
+        compute entries alone."""
+        if runner.entry_prefix:
+            raise ValueError("entry_prefix is not supported with a prefill pool yet (its replicas compute entries alone)")
+        if self.split_tokens:
+            fingerprint = hashlib.sha256(f"{fingerprint}/split{self.split_tokens}".encode()).hexdigest()
         self._fingerprint, self._runner = fingerprint, runner
         self._weights = weights_digest(runner.model)
+        return fingerprint
+
+    @classmethod
+    def for_checkpoint(cls, path: str, dtype, device: str, workers: int, backend: str = "processes",
+                       threads: int | None = None, ray_address: str | None = None, split_tokens: int = 0) -> "PrefillPool":
+        """A pool of `workers` replicas of the checkpoint directory `path` (see the class docstring)."""
+        return cls(ReplicaSpec(str(path), dtype, device, threads), workers, backend, ray_address=ray_address,
+                   split_tokens=split_tokens)
 
     def wait_ready(self, timeout: float | None = None) -> int:
         """Block until no worker is still loading (or `timeout` s pass); return how many are ready."""

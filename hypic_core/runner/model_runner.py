@@ -213,6 +213,19 @@ class ModelRunner:
                           for p in range(len(self.linear)))
         return SegmentEntry(seg, w, keys, values, ops, tails)
 
+    def footprint(self) -> tuple[int, int, int]:
+        """(attention K/V bytes per token, linear conv + state bytes per sequence, linear state elements
+        per sequence), measured on one token."""
+        with torch.inference_mode():
+            cache = self.new_cache()
+            self.forward([0], 0, cache)
+            keys, values = self.attention.kv(cache)
+            kv = sum(t.numel() * t.element_size() for t in (*keys, *values))
+            rows = self.linear.rows(cache)
+            state = sum(t.numel() * t.element_size() for pair in rows for t in pair)
+            elements = sum(pair[1].numel() for pair in rows)
+        return kv, state, elements
+
     # --- stitching --------------------------------------------------------------------------
     def stitch(self, cache, context: Sequence[tuple[int, ...]], entries: Sequence[SegmentEntry],
                question: tuple[int, ...], mode: Mode = Mode.HYPIC, start: int = 0) -> torch.Tensor:

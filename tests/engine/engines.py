@@ -46,8 +46,9 @@ class FakePool:
         self.done: dict[int, object] = {}
         self.runner = None
 
-    def bind(self, fingerprint: str, runner) -> None:
+    def bind(self, fingerprint: str, runner) -> str:
         self.runner = runner
+        return fingerprint
 
     def submit(self, work):
         self.calls.append("submit")

@@ -1,14 +1,14 @@
-"""The context-cache manager: what the scheduler asks, as it admits a sequence, about the work already cached.
+"""The cache manager: what the scheduler asks, as it admits a sequence, about the work already cached.
 
 It owns the segment store (canonical entries), the trie of exact snapshots (exact_runs.py),
 the cold work in flight (a missing entry computed once for every sequence that needs it) and
 its prefill-pool tickets. `plan(seq)` lays out a sequence's `PrefillProgress` with the strategy
-of its mode (hypic_core/engine/prefill.py), which asks back for lookups (`exact_run`, `entries`);
+of its mode (hypic_core/engine/plan.py), which asks back for lookups (`exact_run`, `entries`);
 `hand_over` gives finished cold entries to their sequences and the store; `keep_exact_run`
 snapshots a newly computed exact run; `release` drops a finished sequence's claims. A cold request
 served by one exact forward (`exact_rest`) leaves its missing entries to `defer`: background cold
 work, computed by the engine after its first token, off the critical path (`background`,
-`finish_background`). It runs no model forward (restoring a snapshot copies tensors) and holds no
+`job_done`). It runs no model forward (restoring a snapshot copies tensors) and holds no
 queue of requests (vLLM's `KVCacheManager` beside its scheduler).
 """
 
@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from typing import NamedTuple
+
+import torch
 
 from ..algebra.entry import SegmentEntry
 from ..algebra.keys import SegmentKey
@@ -24,42 +27,27 @@ from ..cache.exact_runs import ExactRuns, chain_hashes
 from ..cache.store import SegmentStore
 from ..config import EngineConfig
 from ..runner.model_runner import ModelRunner, PartialEntry
-from .prefill import CostModel, exact_wins, strategy_for
+from .entry_builder import EntryBuilder, EntryJob, JobState
+from .plan import CostModel, exact_wins, strategy_for
 from .sequence import PrefillProgress, Run, Sequence
 
 
-@dataclass(eq=False)
-class ColdWork:
-    """A missing canonical entry being computed, shared by every sequence that needs it."""
-
-    key: SegmentKey
-    segment: tuple[int, ...]
-    seam: int
-    holders: int = 0  # sequences waiting for it
-    part: PartialEntry | None = None  # set when computed piece by piece
-    entry: SegmentEntry | None = None
-    ticket: int | None = None  # set while a prefill pool computes it
-    background: bool = False  # deferred by a cold request served exactly: kept even when nobody waits for it
-    keep: bool = False  # stored once computed: some sequence that needs it stores (`cache_store`)
-
-    @property
-    def left(self) -> int:
-        if self.entry is not None:
-            return 0
-        return self.part.left if self.part is not None else len(self.segment)
+class EntryLookup(NamedTuple):
+    entries: list[SegmentEntry]
+    hits: list[bool]  # whether each entry came from the store
 
 
-class ContextCacheManager:
+class CacheManager:
     def __init__(self, runner: ModelRunner, store: SegmentStore, config: EngineConfig, fingerprint: str):
         self.runner = runner
         self.store = store
         self.config = config
         self.fingerprint = fingerprint
         self.exact_runs = ExactRuns(config.exact_budget_bytes)
-        self.pool = None  # a PrefillPool computing cold entries (hypic_core/prefill_pool), set by the engine
-        self._cold: dict[str, ColdWork] = {}
+        self.builder: EntryBuilder | None = None  # computes the jobs (entry_builder.py), set by the engine
+        self._cold: dict[str, EntryJob] = {}
         self.cost: CostModel | None = None  # set by the engine (cold_prefill "auto")
-        self.background: deque[ColdWork] = deque()  # deferred cold work, oldest first
+        self.background: deque[EntryJob] = deque()  # deferred cold work, oldest first
         self.background_dropped = 0  # deferred segments dropped (past `config.background_tokens`, or failed)
         self.background_error: BaseException | None = None  # the last failure of background work
 
@@ -81,6 +69,23 @@ class ContextCacheManager:
         stats.timings_ms["lookup"] = _ms(t)
         seq.prefill = progress
         seq.prefill_left = progress.tokens_left(seq)
+
+    def segment_entries(self, segments: tuple[tuple[int, ...], ...], seam: int, salt: str,
+                        lock: AbstractContextManager) -> EntryLookup:
+        """Canonical entries for `segments` under `salt`, with hit flags: misses computed together by the
+        builder (under `lock`, the engine's step lock) and stored."""
+        keys = [SegmentKey.of(self.fingerprint, seam, s, salt, self.config.entry_prefix) for s in segments]
+        found = [self.store.lookup(k, s) for k, s in zip(keys, segments)]
+        hits = [e is not None for e in found]
+        todo = list(dict.fromkeys(s for s, e in zip(segments, found) if e is None))
+        if todo:
+            with lock, torch.inference_mode():
+                computed = dict(zip(todo, self.builder.compute(todo, seam)))
+            for i, (k, s) in enumerate(zip(keys, segments)):
+                if found[i] is None:
+                    found[i] = computed[s]
+                    self.store.insert(k, computed[s])
+        return EntryLookup(found, hits)  # type: ignore[arg-type]
 
     # --- lookups the strategies make ----------------------------------------------------------
     def exact_run(self, seq: Sequence, progress: PrefillProgress, n_exact: int, longer: bool) -> int:
@@ -136,7 +141,7 @@ class ContextCacheManager:
     def prefetch(self, seq: Sequence) -> None:
         """(Any thread.) Look up `seq`'s stitched segments before it is laid out, keeping what was
         found in `seq.found` for `lookup`: the disk and network reads of a slow store then run
-        outside the engine thread (hypic_core/engine/lookups.py). For a mode that looks up (`prefill.looks_up`);
+        outside the engine thread (hypic_core/engine/lookups.py). For a mode that looks up (`plan.looks_up`);
         `first` of every later `lookup` is at least `exact_prefix`."""
         seq.found = self.lookup(seq, seq.request.exact_prefix)
 
@@ -145,7 +150,7 @@ class ContextCacheManager:
         becomes cold work, shared with any other sequence that needs it."""
         request, stats = seq.request, seq.stats
         progress.entries = [None] * len(request.context)
-        wanted: dict[str, tuple[ColdWork, list[int]]] = {}
+        wanted: dict[str, tuple[EntryJob, list[int]]] = {}
         for i, seg in enumerate(request.context[progress.exact:], start=progress.exact):
             entry = found[i]
             if entry is not None:
@@ -159,7 +164,7 @@ class ContextCacheManager:
             if k not in wanted:
                 cw = self._cold.get(k)
                 if cw is None:
-                    cw = self._cold[k] = ColdWork(key, seg, key.seam)
+                    cw = self._cold[k] = EntryJob(key, seg, key.seam)
                 cw.holders += 1
                 cw.keep = cw.keep or request.cache_store
                 wanted[k] = (cw, [])
@@ -188,7 +193,7 @@ class ContextCacheManager:
                 done = 0 if cw is None or cw.part is None else cw.part.done
                 cold[k] = (len(seg), len(seg) if cw is not None and cw.entry is not None else done)
         heads = sum(min(self.head(seq, s), len(s)) for s in request.context[progress.exact:]) + len(request.question)
-        workers = self.pool.alive if self.pool is not None else 1
+        workers = self.builder.workers if self.builder is not None else 1
         return exact_wins(self.cost, progress.start, request.prompt_tokens, list(cold.values()), heads, workers)
 
     def exact_rest(self, seq: Sequence, progress: PrefillProgress, found: list[SegmentEntry | None]) -> None:
@@ -221,7 +226,7 @@ class ContextCacheManager:
             k = key.to_str()
             cw = self._cold.get(k)
             if cw is None:
-                cw = self._cold[k] = ColdWork(key, seg, seam)
+                cw = self._cold[k] = EntryJob(key, seg, seam)
             cw.keep = True
             if not cw.background:
                 cw.background = True
@@ -235,7 +240,7 @@ class ContextCacheManager:
             self.background_dropped += 1
             self._drop_if_unclaimed(cw)
 
-    def pending_background(self) -> list[ColdWork]:
+    def pending_background(self) -> list[EntryJob]:
         """Background cold work still to compute, oldest first (finished or abandoned work leaves the queue)."""
         if any(cw.entry is not None or self._cold.get(cw.key.to_str()) is not cw for cw in self.background):
             keep = deque()
@@ -254,12 +259,24 @@ class ContextCacheManager:
         while self.background:
             cw = self.background.popleft()
             cw.background = False
-            cw.part = None if cw.holders <= 0 else cw.part
+            if cw.holders <= 0 and cw.state is JobState.PIECES:
+                cw.state, cw.part = JobState.WAITING, None
             self.background_dropped += 1
             self._drop_if_unclaimed(cw)
 
-    def finish_background(self, cw: ColdWork) -> None:
-        """`cw` (background work) has its entry: store it, unless sequences wait for it (they hand it over)."""
+    # --- the builder's reports (entry_builder.JobSink): the only places a job's state changes ---------
+    def job_pieces(self, cw: EntryJob, part: PartialEntry) -> None:
+        """`cw` is computed piece by piece; `part` holds what is done."""
+        cw.state, cw.part = JobState.PIECES, part
+
+    def job_submitted(self, cw: EntryJob, ticket: int) -> None:
+        """`cw` is on the prefill pool as `ticket`."""
+        cw.state, cw.ticket = JobState.POOL, ticket
+
+    def job_done(self, cw: EntryJob, entry: SegmentEntry) -> None:
+        """`cw` has its entry. Work nobody waits for (background work) is stored now; sequences that
+        wait for it take it with `hand_over` (which stores it)."""
+        cw.state, cw.entry, cw.part, cw.ticket = JobState.DONE, entry, None, None
         if cw.holders <= 0 and self._cold.get(cw.key.to_str()) is cw:
             del self._cold[cw.key.to_str()]
             self.store.insert(cw.key, cw.entry)
@@ -296,12 +313,12 @@ class ContextCacheManager:
             cw.holders -= 1
             self._drop_if_unclaimed(cw)
 
-    def _drop_if_unclaimed(self, cw: ColdWork) -> None:
+    def _drop_if_unclaimed(self, cw: EntryJob) -> None:
         """Cancel cold work nobody waits for and no background queue holds."""
         if cw.holders <= 0 and not cw.background and self._cold.get(cw.key.to_str()) is cw:
             del self._cold[cw.key.to_str()]
-            if cw.ticket is not None and self.pool is not None:
-                self.pool.cancel(cw.ticket)
+            if self.builder is not None:
+                self.builder.cancel(cw)
 
 
 def _ms(t0: float, t1: float | None = None) -> float:

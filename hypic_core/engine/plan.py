@@ -2,7 +2,7 @@
 
 A strategy answers one question, `plan(context, seq, progress)`: which runs, cold entries and
 stitch make up this sequence's prefill (hypic_core/engine/sequence.py `PrefillProgress`), asking the
-context-cache manager for what is cached. The engine then executes any progress the same way
+cache manager for what is cached. The engine then executes any progress the same way
 (cold entries, runs, the stitch). `strategy_for(mode)` picks one.
 
 `CostModel` estimates a prefill's model work, so that a stitched request can be served by one
@@ -22,7 +22,7 @@ from .sequence import PrefillProgress, Run, Sequence
 
 class PrefillStrategy(Protocol):
     def plan(self, context, seq: Sequence, progress: PrefillProgress) -> None:
-        """Fill `progress` (mutated) for `seq`; `context` is the `ContextCacheManager`."""
+        """Fill `progress` (mutated) for `seq`; `context` is the `CacheManager`."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class StitchedPrefill:
         found = context.lookup(seq, progress.exact)
         if context.exact_forward_wins(seq, progress, found):
             # Cold: ONE exact forward over the rest of the prompt, as `full` runs it (its answer);
-            # the missing entries are computed after its first token (ContextCacheManager.defer).
+            # the missing entries are computed after its first token (CacheManager.defer).
             context.exact_rest(seq, progress, found)
             return
         context.entries(seq, progress, found)
