@@ -67,7 +67,7 @@ from .errors import APIError
 from .routing import StrictJSONRoute
 from .tenancy import tenant_of
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hypic.documents")
 router = APIRouter(route_class=StrictJSONRoute)
 COLLECTION = Query(DEFAULT_COLLECTION, description="The collection of this key's tenant (app/service/tenants.py).")
 JSON_TYPES = ("application/json",)

@@ -28,7 +28,7 @@ from retrieval.document import Chunk
 from .runtime import Runtime
 from .tenants import DEFAULT_TENANT, SHARED_SALT, cache_salt
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hypic.forgetting")
 
 
 @dataclass(frozen=True)
