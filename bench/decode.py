@@ -12,8 +12,12 @@ kind (torch.profiler record_function ranges: module hooks on the HF path, the st
 on the lean one); "other" is what no range covers (embedding, rotary, masks, cache objects, the
 Python between modules). Sampling (argmax of the logits) is timed apart.
 
+With `--compile`, a fourth path runs the lean step `torch.compile`d (LeanDecodeStep.compile; every
+`--streams` size compiled before the timed steps, the compile time printed).
+
 Run:  .venv/bin/python bench/decode.py --model smollm2-135m-instruct --threads 2 [--streams 1 2 4 8]
-      [--steps 32 --context 256 --reps 3 --dtype float32 --split --packed]
+      [--steps 32 --context 256 --reps 3 --dtype float32 --split --packed --compile
+       --compile-options '{"cpp_wrapper": true}' --compile-dynamic]
 `--model` takes a directory or a registry name (hypic models list).
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 import time
@@ -181,6 +186,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--split", action="store_true", help="also split one profiled run per path by layer kind")
     ap.add_argument("--packed", action="store_true", help="also run decode_step lean-packed (oneDNN-packed weights)")
+    ap.add_argument("--compile", action="store_true", help="also run the lean step torch.compile'd (LeanDecodeStep.compile, "
+                    "every --streams size compiled before timing)")
+    ap.add_argument("--compile-options", default="{}", help="inductor options for --compile, JSON "
+                    "(e.g. '{\"cpp_wrapper\": true}' or '{\"freezing\": true}')")
+    ap.add_argument("--compile-dynamic", action="store_true", help="--compile with one graph for every batch size")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = Path(args.model)
@@ -194,6 +204,14 @@ def main() -> None:
     kinds = ("module", "lean", "lean-packed") if args.packed else ("module", "lean")
     engines = {kind: Engine.from_pretrained(path, EngineConfig(max_running=max(args.streams), decode_step=kind), dtype=dtype)
                for kind in kinds}
+    compile_seconds = None
+    if args.compile:
+        engines["lean-compiled"] = Engine.from_pretrained(
+            path, EngineConfig(max_running=max(args.streams), decode_step="lean"), dtype=dtype)
+        t0 = time.perf_counter()
+        engines["lean-compiled"].runner.batch.step.compile(args.streams, options=json.loads(args.compile_options),
+                                                           dynamic=args.compile_dynamic, progress=print)
+        compile_seconds = time.perf_counter() - t0
     engine = engines["module"]
     lean = engines["lean"].runner.batch.step
     if lean is None:
@@ -213,7 +231,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
-    splits, packed_rows = {}, []
+    splits, packed_rows, compiled_rows = {}, [], []
     for b in args.streams:
         prompts = [GenerationRequest((tuple(torch.randint(10, vocab, (args.context,), generator=gen).tolist()),), mode="full")
                    for _ in range(b)]
@@ -229,6 +247,10 @@ def main() -> None:
             pk = 1e3 * statistics.median(got["lean-packed"])
             packed_rows.append(f"| {b} | {m:.1f} | {ln:.1f} | {pk:.1f} | {m / pk:.2f}x | {ln / pk:.2f}x | "
                                f"{pk / b:.1f} | {1e3 * b / pk:.1f} | {pk / floor_ms:.2f}x |")
+        if "lean-compiled" in got:
+            cp = 1e3 * statistics.median(got["lean-compiled"])
+            compiled_rows.append(f"| {b} | {ln:.1f} | {cp:.1f} | {ln / cp:.2f}x | {cp / b:.1f} | {1e3 * b / cp:.1f} | "
+                                 f"{cp / floor_ms:.2f}x |")
         if args.split and b in (args.streams[0], args.streams[-1]):
             for name in ("module", "lean"):
                 hooks = ModuleRanges(engine.model, engine.adapter) if name == "module" else None
@@ -248,6 +270,14 @@ def main() -> None:
               "packed ms/token | packed tok/s | packed / floor |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         print("\n".join(packed_rows))
+    if compiled_rows:
+        print()
+        print(f"lean-compiled (LeanDecodeStep.compile, options {args.compile_options}, dynamic {args.compile_dynamic}; "
+              f"{compile_seconds:.0f} s to compile {len(args.streams)} batch size(s) before timing), same lockstep runs:")
+        print("| streams | lean ms/step | compiled ms/step | compiled vs lean | compiled ms/token | compiled tok/s | "
+              "compiled / floor |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        print("\n".join(compiled_rows))
     if splits:
         kinds = ["attention", "mamba2", "gated_deltanet", "mlp", "lm_head", "embed+rope", "other"]
         kinds = [k for k in kinds if any(k in s for s in splits.values())]

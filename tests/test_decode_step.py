@@ -10,6 +10,7 @@ and the real SmolLM2 and its distilled hybrid.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -169,3 +170,43 @@ def test_packed_lean_step_equals_module_path(family):
     assert engine.runner.decode_step == "lean-packed"
     reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
     assert lean_against_module(engine, reqs, steps=6, join_at=2, leave_at=3) == 4 + 4 + 6 + 5 + 5 + 5
+
+
+@pytest.mark.skipif(os.environ.get("HYPIC_TEST_COMPILE") != "1",
+                    reason="compiling takes minutes on a loaded CPU and the gateway does not compile its step "
+                    "(docs/benchmarks.md); HYPIC_TEST_COMPILE=1 runs it")
+@pytest.mark.parametrize("family", ["bamba", "qwen3_5"])
+def test_compiled_step_equals_eager(family):
+    """LeanDecodeStep.compile (inductor blocks; attention over the live columns stays eager): the same
+    requests decoded side by side by the compiled and the eager step, rows joining and leaving, give
+    logits within 1e-4 and the same greedy tokens at every step; and no batch size compiled up front
+    compiles again while serving. Tiny models, three batch sizes (bamba: attention, Mamba2 and MLP
+    blocks; qwen3_5: gated attention and Gated DeltaNet): 2 minutes each on a loaded 2-core CPU."""
+    import torch._dynamo.utils
+
+    engines = [Engine(tiny_model(family), config=EngineConfig(seam=3, decode_step="lean")) for _ in range(2)]
+    eager, compiled = (e.runner.batch.step for e in engines)
+    compiled.compile(batch_sizes=(3, 4, 5))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    reqs = [GenerationRequest(random_segments(s, seed=20 + i), mode="full") for i, s in enumerate(SHAPES[:5])]
+    pre = [[e.prefill(r) for r in reqs] for e in engines]
+    caches = [{i: p.cache for i, p in enumerate(ps)} for ps in pre]
+    pos = [p.position for p in pre[0]]
+    tokens = [int(p.logits.argmax()) for p in pre[0]]
+    members = [0, 1, 2, 3]
+    with torch.inference_mode():
+        for step in range(5):
+            if step == 1:
+                members.append(4)
+            if step == 3:
+                members.remove(1)
+            rows = []
+            for e, c in zip(engines, caches):
+                e.runner.batch.sync(members, {i: c[i] for i in members})
+                rows.append(e.runner.batch.forward([tokens[i] for i in members], [pos[i] for i in members]))
+            for i, ref, out in zip(members, *rows):
+                assert_close(f"seq {i} step {step}", ref, out)
+                assert int(out.argmax()) == int(ref.argmax()), f"seq {i} step {step}: greedy token differs"
+                tokens[i], pos[i] = int(ref.argmax()), pos[i] + 1
+    assert compiled.blocks is not None and eager.blocks is None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a batch size compiled up front compiled again"

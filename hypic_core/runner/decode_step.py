@@ -19,6 +19,10 @@ qwen3_next (its grouped projections reordered into a copy; sparse MLPs run as th
 bamba. Not covered: olmo_hybrid (post-norms), granitemoehybrid, nemotron_h, zamba2, falcon_h1
 (Mamba2 with multipliers, shared or parallel blocks), kimi_linear (KDA + MLA), minimax (lightning).
 
+`LeanDecodeStep.compile` runs the same step as a few `torch.compile`d blocks (inductor); measured
+in bench/decode.py `--compile`, it bought too little on this CPU for the gateway to compile
+(docs/benchmarks.md), so nothing serves it by default.
+
 The module path (`DecodeBatch.forward` without a step) stays the reference:
 tests/test_decode_step.py holds fp32 logits within 1e-4 and greedy tokens identical step for
 step over joins and leaves.
@@ -27,6 +31,7 @@ step over joins and leaves.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Sequence
 
 import torch
@@ -150,8 +155,9 @@ class _Attention:
         self.scale = float(attn.scaling)
         self.o_w, self.o_b = fuse([attn.o_proj])
 
-    def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
-        B, H, Hkv, D = s.b, self.H, self.Hkv, self.D
+    def project(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
+        """q [B, H, D], k and v [B, Hkv, D] (normed, rotated) and the output gate (None unless gated)."""
+        B, H, Hkv, D = x.shape[0], self.H, self.Hkv, self.D
         q, k, v = _mm(x, self.w, self.b).split([self.nq, Hkv * D, Hkv * D], dim=-1)
         gate = None
         if self.gated:  # per head [query | gate]
@@ -160,8 +166,13 @@ class _Attention:
         q, k, v = q.reshape(B, H, D), k.view(B, Hkv, D), v.view(B, Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if s.cos is not None:
-            q, k = _rope(q, s.cos, s.sin), _rope(k, s.cos, s.sin)
+        if cos is not None:
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        return q, k, v, gate
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, s: _Step) -> torch.Tensor:
+        """Write k, v into the batch's row buffers at each row's column; attention over the live columns [B, H * D]."""
+        B, H, Hkv, D = s.b, self.H, self.Hkv, self.D
         kb, vb = batch._k[self.j], batch._v[self.j]
         if s.same is not None:
             kb[:B, :, s.same] = k
@@ -173,10 +184,16 @@ class _Attention:
         scores = torch.matmul(q.view(B, Hkv, H // Hkv, D), keys.transpose(-1, -2)) * self.scale  # [B, Hkv, G, W]
         if s.bias is not None:
             scores = scores + s.bias
-        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values).reshape(B, H * D)
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values).reshape(B, H * D)
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return _mm(out, self.o_w, self.o_b)
+
+    def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
+        q, k, v, gate = self.project(x, s.cos, s.sin)
+        return self.output(self.attend(q, k, v, batch, s), gate)
 
 
 def _conv_step(conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -205,17 +222,25 @@ class _Mamba2:
         self.o_w, self.o_b = fuse([m.out_proj])
 
     def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
-        B, H, P, G, N = s.b, self.H, self.P, self.G, self.N
+        return self.core(x, batch._conv[self.p][:s.b], batch._state[self.p][:s.b])
+
+    def dummy_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero conv and state rows of `b` sequences, shaped and typed as a batch keeps them (fp32 state)."""
+        w = self.conv_w
+        return w.new_zeros(b, self.C, w.shape[-1]), w.new_zeros(b, self.H, self.P, self.N, dtype=torch.float32)
+
+    def core(self, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The mixer on x [B, hidden] with this layer's conv and state rows [B, ...] (advanced in place)."""
+        B, H, P, G, N = x.shape[0], self.H, self.P, self.G, self.N
         dtype = x.dtype
         gate, xbc, dt = _mm(x, self.w, self.b).split([self.I, self.C, H], dim=-1)
-        xbc = _conv_step(batch._conv[self.p][:B], xbc, self.conv_w, self.conv_b)
+        xbc = _conv_step(conv, xbc, self.conv_w, self.conv_b)
         hs, Bm, Cm = xbc.split([self.I, G * N, G * N], dim=-1)
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))  # [B, H] (the module's decode path clamps nothing)
         dA = torch.exp(dt.float() * self.A)  # [B, H]
         hs = hs.view(B, H, P)
         Bh = Bm.view(B, G, 1, N).expand(B, G, H // G, N).reshape(B, H, 1, N)
         Ch = Cm.view(B, G, 1, N).expand(B, G, H // G, N).reshape(B, H, N, 1)
-        state = batch._state[self.p][:B]
         dBx = (dt[..., None, None] * Bh) * hs[..., None]  # [B, H, P, N]
         if state.dtype == torch.float32:
             state.mul_(dA[..., None, None]).add_(dBx)
@@ -248,10 +273,19 @@ class _GatedDeltaNet:
         self.o_w, self.o_b = fuse([m.out_proj])
 
     def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
-        B, Hk, Hv, dk, dv = s.b, self.Hk, self.Hv, self.dk, self.dv
+        return self.core(x, batch._conv[self.p][:s.b], batch._state[self.p][:s.b])
+
+    def dummy_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero conv and state rows of `b` sequences, shaped and typed as a batch keeps them (fp32 state)."""
+        w = self.conv_w
+        return w.new_zeros(b, self.C, w.shape[-1]), w.new_zeros(b, self.Hv, self.dk, self.dv, dtype=torch.float32)
+
+    def core(self, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The mixer on x [B, hidden] with this layer's conv and state rows [B, ...] (advanced in place)."""
+        B, Hk, Hv, dk, dv = x.shape[0], self.Hk, self.Hv, self.dk, self.dv
         dtype = x.dtype
         qkv, z, b, a = _mm(x, self.w, self.b).split([self.C, self.value_dim, Hv, Hv], dim=-1)
-        qkv = _conv_step(batch._conv[self.p][:B], qkv, self.conv_w, self.conv_b)
+        qkv = _conv_step(conv, qkv, self.conv_w, self.conv_b)
         q, k, v = qkv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.view(B, Hk, dk), k.view(B, Hk, dk), v.view(B, Hv, dv)
         if Hk != Hv:
@@ -261,7 +295,6 @@ class _GatedDeltaNet:
         q = q / (dk ** 0.5)
         beta = b.sigmoid().float()
         g = self.neg_A * F.softplus(a.float() + self.dt_bias)  # [B, Hv]
-        state = batch._state[self.p][:B]
         S = state if state.dtype == torch.float32 else state.float()
         S.mul_(g.exp()[..., None, None])
         kv_mem = torch.matmul(k[:, :, None, :], S)[:, :, 0]  # [B, Hv, dv]
@@ -348,6 +381,7 @@ class LeanDecodeStep:
             mlp = getattr(layer, "mlp", None) or layer.feed_forward
             self.layers.append((_Norm(layer.input_layernorm), mixer, kind, _Norm(norm2), _MLP(mlp, fuse)))
         self.ranges = False
+        self.blocks: dict | None = None  # compiled blocks (`compile`); None: eager
 
     @classmethod
     def build(cls, model: torch.nn.Module, adapter, packed: bool = False) -> "LeanDecodeStep | None":
@@ -380,6 +414,8 @@ class LeanDecodeStep:
                 pos = torch.tensor(list(positions), dtype=torch.long, device=dev)[:, None]
                 cos, sin = self.rotary(h[:, None], pos)
                 s.cos, s.sin = cos.view(b, 1, -1), sin.view(b, 1, -1)
+        if self.blocks is not None:
+            return self._blocks(h, batch, s)
         for norm1, mixer, kind, norm2, mlp in self.layers:
             with self._range(kind):
                 h = h + mixer(norm1(h), batch, s)
@@ -387,3 +423,92 @@ class LeanDecodeStep:
                 h = h + mlp(norm2(h))
         with self._range("lm_head"):
             return _mm(self.final_norm(h), self.lm_w, self.lm_b).float()
+
+    # --- compiled ------------------------------------------------------------------------------
+    def compile_reason(self) -> str | None:
+        """Why `compile` cannot take this step (None: it can)."""
+        if self.packed:
+            return "packed weights (oneDNN's opaque layout) are not compiled"
+        if any(mlp.module is not None for *_, mlp in self.layers):
+            return "an MLP runs as its module (MoE)"
+        return None
+
+    def compile(self, batch_sizes: Sequence[int] = (), options: dict | None = None, dynamic: bool = False,
+                progress=None) -> None:
+        """Run each step as a few `torch.compile`d blocks (inductor): a linear layer with its MLP; an
+        attention layer's projections, and its output projection with the MLP; the final norm and
+        lm_head. Attention over the live columns (its width grows every step) and the buffer writes
+        stay eager. The blocks take the weights as arguments, so every layer of a kind shares one
+        graph per batch size. `batch_sizes` are compiled now on dummy rows (`progress(msg)` told of
+        each); any other size compiles when it first runs. `dynamic`: one graph for every batch size
+        instead. Raises ValueError when `compile_reason` says so."""
+        if (reason := self.compile_reason()) is not None:
+            raise ValueError(f"cannot compile the lean step: {reason}")
+        import torch._dynamo
+
+        # one graph per block and batch size (and rope / gate variant): allow them all without a recompile fallback
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        compiled = {name: torch.compile(fn, dynamic=dynamic, options=options or None) for name, fn in _BLOCKS.items()}
+        self.blocks = compiled
+        for b in batch_sizes:
+            t0 = time.perf_counter()
+            self._warm(b)
+            if progress is not None:
+                progress(f"lean decode step compiled for {b} row(s) in {time.perf_counter() - t0:.1f} s")
+
+    def uncompile(self) -> None:
+        """Back to the eager step (the compiled graphs are dropped)."""
+        self.blocks = None
+
+    def _warm(self, b: int) -> None:
+        """Run every compiled block once on dummy rows of `b` (compiles what is not compiled yet)."""
+        dev, dtype = self.embed.device, self.embed.dtype
+        with torch.inference_mode():  # as the engine runs a step (an inference tensor is guarded apart)
+            h = torch.zeros(b, self.embed.shape[1], dtype=dtype, device=dev)
+            cos = sin = None
+            if self.rotary is not None:
+                c, sn = self.rotary(h[:, None], torch.zeros(b, 1, dtype=torch.long, device=dev))
+                cos, sin = c.view(b, 1, -1), sn.view(b, 1, -1)
+            for norm1, mixer, kind, norm2, mlp in self.layers:
+                if kind == "attention":
+                    q, k, v, gate = self.blocks["attention_in"](h, norm1, mixer, cos, sin)
+                    self.blocks["attention_out"](h, q.reshape(b, -1).clone(), gate, mixer, norm2, mlp)
+                else:  # rows of a larger buffer, as the batch passes them
+                    conv, state = mixer.dummy_rows(b + 1)
+                    self.blocks["linear"](h, conv[:b], state[:b], norm1, mixer, norm2, mlp)
+            self.blocks["head"](h, self.final_norm, self.lm_w, self.lm_b)
+
+    def _blocks(self, h: torch.Tensor, batch, s: _Step) -> torch.Tensor:
+        blocks = self.blocks
+        for norm1, mixer, kind, norm2, mlp in self.layers:
+            with self._range(kind):
+                if kind == "attention":
+                    q, k, v, gate = blocks["attention_in"](h, norm1, mixer, s.cos, s.sin)
+                    h = blocks["attention_out"](h, mixer.attend(q, k, v, batch, s), gate, mixer, norm2, mlp)
+                else:
+                    p = mixer.p
+                    h = blocks["linear"](h, batch._conv[p][:s.b], batch._state[p][:s.b], norm1, mixer, norm2, mlp)
+        with self._range("lm_head"):
+            return blocks["head"](h, self.final_norm, self.lm_w, self.lm_b)
+
+
+def _linear_block(h, conv, state, norm1, mixer, norm2, mlp):
+    """A linear layer and its MLP, residuals included (advances `conv` and `state` in place)."""
+    h = h + mixer.core(norm1(h), conv, state)
+    return h + mlp(norm2(h))
+
+
+def _attention_in(h, norm1, attn, cos, sin):
+    return attn.project(norm1(h), cos, sin)
+
+
+def _attention_out(h, out, gate, attn, norm2, mlp):
+    h = h + attn.output(out, gate)
+    return h + mlp(norm2(h))
+
+
+def _head(h, norm, w, b):
+    return _mm(norm(h), w, b).float()
+
+
+_BLOCKS = {"linear": _linear_block, "attention_in": _attention_in, "attention_out": _attention_out, "head": _head}
