@@ -1,15 +1,16 @@
 """The cache manager: what the scheduler asks, as it admits a sequence, about the work already cached.
 
-It owns the segment store (canonical entries), the trie of exact snapshots (exact_runs.py),
-the cold work in flight (a missing entry computed once for every sequence that needs it) and
-its prefill-pool tickets. `plan(seq)` lays out a sequence's `PrefillProgress` with the strategy
-of its mode (hypic_core/engine/plan.py), which asks back for lookups (`exact_run`, `entries`);
-`hand_over` gives finished cold entries to their sequences and the store; `keep_exact_run`
-snapshots a newly computed exact run; `release` drops a finished sequence's claims. A cold request
-served by one exact forward (`exact_rest`) leaves its missing entries to `defer`: background cold
-work, computed by the engine after its first token, off the critical path (`background`,
-`job_done`). It runs no model forward (restoring a snapshot copies tensors) and holds no
-queue of requests (vLLM's `KVCacheManager` beside its scheduler).
+It owns the segment store (canonical entries), the trie of exact snapshots (exact_runs.py), the
+entry jobs in flight (a missing entry computed once for every sequence that needs it) and the
+background queue. `plan(seq)` asks the planner (plan.py, pure) for the sequence's `Plan` through
+a read-only `CacheView`, with no lock held, and carries it out into the sequence's
+`PrefillProgress` (restores the snapshot, queues the runs, registers each miss as an `EntryJob`).
+`hand_over` gives finished entries to their sequences and the store; `keep_exact_run` snapshots a
+newly computed exact run; `release` drops a finished sequence's claims. A cold request served by
+one exact forward leaves its missing entries to `defer`: background work, computed after its first
+token (`pending_background`). A job's state changes only here (`job_pieces`, `job_submitted`,
+`job_done`, reported by the entry builder). It runs no model forward (restoring a snapshot copies
+tensors) and holds no queue of requests (vLLM's `KVCacheManager` beside its scheduler).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..cache.store import SegmentStore
 from ..config import EngineConfig
 from ..runner.model_runner import ModelRunner, PartialEntry
 from .entry_builder import EntryBuilder, EntryJob, JobState
-from .plan import CostModel, exact_wins, strategy_for
+from .plan import CostModel, Plan, RunHit, make_plan
 from .sequence import PrefillProgress, Run, Sequence
 
 
@@ -61,8 +62,8 @@ class CacheManager:
         stats.timings_ms["queue"] = _ms(seq.arrival, seq.first_scheduled)
         t = time.perf_counter()
         try:
-            progress = PrefillProgress(self.runner.new_cache())
-            strategy_for(seq.mode).plan(self, seq, progress)
+            view = SequenceView(self, seq)
+            progress = self._carry_out(seq, make_plan(seq.request, view), view.chain)
         except Exception as exc:  # noqa: BLE001 - reported on the sequence, never raised into the scheduler
             seq.error, seq.prefill_left = exc, 0
             return
@@ -87,34 +88,94 @@ class CacheManager:
                     self.store.insert(k, computed[s])
         return EntryLookup(found, hits)  # type: ignore[arg-type]
 
-    # --- lookups the strategies make ----------------------------------------------------------
-    def exact_run(self, seq: Sequence, progress: PrefillProgress, n_exact: int, longer: bool) -> int:
-        """Lay out the leading context segments done exactly: at least the first `n_exact`; with
-        `longer`, as many as a snapshot holds or an earlier request had in this order. The longest run a snapshot holds is restored, the rest become runs
-        (kept by `keep_exact_run` once computed). Sets `progress.exact`; returns the position after them."""
+    # --- carrying a plan out ------------------------------------------------------------------
+    def _carry_out(self, seq: Sequence, p: Plan, chain: list[str]) -> PrefillProgress:
+        """`seq`'s prefill work for plan `p` (`chain`: the hashes of the leading segments the view looked up)."""
+        request = seq.request
+        progress = PrefillProgress(self.runner.new_cache())
+        if p.rest == "whole":
+            progress.runs.append(Run(tuple(t for s in request.segments for t in s), 0))
+            progress.timing = "forward"
+            return progress
+        pos = self._exact_run(seq, p, chain, progress)
+        if p.rest == "question":
+            progress.runs.append(Run(request.question, pos))
+        elif p.rest == "forward":
+            progress.start = pos
+            self._forward_rest(seq, p, progress)
+        else:
+            progress.start = pos
+            self._stitch(seq, p, progress)
+        return progress
+
+    def _exact_run(self, seq: Sequence, p: Plan, chain: list[str], progress: PrefillProgress) -> int:
+        """The leading context segments done exactly: the snapshot's restored, the rest queued as runs (kept
+        by `keep_exact_run` once computed). Returns the position after them."""
         request, stats = seq.request, seq.stats
-        considered = request.context if longer else request.context[:n_exact]
-        if not considered:
-            return 0
-        chain = chain_hashes([self.key(seq, s, 0).to_str() for s in considered])
-        snap, n, seen = self.exact_runs.longest(chain)
-        if longer and request.cache_store:
+        if p.see:
             self.exact_runs.see(chain)
-            repeat = seen if self.exact_runs.budget_bytes > 0 else 0
-            n_exact = max(n_exact, n, repeat)
-        progress.chain, progress.exact = (chain[:n_exact] if request.cache_store else []), n_exact
+        progress.chain, progress.exact = (chain[:p.exact] if request.cache_store else []), p.exact
         pos = 0
-        if snap is not None:
-            pos = self.runner.restore_exact(progress.cache, snap, n)
-            progress.boundaries, progress.linear = list(snap.boundaries[:n]), list(snap.linear[:n])
-            stats.exact_tokens, stats.segment_hits = pos, n
-        progress.reused = n
-        stats.segment_misses += n_exact - n
-        for seg in request.context[n:n_exact]:
+        if p.snapshot is not None:
+            pos = self.runner.restore_exact(progress.cache, p.snapshot, p.restored)
+            progress.boundaries, progress.linear = list(p.snapshot.boundaries[:p.restored]), list(p.snapshot.linear[:p.restored])
+            stats.exact_tokens, stats.segment_hits = pos, p.restored
+        progress.reused = p.restored
+        stats.segment_misses += p.exact - p.restored
+        for seg in request.context[p.restored:p.exact]:
             progress.runs.append(Run(seg, pos, boundary=True))
             pos += len(seg)
         return pos
 
+    def _stitch(self, seq: Sequence, p: Plan, progress: PrefillProgress) -> None:
+        """Take the entries found for the stitched segments; each miss becomes an entry job, shared with
+        any other sequence that needs it; the stitch is due once they are done."""
+        request, stats = seq.request, seq.stats
+        progress.entries = [None] * len(request.context)
+        wanted: dict[str, tuple[EntryJob, list[int]]] = {}
+        for i, (seg, head) in enumerate(zip(request.context[p.exact:], p.heads), start=p.exact):
+            entry = p.found[i]
+            if entry is not None:
+                progress.entries[i] = entry
+                stats.segment_hits += 1
+                stats.composed_tokens += entry.body_length
+                continue
+            stats.segment_misses += 1
+            key = self.key(seq, seg, head)
+            k = key.to_str()
+            if k not in wanted:
+                job = self._cold.get(k)
+                if job is None:
+                    job = self._cold[k] = EntryJob(key, seg, key.seam)
+                job.holders += 1
+                job.keep = job.keep or request.cache_store
+                wanted[k] = (job, [])
+            wanted[k][1].append(i)
+        progress.cold = list(wanted.values())
+        progress.stitch_pending = True
+        stats.seam_tokens = sum(min(head, len(seg)) for seg, head in zip(request.context[p.exact:], p.heads))
+
+    def _forward_rest(self, seq: Sequence, p: Plan, progress: PrefillProgress) -> None:
+        """The rest of the prompt after the exact run as ONE run, as `full` runs it (cut only by the step
+        budget), all of it fresh work. It leaves no exact snapshot: the linear states at each segment
+        boundary would need the forward cut there, which costs more than full (with exact_repeats a
+        repeat in this order is computed exactly at its second sighting and kept then, as any run is).
+        The missing entries are deferred (`defer`, once its first token is due)."""
+        request, stats = seq.request, seq.stats
+        deferred: dict[str, tuple[SegmentKey, tuple[int, ...]]] = {}
+        for seg, entry, head in zip(request.context[p.exact:], p.found[p.exact:], p.heads):
+            if entry is not None:
+                stats.segment_hits += 1  # found, not used: the forward computes it exactly
+                continue
+            stats.segment_misses += 1
+            key = self.key(seq, seg, head)
+            deferred.setdefault(key.to_str(), (key, seg))
+        progress.runs.append(Run(tuple(t for s in request.segments[p.exact:] for t in s), progress.start))
+        progress.timing = "forward"
+        progress.deferred = [(key, seg, key.seam) for key, seg in deferred.values()] if request.cache_store else []
+        stats.exact_forward = True
+
+    # --- lookups --------------------------------------------------------------------------------
     def key(self, seq: Sequence, segment: tuple[int, ...], seam: int | None = None) -> SegmentKey:
         """The cache key of `segment` for `seq`: its seam head (`head`, or `seam`), its request's
         `cache_salt` and the engine's entry prefix (an entry computed after another is never served)."""
@@ -144,79 +205,6 @@ class CacheManager:
         outside the engine thread (hypic_core/engine/lookups.py). For a mode that looks up (`plan.looks_up`);
         `first` of every later `lookup` is at least `exact_prefix`."""
         seq.found = self.lookup(seq, seq.request.exact_prefix)
-
-    def entries(self, seq: Sequence, progress: PrefillProgress, found: list[SegmentEntry | None]) -> None:
-        """Take the entries `lookup` found for the stitched segments (`progress.exact`..); each miss
-        becomes cold work, shared with any other sequence that needs it."""
-        request, stats = seq.request, seq.stats
-        progress.entries = [None] * len(request.context)
-        wanted: dict[str, tuple[EntryJob, list[int]]] = {}
-        for i, seg in enumerate(request.context[progress.exact:], start=progress.exact):
-            entry = found[i]
-            if entry is not None:
-                progress.entries[i] = entry
-                stats.segment_hits += 1
-                stats.composed_tokens += entry.body_length
-                continue
-            stats.segment_misses += 1
-            key = self.key(seq, seg)
-            k = key.to_str()
-            if k not in wanted:
-                cw = self._cold.get(k)
-                if cw is None:
-                    cw = self._cold[k] = EntryJob(key, seg, key.seam)
-                cw.holders += 1
-                cw.keep = cw.keep or request.cache_store
-                wanted[k] = (cw, [])
-            wanted[k][1].append(i)
-        progress.cold = list(wanted.values())
-
-    def exact_forward_wins(self, seq: Sequence, progress: PrefillProgress, found: list[SegmentEntry | None]) -> bool:
-        """Whether `seq` (a stitched request) runs the rest of its prompt as one exact forward instead of
-        cold entries and the stitch (`EngineConfig.cold_prefill`): "exact" when every stitched
-        segment misses; "auto" when the cost model says the cold work (the misses, less what other
-        requests computed of them already) and the stitch cost more. Never for a request that
-        measures composition (`exact_runs` False: the accuracy guard's)."""
-        request, choice = seq.request, self.config.cold_prefill
-        stitched = found[progress.exact:]
-        if choice == "stitch" or not request.exact_runs or not stitched or all(e is not None for e in stitched):
-            return False
-        if choice == "exact":
-            return all(e is None for e in stitched)
-        if self.cost is None:
-            return False
-        cold: dict[str, tuple[int, int]] = {}
-        for seg, entry in zip(request.context[progress.exact:], stitched):
-            if entry is None:
-                k = self.key(seq, seg).to_str()
-                cw = self._cold.get(k)
-                done = 0 if cw is None or cw.part is None else cw.part.done
-                cold[k] = (len(seg), len(seg) if cw is not None and cw.entry is not None else done)
-        heads = sum(min(self.head(seq, s), len(s)) for s in request.context[progress.exact:]) + len(request.question)
-        workers = self.builder.workers if self.builder is not None else 1
-        return exact_wins(self.cost, progress.start, request.prompt_tokens, list(cold.values()), heads, workers)
-
-    def exact_rest(self, seq: Sequence, progress: PrefillProgress, found: list[SegmentEntry | None]) -> None:
-        """Lay out the rest of `seq`'s prompt after its exact run as ONE run, as `full` runs its prompt
-        (cut only by the step budget), all of it fresh work. It leaves no exact snapshot: the linear
-        states at each segment boundary would need the forward cut there, which costs more than
-        full (with exact_repeats a repeat in this order is computed exactly at its second sighting
-        and kept then, as any run is). The missing entries are deferred (`defer`, once its first
-        token is due)."""
-        request, stats = seq.request, seq.stats
-        first = progress.exact
-        deferred: dict[str, tuple[SegmentKey, tuple[int, ...]]] = {}
-        for seg, entry in zip(request.context[first:], found[first:]):
-            if entry is not None:
-                stats.segment_hits += 1  # found, not used: the forward computes it exactly
-                continue
-            stats.segment_misses += 1
-            key = self.key(seq, seg)
-            deferred.setdefault(key.to_str(), (key, seg))
-        progress.runs.append(Run(tuple(t for s in request.segments[first:] for t in s), progress.start))
-        progress.timing = "forward"
-        progress.deferred = [(key, seg, key.seam) for key, seg in deferred.values()] if request.cache_store else []
-        stats.exact_forward = True
 
     def defer(self, progress: PrefillProgress) -> None:
         """Queue the entries a cold request served exactly left missing as background cold work
@@ -324,3 +312,30 @@ class CacheManager:
 def _ms(t0: float, t1: float | None = None) -> float:
     return round(((time.perf_counter() if t1 is None else t1) - t0) * 1000.0, 3)
 
+
+class SequenceView:
+    """The planner's read-only window on the cache for one sequence (plan.CacheView)."""
+
+    def __init__(self, manager: CacheManager, seq: Sequence):
+        self.manager, self.seq = manager, seq
+        self.config, self.cost = manager.config, manager.cost
+        self.workers = manager.builder.workers if manager.builder is not None else 1
+        self.chain: list[str] = []  # hashes of the segments `longest_run` was asked about
+
+    def longest_run(self, segments) -> RunHit:
+        manager = self.manager
+        self.chain = chain_hashes([manager.key(self.seq, s, 0).to_str() for s in segments])
+        snap, n, seen = manager.exact_runs.longest(self.chain)
+        return RunHit(snap, n if snap is not None else 0, seen if manager.exact_runs.budget_bytes > 0 else 0)
+
+    def find(self, first: int) -> list[SegmentEntry | None]:
+        return self.manager.lookup(self.seq, first)
+
+    def head(self, segment: tuple[int, ...]) -> int:
+        return self.manager.head(self.seq, segment)
+
+    def in_flight(self, segment: tuple[int, ...]) -> tuple[int, bool] | None:
+        job = self.manager._cold.get(self.manager.key(self.seq, segment).to_str())
+        if job is None:
+            return None
+        return (job.part.done if job.part is not None else 0), job.entry is not None

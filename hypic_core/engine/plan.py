@@ -1,28 +1,151 @@
-"""Prefill strategies: how a request's prompt is laid out as work, one class per way of reusing the cache.
+"""The planner: a request and what the cache holds in, a frozen `Plan` out; pure, one function per mode.
 
-A strategy answers one question, `plan(context, seq, progress)`: which runs, cold entries and
-stitch make up this sequence's prefill (hypic_core/engine/sequence.py `PrefillProgress`), asking the
-cache manager for what is cached. The engine then executes any progress the same way
-(cold entries, runs, the stitch). `strategy_for(mode)` picks one.
+`make_plan(request, view)` asks `view` (a `CacheView`: the cache manager's read-only window on one
+sequence, or a fake in tests) what is cached, and decides, changing nothing:
+
+- `full`: one run over the whole prompt;
+- `prefix`: the longest run of leading context segments a snapshot holds is restored, the rest of
+  the context runs exactly (kept as a snapshot), then the question;
+- `hypic` / `pic-naive`: an exact run of leading segments (at least `exact_prefix`, the first one
+  with an entry prefix; with exact repeats as many as a snapshot holds or an earlier request had
+  in this order), then every other context segment's canonical entry (a hit, or a miss to compute)
+  stitched with its seam head recomputed in context, then the question. A cold request
+  (`EngineConfig.cold_prefill`: every entry missing, or the cost model's choice) runs the rest of
+  its prompt as ONE exact forward instead, its missing entries deferred.
+
+The cache manager carries a plan out (restores the snapshot, queues the runs, registers the misses
+as entry jobs). Each stitched segment's seam head comes from `view.head` (CacheManager.head), the
+one place where per-segment seam widths are decided.
 
 `CostModel` estimates a prefill's model work, so that a stitched request can be served by one
-exact forward when its cold work would cost more (`EngineConfig.cold_prefill`).
+exact forward when its cold work would cost more.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence as Seq
+from typing import Any, Callable, Protocol, Sequence as Seq
 
 import torch
 
-from ..config import Mode
-from .sequence import PrefillProgress, Run, Sequence
+from ..algebra.entry import SegmentEntry
+from ..config import EngineConfig, GenerationRequest, Mode
 
 
-class PrefillStrategy(Protocol):
-    def plan(self, context, seq: Sequence, progress: PrefillProgress) -> None:
-        """Fill `progress` (mutated) for `seq`; `context` is the `CacheManager`."""
+@dataclass(frozen=True)
+class RunHit:
+    """What the snapshots hold of a run of leading segments."""
+
+    snapshot: Any  # the longest snapshot found (None: none)
+    restored: int  # leading segments it holds (0 when none)
+    seen: int  # leading segments an earlier request had in this order (0 when no snapshot can be kept)
+
+
+class CacheView(Protocol):
+    """What the planner may ask of the cache about one sequence (reads only)."""
+
+    config: EngineConfig
+    cost: "CostModel | None"
+    workers: int  # processes cold entries are computed on
+
+    def longest_run(self, segments: Seq[tuple[int, ...]]) -> RunHit:
+        """The snapshots' longest hit on `segments` as leading context segments."""
+
+    def find(self, first: int) -> list[SegmentEntry | None]:
+        """The stored entries of the context segments `first`.. (None before `first` and for a miss)."""
+
+    def head(self, segment: tuple[int, ...]) -> int:
+        """The seam head `segment` gets (its entry's key depends on it)."""
+
+    def in_flight(self, segment: tuple[int, ...]) -> tuple[int, bool] | None:
+        """Entry work under way for `segment` (tokens computed, finished), or None."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one sequence's prompt is prefilled. Context segments [0, exact) are done exactly: [0,
+    restored) restored from `snapshot`, the rest run with their boundaries kept; then either the
+    question (`prefix`), one exact forward over the rest (`forward`), or the stitched segments
+    [exact, n) (`stitch`): `found[i]` a hit, else a miss computed as an entry; `heads` their seam heads."""
+
+    mode: Mode
+    rest: str  # "whole" (full), "question" (prefix), "stitch" or "forward"
+    exact: int = 0
+    restored: int = 0
+    snapshot: Any = None
+    see: bool = False  # record this order's sighting (exact repeats)
+    found: tuple[SegmentEntry | None, ...] = ()  # one per context segment (None before `exact`, and misses)
+    heads: tuple[int, ...] = ()  # one per context segment from `exact`
+
+    @property
+    def misses(self) -> list[int]:
+        """Stitched (or deferred) context segments with no stored entry."""
+        return [i for i in range(self.exact, len(self.found)) if self.found[i] is None]
+
+
+def plan_full(request: GenerationRequest, view: CacheView) -> Plan:
+    return Plan(request.mode, "whole")
+
+
+def plan_prefix(request: GenerationRequest, view: CacheView) -> Plan:
+    hit = view.longest_run(request.context) if request.context else RunHit(None, 0, 0)
+    return Plan(request.mode, "question", exact=len(request.context), restored=hit.restored, snapshot=hit.snapshot)
+
+
+def plan_stitched(request: GenerationRequest, view: CacheView) -> Plan:
+    config = view.config
+    longer = request.exact_runs and config.exact_repeats
+    exact = request.exact_prefix
+    if config.entry_prefix and request.context:
+        exact = max(exact, 1)
+    considered = request.context if longer else request.context[:exact]
+    hit = view.longest_run(considered) if considered else RunHit(None, 0, 0)
+    see = bool(considered) and longer and request.cache_store
+    exact = max(exact, hit.restored, hit.seen if see else 0)
+    found = tuple(view.find(exact))
+    heads = tuple(view.head(s) for s in request.context[exact:])
+    rest = "forward" if exact_forward_wins(request, view, exact, found, heads) else "stitch"
+    return Plan(request.mode, rest, exact, hit.restored, hit.snapshot, see, found, heads)
+
+
+PLANNERS: dict[Mode, Callable[[GenerationRequest, CacheView], Plan]] = {
+    Mode.FULL: plan_full, Mode.PREFIX: plan_prefix, Mode.PIC_NAIVE: plan_stitched, Mode.HYPIC: plan_stitched}
+
+
+def make_plan(request: GenerationRequest, view: CacheView) -> Plan:
+    """`request`'s plan with the cache as `view` shows it (see the module docstring)."""
+    return PLANNERS[request.mode](request, view)
+
+
+def looks_up(mode: Mode) -> bool:
+    """Whether `mode`'s plan looks its context segments up in the segment store."""
+    return PLANNERS[mode] is plan_stitched
+
+
+def exact_forward_wins(request: GenerationRequest, view: CacheView, exact: int, found: Seq[SegmentEntry | None],
+                       heads: Seq[int]) -> bool:
+    """Whether a stitched request runs the rest of its prompt after its exact run as one exact forward
+    instead of cold entries and the stitch (`EngineConfig.cold_prefill`): "exact" when every
+    stitched segment misses; "auto" when the cost model says the cold work (the misses, less what is
+    computed of them already) and the stitch cost more. Never for a request that measures
+    composition (`exact_runs` False: the accuracy guard's)."""
+    choice = view.config.cold_prefill
+    stitched = found[exact:]
+    if choice == "stitch" or not request.exact_runs or not stitched or all(e is not None for e in stitched):
+        return False
+    if choice == "exact":
+        return all(e is None for e in stitched)
+    if view.cost is None:
+        return False
+    cold: dict[tuple[int, ...], tuple[int, int]] = {}
+    for seg, entry, head in zip(request.context[exact:], stitched, heads):
+        if entry is None:
+            work = view.in_flight(seg)
+            done = 0 if work is None else len(seg) if work[1] else work[0]
+            cold[(head, *seg)] = (len(seg), done)
+    start = sum(len(s) for s in request.context[:exact])
+    stitch = sum(min(h, len(s)) for h, s in zip(heads, request.context[exact:])) + len(request.question)
+    return exact_wins(view.cost, start, request.prompt_tokens, list(cold.values()), stitch, view.workers)
 
 
 @dataclass(frozen=True)
@@ -96,60 +219,3 @@ def exact_wins(cost: CostModel, start: int, prompt_tokens: int, cold: Seq[tuple[
     has to be estimated under STITCH_MARGIN of the forward to win."""
     entries = sum(cost.entry(n, d) for n, d in cold) / max(1, workers)
     return entries + cost.stitch(stitched, prompt_tokens) > STITCH_MARGIN * cost.forward(prompt_tokens - start, start)
-
-
-class FullPrefill:
-    """No cache: one run over the whole prompt (what HF `generate` does)."""
-
-    def plan(self, context, seq: Sequence, progress: PrefillProgress) -> None:
-        progress.runs.append(Run(tuple(t for s in seq.request.segments for t in s), 0))
-        progress.timing = "forward"
-
-
-class PrefixPrefill:
-    """Exact prefix reuse only (what vLLM / SGLang offer for hybrids): the longest run of leading
-    segments a snapshot holds is restored, the rest of the context runs exactly and is kept."""
-
-    def plan(self, context, seq: Sequence, progress: PrefillProgress) -> None:
-        request = seq.request
-        pos = context.exact_run(seq, progress, len(request.context), longer=False)
-        progress.runs.append(Run(request.question, pos))
-
-
-class StitchedPrefill:
-    """`hypic` / `pic-naive`: an exact run of leading segments (restored or computed), then every other
-    context segment's canonical entry (looked up, or computed as cold work) stitched with its seam
-    head recomputed in context, then the question. A cold request (`EngineConfig.cold_prefill`:
-    every entry missing, or the cost model's choice) runs the rest of its prompt exactly instead.
-    With an entry prefix (`EngineConfig.entry_prefix`) the first context segment is always in the
-    exact run: it sits after nothing, and entries are computed as segments sit after the prefix."""
-
-    def plan(self, context, seq: Sequence, progress: PrefillProgress) -> None:
-        request = seq.request
-        longer = request.exact_runs and context.config.exact_repeats
-        n_exact = request.exact_prefix
-        if context.config.entry_prefix and request.context:
-            n_exact = max(n_exact, 1)
-        progress.start = context.exact_run(seq, progress, n_exact, longer=longer)
-        found = context.lookup(seq, progress.exact)
-        if context.exact_forward_wins(seq, progress, found):
-            # Cold: ONE exact forward over the rest of the prompt, as `full` runs it (its answer);
-            # the missing entries are computed after its first token (CacheManager.defer).
-            context.exact_rest(seq, progress, found)
-            return
-        context.entries(seq, progress, found)
-        progress.stitch_pending = True
-        seq.stats.seam_tokens = sum(min(context.head(seq, s), len(s)) for s in request.context[progress.exact:])
-
-
-STRATEGIES: dict[Mode, PrefillStrategy] = {Mode.FULL: FullPrefill(), Mode.PREFIX: PrefixPrefill(),
-                                           Mode.PIC_NAIVE: StitchedPrefill(), Mode.HYPIC: StitchedPrefill()}
-
-
-def strategy_for(mode: Mode) -> PrefillStrategy:
-    return STRATEGIES[mode]
-
-
-def looks_up(mode: Mode) -> bool:
-    """Whether `mode`'s layout looks its context segments up in the segment store."""
-    return isinstance(STRATEGIES[mode], StitchedPrefill)
