@@ -204,8 +204,8 @@ def evaluate(args) -> dict:
             n_chunks = len(pair.chunks)
         else:
             n_chunks = rng.randint(3, min(10, len(pair.distractors) + 1))
-        if i < args.first:  # another process's share: the draw above keeps the contexts of a whole run
-            continue
+        if i < args.first or (args.ids and pair.id not in args.ids):  # another share: the draw above keeps
+            continue                                                      # the contexts of a whole run
         if args.set == "short":
             chunks, gold = list(pair.chunks), pair.gold
         else:
@@ -240,11 +240,11 @@ def evaluate(args) -> dict:
         if args.partial:  # what is done so far, for a run cut short
             Path(args.partial).write_text(json.dumps({"done": i + 1, "rows": rows}))
         el = time.perf_counter() - t0
-        print(f"[{i + 1}/{len(pairs)}] {el:.0f} s elapsed, ~{el / (i + 1 - args.first) * (len(pairs) - i - 1):.0f} s left; "
+        print(f"[{i + 1}/{len(pairs)}] {el:.0f} s elapsed; "
               f"full: {rows['full'][-1]['answer'][:60]!r}", file=sys.stderr, flush=True)
     return {"model": args.model, "set": args.set, "order": args.order, "family": engine.adapter.family, "entry_prefix_tokens": len(head), "linear_layers": len(engine.adapter.linear_layers),
             "attention_layers": len(engine.adapter.attention_layers), "dtype": str(engine.runner.model.dtype),
-            "n": len(pairs) - args.first, "first": args.first, "max_tokens": args.max_tokens, "seed": args.seed,
+            "n": len(rows["full"]), "first": args.first, "ids": args.ids, "max_tokens": args.max_tokens, "seed": args.seed,
             "seconds": round(time.perf_counter() - t0),
             "configs": [list(c) for c in cfgs], "rows": rows}
 
@@ -412,6 +412,8 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0,
                         help="start at this question (0-based), with the contexts a whole run gives it: a share of "
                              "the run for a second process, whose --partial rows join the first's")
+    parser.add_argument("--ids", nargs="+", default=None, help="only these question ids (each with the context a whole run "
+                        "gives it), e.g. the questions a config answers differently from full")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
@@ -448,6 +450,7 @@ def main() -> None:
     naive += " --no-prefix" if args.no_prefix else ""
     naive += " ".join([" --variants", *args.variants]) if args.variants else ""
     naive += f" --set short" + (" --order shuffled" if args.order == "shuffled" else "") if args.set == "short" else ""
+    naive += " ".join([" --ids", *args.ids]) if args.ids else ""
     naive += f" --tag {args.tag}" if args.tag else ""
     naive += f" --raw {args.raw}" if args.raw else ""
     naive += "".join(f" --merge {path} '{label}'" for path, label in args.merge)

@@ -8,6 +8,9 @@ faster). Writes the `ladder-summary` section of docs/accuracy.md and the plot.
         --rows smollm2-hybrid-135m=docs/accuracy_real_smollm2-hybrid-135m_ladder.json \\
                smollm2-135m-instruct=docs/accuracy_real_smollm2-135m-instruct_ladder.json \\
         --default "hypic s=8" --out docs/accuracy_vs_ttft.png
+
+`--tag` writes another section (e.g. `short-summary` for data/short_qa's rows, with `--out
+docs/accuracy_short_vs_ttft.png`), leaving the ladder's summary as it is.
 """
 
 from __future__ import annotations
@@ -59,14 +62,16 @@ def main() -> None:
     ap.add_argument("--default", default="hypic s=8", help="the config to mark as the default")
     ap.add_argument("--out", type=Path, default=Path("docs/accuracy_vs_ttft.png"))
     ap.add_argument("--command", default="", help="the commands that made the inputs, printed above the table")
+    ap.add_argument("--tag", default="ladder-summary", help="the docs/accuracy.md section written")
+    ap.add_argument("--title", default="The attention-side ladder: accuracy and KL vs warm TTFT")
     args = ap.parse_args()
     ttft = json.loads(args.ttft.read_text())
     models = {spec.split("=", 1)[0]: json.loads(Path(spec.split("=", 1)[1]).read_text())["rows"] for spec in args.rows}
     table = summary(models, ttft, args.default)
     print("\n".join(table))
-    write_section(ROOT / "docs" / "accuracy.md", "\n".join(["<!-- ladder-summary:begin -->", *( [args.command, ""] if args.command else []),
+    write_section(ROOT / "docs" / "accuracy.md", "\n".join([f"<!-- {args.tag}:begin -->", *( [args.command, ""] if args.command else []),
                                                           *table, "", f"![accuracy vs warm TTFT]({args.out.name})",
-                                                          "<!-- ladder-summary:end -->"]), "ladder-summary")
+                                                          f"<!-- {args.tag}:end -->"]), args.tag)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for model, marker in zip(models, "os^"):
         rows, speed = models[model], ttft[model]
@@ -88,7 +93,7 @@ def main() -> None:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("The attention-side ladder: accuracy and KL vs warm TTFT")
+    fig.suptitle(args.title)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
     print(args.out)
