@@ -66,8 +66,8 @@ def test_fused_stitch_equals_sequential_stitch(family, seam):
     with torch.inference_mode():
         for mode in (Mode.HYPIC, Mode.PIC_NAIVE):
             fused_cache, seq_cache = runner.new_cache(), runner.new_cache()
-            fused = runner.stitch(fused_cache, context, entries, question, mode)
-            seq = runner.stitch_sequential(seq_cache, context, entries, question, mode)
+            fused = runner.stitch(fused_cache, context, entries, question, mode is Mode.HYPIC)
+            seq = runner.stitch_sequential(seq_cache, context, entries, question, mode is Mode.HYPIC)
             assert_close(f"{family} {mode.value} logits", seq, fused, 1e-5)
             # The fused cache holds the bodies' K/V first, then the run tokens': same columns, another order.
             order = torch.argsort(fused_key_positions(segs, entries))

@@ -20,7 +20,6 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 
 from ..algebra.operators import LinearOperator
-from ..config import Mode
 from .kernels import KernelSelection
 
 
@@ -60,7 +59,7 @@ class ModelAdapter(ABC):
     kernels: KernelSelection = KernelSelection(None)
     # The extra work a canonical entry's linear layers cost per token (its body operators T, E beside
     # the forward), per element of the linear state, in units of one parameter of the forward's
-    # per-token weights: the cost model of hypic_core/engine/prefill.py (`CostModel`) multiplies it by the
+    # per-token weights: the cost model of hypic_core/engine/plan.py (`CostModel`) multiplies it by the
     # state's elements and divides by the per-token parameters. Fitted per family on the bench-size
     # models of bench/families.py (docs/benchmarks.md, "Cold"); 0: no transition work to speak of.
     entry_state_cost: ClassVar[float] = 0.0
@@ -147,15 +146,15 @@ class ModelAdapter(ABC):
     supports_fused_stitch = False
 
     @contextlib.contextmanager
-    def stitch(self, spans: list[StitchSpan], mode: "Mode") -> Iterator[Capture]:
+    def stitch(self, spans: list[StitchSpan], transition: bool = True) -> Iterator[Capture]:
         """Patch the linear layers for one fused stitch forward over `spans` (run-token ranges, in order).
 
         After the forward, `finish_stitch` writes each layer's true final conv state.
         """
-        with self._patched(Capture(), lambda c: self._stitch_patches(c, spans, mode)) as cap:
+        with self._patched(Capture(), lambda c: self._stitch_patches(c, spans, transition)) as cap:
             yield cap
 
-    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], mode: "Mode") -> dict[tuple[Any, str], Callable]:
+    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], transition: bool) -> dict[tuple[Any, str], Callable]:
         return {}
 
     def _stitch_conv(self, cap: Capture, spans: list[StitchSpan], conv_fn: Callable) -> Callable:
@@ -187,17 +186,15 @@ class ModelAdapter(ABC):
         return conv_wrapper
 
     @staticmethod
-    def _advance_body(state: torch.Tensor, span: StitchSpan, layer_pos: int, mode: "Mode") -> torch.Tensor:
+    def _advance_body(state: torch.Tensor, span: StitchSpan, layer_pos: int, transition: bool) -> torch.Tensor:
         """`state` after the cached body that follows `span` (unchanged when none follows):
-        S <- T S + E (hypic), S <- S + E (pic-naive: the transition is ignored)."""
+        S <- T S + E, or S <- S + E without `transition` (pic-naive ignores it)."""
         if span.entry is None:
             return state
-        from ..config import Mode
-
         op = span.entry.operators[layer_pos]
-        return op.apply(state) if mode is Mode.HYPIC else state.float() + op.end
+        return op.apply(state) if transition else state.float() + op.end
 
-    def _stitch_delta_scan(self, spans: list[StitchSpan], mode: "Mode", scan_fn: Callable) -> Callable:
+    def _stitch_delta_scan(self, spans: list[StitchSpan], transition: bool, scan_fn: Callable) -> Callable:
         """A chunked delta-rule kernel (GDN, KDA: `(q, k, v, g, beta, ...) -> (o, state)`) for a fused
         stitch forward: the recurrence runs span by span from the carried state, each cached body's
         operator applied in between, all inside the layer's one call."""
@@ -218,7 +215,7 @@ class ModelAdapter(ABC):
                                          chunk_size=span_chunk(b - a), initial_state=state, output_final_state=True,
                                          **kwargs)
                     outs.append(out)
-                state = self._advance_body(state, span, lp, mode)
+                state = self._advance_body(state, span, lp, transition)
             return torch.cat(outs, dim=1), (state if output_final_state else None)
 
         return scan_wrapper

@@ -20,7 +20,6 @@ from typing import Any, Callable
 import torch
 
 from ..algebra.operators import LinearOperator
-from ..config import Mode
 from .base import Capture, ModelAdapter, StitchSpan, span_chunk
 from .kernels import KernelSelection
 
@@ -105,7 +104,7 @@ class GatedDeltaNetAdapter(ModelAdapter):
 
     supports_fused_stitch = True
 
-    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], mode: Mode) -> dict[tuple[Any, str], Callable]:
+    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], transition: bool) -> dict[tuple[Any, str], Callable]:
         """Run the recurrence span by span inside one layer call, applying each body's operator in between.
 
         The token-parallel work (projections, MLP) of every seam head and the question runs as
@@ -114,7 +113,7 @@ class GatedDeltaNetAdapter(ModelAdapter):
         mod = self._modeling
         return {(mod, "causal_conv1d_fn"): self._stitch_conv(cap, spans, self.kernels.fallback("causal_conv1d_fn")),
                 (mod, "torch_chunk_gated_delta_rule"):
-                    self._stitch_delta_scan(spans, mode, self.kernels.fallback("torch_chunk_gated_delta_rule"))}
+                    self._stitch_delta_scan(spans, transition, self.kernels.fallback("torch_chunk_gated_delta_rule"))}
 
     # --- operators ----------------------------------------------------------------------
     def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:

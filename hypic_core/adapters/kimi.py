@@ -24,7 +24,6 @@ from typing import Any, Callable
 import torch
 
 from ..algebra.operators import LinearOperator
-from ..config import Mode
 from .base import Capture, ModelAdapter, StitchSpan, span_chunk
 from .kernels import KernelSelection
 
@@ -100,13 +99,13 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
 
     supports_fused_stitch = True
 
-    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], mode: Mode) -> dict[tuple[Any, str], Callable]:
+    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], transition: bool) -> dict[tuple[Any, str], Callable]:
         """As Gated DeltaNet: the KDA recurrence runs span by span inside the layer's one kernel call,
         each body's (T, E) applied in between; the short conv continues across spans."""
         mod = self._modeling
         return {(mod, "causal_conv1d_fn"): self._stitch_conv(cap, spans, self.kernels.fallback("causal_conv1d_fn")),
                 (mod, "chunk_kimi_delta_attention"):
-                    self._stitch_delta_scan(spans, mode, self.kernels.fallback("chunk_kimi_delta_attention"))}
+                    self._stitch_delta_scan(spans, transition, self.kernels.fallback("chunk_kimi_delta_attention"))}
 
     # --- operators ----------------------------------------------------------------------
     def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:

@@ -26,7 +26,6 @@ import torch
 from transformers.models.minimax import modeling_minimax
 
 from ..algebra.operators import LinearOperator
-from ..config import Mode
 from .base import Capture, ModelAdapter, StitchSpan, require
 
 
@@ -62,7 +61,7 @@ class LightningAdapter(ModelAdapter):
 
     supports_fused_stitch = True
 
-    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], mode: Mode) -> dict[tuple[Any, str], Callable]:
+    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], transition: bool) -> dict[tuple[Any, str], Callable]:
         """Replace the lightning layers' forward for one fused stitch: the recurrence runs span by span
         (block-wise, `lightning_scan`), each body's (T, E) applied in between. The stock forward would
         run token by token once a state is cached; projections, norm and gate are the stock ones."""
@@ -81,7 +80,7 @@ class LightningAdapter(ModelAdapter):
                 if hi > lo:
                     out, state = lightning_scan(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], slopes, state, mixer.block_size)
                     outs.append(out)
-                state = adapter._advance_body(state, span, lp, mode)
+                state = adapter._advance_body(state, span, lp, transition)
             out = torch.cat(outs, dim=1).to(hidden_states.dtype).reshape(b, n, h * d)
             out = torch.sigmoid(mixer.output_gate(hidden_states)) * mixer.norm(out)
             cache.set_linear_cache(mixer.layer_idx, state.to(hidden_states.dtype))

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from ..algebra.operators import LinearOperator
-from ..config import Mode
 from .base import Capture, ModelAdapter, StitchSpan, require, span_chunk
 from .kernels import KernelSelection
 
@@ -90,7 +89,7 @@ class Mamba2Adapter(ModelAdapter):
 
     supports_fused_stitch = True
 
-    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], mode: Mode) -> dict[tuple[Any, str], Callable]:
+    def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], transition: bool) -> dict[tuple[Any, str], Callable]:
         """Run the SSD scan span by span inside one layer call, applying each body's operator in between
         (T is one scalar per head, so a body costs one multiply-add of the state).
 
@@ -116,7 +115,7 @@ class Mamba2Adapter(ModelAdapter):
                                          initial_states=state, dt_softplus=dt_softplus, dt_limit=dt_limit,
                                          return_final_states=True, **kwargs)
                     outs.append(out)
-                state = self._advance_body(state, span, lp, mode)
+                state = self._advance_body(state, span, lp, transition)
             out = torch.cat(outs, dim=1)
             return (out, state) if return_final_states else out
 

@@ -104,7 +104,7 @@ class CacheManager:
             progress.start = pos
             self._forward_rest(seq, p, progress)
         else:
-            progress.start = pos
+            progress.start, progress.transition = pos, p.transition
             self._stitch(seq, p, progress)
         return progress
 

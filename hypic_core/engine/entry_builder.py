@@ -122,8 +122,9 @@ class LocalEntryBuilder:
                 else:
                     t = time.perf_counter()
                     part = job.part or self.runner.start_entry(job.segment, job.seam)
-                    n = min(budget, part.left)
-                    entry = self.runner.advance_entry(part, n)
+                    before = part.done
+                    entry = self.runner.advance_entry(part, min(budget, part.left))
+                    n = part.done - before
                     if entry is None:
                         sink.job_pieces(job, part)
                     else:

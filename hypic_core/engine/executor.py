@@ -124,7 +124,7 @@ class Executor:
             head = max(1, min(len(request.question), budget - seams))
             context = request.context[progress.exact:]
             logits = self.runner.stitch(progress.cache, context, progress.entries[progress.exact:], request.question[:head],
-                                        request.mode, start=progress.start)
+                                        progress.transition, start=progress.start)
             progress.stitch_pending = False
             stats.computed_tokens += seams + head
             budget -= seams + head

@@ -68,7 +68,6 @@ class Plan:
     question (`prefix`), one exact forward over the rest (`forward`), or the stitched segments
     [exact, n) (`stitch`): `found[i]` a hit, else a miss computed as an entry; `heads` their seam heads."""
 
-    mode: Mode
     rest: str  # "whole" (full), "question" (prefix), "stitch" or "forward"
     exact: int = 0
     restored: int = 0
@@ -76,6 +75,7 @@ class Plan:
     see: bool = False  # record this order's sighting (exact repeats)
     found: tuple[SegmentEntry | None, ...] = ()  # one per context segment (None before `exact`, and misses)
     heads: tuple[int, ...] = ()  # one per context segment from `exact`
+    transition: bool = True  # stitched bodies advance linear states by T S + E (hypic), else S + E (pic-naive)
 
     @property
     def misses(self) -> list[int]:
@@ -84,12 +84,12 @@ class Plan:
 
 
 def plan_full(request: GenerationRequest, view: CacheView) -> Plan:
-    return Plan(request.mode, "whole")
+    return Plan("whole")
 
 
 def plan_prefix(request: GenerationRequest, view: CacheView) -> Plan:
     hit = view.longest_run(request.context) if request.context else RunHit(None, 0, 0)
-    return Plan(request.mode, "question", exact=len(request.context), restored=hit.restored, snapshot=hit.snapshot)
+    return Plan("question", exact=len(request.context), restored=hit.restored, snapshot=hit.snapshot)
 
 
 def plan_stitched(request: GenerationRequest, view: CacheView) -> Plan:
@@ -105,7 +105,7 @@ def plan_stitched(request: GenerationRequest, view: CacheView) -> Plan:
     found = tuple(view.find(exact))
     heads = tuple(view.head(s) for s in request.context[exact:])
     rest = "forward" if exact_forward_wins(request, view, exact, found, heads) else "stitch"
-    return Plan(request.mode, rest, exact, hit.restored, hit.snapshot, see, found, heads)
+    return Plan(rest, exact, hit.restored, hit.snapshot, see, found, heads, transition=request.mode is Mode.HYPIC)
 
 
 PLANNERS: dict[Mode, Callable[[GenerationRequest, CacheView], Plan]] = {

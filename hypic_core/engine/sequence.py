@@ -114,6 +114,7 @@ class PrefillProgress:
     exact: int = 0  # leading context segments done exactly (restored or run); the rest are stitched
     start: int = 0  # where the stitched segments begin (after the exact run)
     timing: str = "stitch"  # the name runs' time is counted under in `PrefillStats.timings_ms`
+    transition: bool = True  # the stitch advances linear states by the bodies' transitions (hypic), or not
     deferred: list = field(default_factory=list)  # (key, segment, seam) of entries to compute after the first token
     logits: torch.Tensor | None = None
 

@@ -15,7 +15,6 @@ import torch
 
 from ..adapters import ModelAdapter
 from ..algebra.entry import SegmentEntry
-from ..config import Mode
 
 KV = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]  # (keys, values), one tensor per attention layer
 LinearRows = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (conv, state) per linear layer
@@ -81,13 +80,13 @@ class LinearLayers:
             self.adapter.linear_state_or_zero(cache, p)
             self.adapter.write_linear_state(cache, p, conv, state)
 
-    def append_body(self, cache, entry: SegmentEntry, mode: Mode) -> None:
-        """Advance every layer over `entry`'s body: S <- T S + E (hypic) or S <- S + E (pic-naive:
-        the transition is ignored); the segment's conv tail is shifted into the conv state."""
+    def append_body(self, cache, entry: SegmentEntry, transition: bool = True) -> None:
+        """Advance every layer over `entry`'s body: S <- T S + E, or S <- S + E without `transition`
+        (pic-naive ignores it); the segment's conv tail is shifted into the conv state."""
         for p in range(len(self)):
             conv, state = self.adapter.linear_state_or_zero(cache, p)
             op = entry.operators[p]
-            new_state = op.apply(state) if mode is Mode.HYPIC else state.float() + op.end
+            new_state = op.apply(state) if transition else state.float() + op.end
             tail = entry.conv_tails[p].to(conv.dtype)
             new_conv = torch.cat([conv, tail], dim=-1)[:, -conv.shape[-1]:]
             self.adapter.write_linear_state(cache, p, new_conv, new_state)

@@ -19,7 +19,6 @@ from ..adapters.base import StitchSpan
 from ..algebra.entry import SegmentEntry
 from ..algebra.operators import LinearOperator
 from ..cache.exact_runs import ExactSnapshot
-from ..config import Mode
 from .batch import DecodeBatch
 from .layers import AttentionLayers, LinearLayers, LinearRows
 
@@ -183,12 +182,16 @@ class ModelRunner:
 
     def advance_entry(self, part: PartialEntry, max_tokens: int) -> SegmentEntry | None:
         """Run the next (up to) `max_tokens` tokens of `part`; return the entry once the segment is done.
+        A piece never leaves a single token behind (it runs that one too): a one-token forward takes
+        the model's one-token path, which records no inputs for the segment's conv tails.
 
         Equals `compute_entries_reference` of the whole segment up to float rounding: the
         pieces run on one cache, and their body operators compose exactly.
         """
         seg, w, P = part.segment, part.seam, len(self.entry_prefix)
         start, end = part.done, min(len(seg), part.done + max(1, max_tokens))
+        if len(seg) - end == 1:
+            end = len(seg)
         n = end - start
         head = min(max(w - start, 0), n)  # the piece's tokens still in the seam head
         ids = torch.tensor([seg[start:end]], dtype=torch.long, device=self.device)
@@ -228,7 +231,7 @@ class ModelRunner:
 
     # --- stitching --------------------------------------------------------------------------
     def stitch(self, cache, context: Sequence[tuple[int, ...]], entries: Sequence[SegmentEntry],
-               question: tuple[int, ...], mode: Mode = Mode.HYPIC, start: int = 0) -> torch.Tensor:
+               question: tuple[int, ...], transition: bool = True, start: int = 0) -> torch.Tensor:
         """Stitched prefill of `context` (with their entries) then `question` on `cache`, which is
         empty (`start` 0) or holds an exactly computed prefix of `start` tokens.
 
@@ -236,7 +239,7 @@ class ModelRunner:
         and the question) when the adapter supports it, else `stitch_sequential`.
         """
         if not self.adapter.supports_fused_stitch:
-            return self.stitch_sequential(cache, context, entries, question, mode, start)
+            return self.stitch_sequential(cache, context, entries, question, transition, start)
         adapter = self.adapter
         run_ids: list[int] = []
         run_pos: list[int] = []
@@ -269,23 +272,23 @@ class ModelRunner:
         kpos = torch.cat([torch.arange(start), *body_pos, qpos])
         mask = (kpos[None, :] <= qpos[:, None])[None, None].to(self.device)
         ids = torch.tensor([run_ids], dtype=torch.long, device=self.device)
-        with adapter.stitch(spans, mode) as cap:
+        with adapter.stitch(spans, transition) as cap:
             out = self.model(input_ids=ids, position_ids=qpos[None].to(self.device), cache=cache, use_cache=True,
                              attention_mask=adapter.mask_argument(mask), logits_to_keep=1)
         adapter.finish_stitch(cache, cap)
         return out.logits[0, -1].float()
 
-    def stitch_sequential(self, cache, context, entries, question, mode: Mode = Mode.HYPIC, start: int = 0) -> torch.Tensor:
+    def stitch_sequential(self, cache, context, entries, question, transition: bool = True, start: int = 0) -> torch.Tensor:
         """Reference stitch: each seam head through all layers, then its body appended; then the question."""
         offset = start
         for seg, entry in zip(context, entries):
             if entry.seam:
                 self.forward(seg[: entry.seam], offset, cache)
-            self.append_body(cache, entry, offset, mode)
+            self.append_body(cache, entry, offset, transition)
             offset += len(seg)
         return self.forward(question, offset, cache, logits=True)
 
-    def append_body(self, cache: DynamicCache, entry: SegmentEntry, offset: int, mode: Mode = Mode.HYPIC) -> None:
+    def append_body(self, cache: DynamicCache, entry: SegmentEntry, offset: int, transition: bool = True) -> None:
         """Append `entry`'s body after its (already run) seam head, the segment starting at `offset`.
 
         Attention layers get the body K/V rotated from local positions to offset + seam..;
@@ -295,7 +298,7 @@ class ModelRunner:
         if entry.body_length == 0:
             return
         self.attention.append_body(cache, entry, offset)  # creates the layers in lazily built caches
-        self.linear.append_body(cache, entry, mode)
+        self.linear.append_body(cache, entry, transition)
 
     # --- exact prefixes (`prefix` mode) -------------------------------------------------------
     def linear_snapshot(self, cache) -> LinearRows:

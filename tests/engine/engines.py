@@ -66,7 +66,7 @@ class FakePool:
         self.calls.append("wait")
         ticket = next(t for t in tickets if t in self.pending)
         segment, seam = self.pending.pop(ticket)
-        self.done[ticket] = self.runner.compute_entries([segment], seam)[0]
+        self.done[ticket] = self.runner.compute_entries([segment], seam, 0)[0]
 
     def take(self, ticket):
         return self.done.pop(ticket, None)

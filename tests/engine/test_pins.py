@@ -82,8 +82,8 @@ def test_the_pool_is_waited_on_when_every_sequence_is_blocked():
     pool = FakePool()
     eng = engine(seam=4, prefill_pool=pool)
     outs = list(eng.generate(cold_request(10)))
-    assert outs[-1].finish_reason is not None and outs[0].stats.segment_misses == 3
-    assert "wait" in pool.calls
+    assert outs[-1].finish_reason == "length" and outs[0].stats.segment_misses == 3
+    assert "wait" in pool.calls and len(eng.store) == 3  # its entries came from the pool
 
 
 def test_the_pool_is_polled_not_waited_on_while_a_sequence_decodes():

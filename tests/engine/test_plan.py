@@ -59,6 +59,7 @@ ROWS = [
     ("prefix-cold", req("prefix"), FakeView(), ("question", 4, 0, False, ())),
     ("prefix-restores-what-a-snapshot-holds", req("prefix"), FakeView(restored=2), ("question", 4, 2, False, ())),
     ("hypic-all-hit", req(), FakeView(hits=(0, 1, 2, 3)), ("stitch", 0, 0, False, ())),
+    ("pic-naive-all-hit", req("pic-naive"), FakeView(hits=(0, 1, 2, 3)), ("stitch", 0, 0, False, ())),
     ("hypic-some-miss", req(), FakeView(hits=(1, 3)), ("stitch", 0, 0, False, (0, 2))),
     ("hypic-exact-prefix", req(exact_prefix=2), FakeView(hits=(0, 1, 2)), ("stitch", 2, 0, False, (3,))),
     ("hypic-exact-prefix-restored", req(exact_prefix=2), FakeView(restored=4, hits=(2, 3)), ("stitch", 2, 2, False, ())),
@@ -86,7 +87,7 @@ ROWS = [
 def test_plan_table(request_, view, expected):
     p = make_plan(request_, view)
     assert summary(p) == expected
-    assert p.mode is request_.mode
+    assert p.transition == (request_.mode.value != "pic-naive")
     assert (p.snapshot is SNAPSHOT) == (p.restored > 0)
     if p.rest in ("stitch", "forward"):
         assert [a for a in view.asked if a[0] == "find"] == [("find", p.exact)]  # looked up after the exact run only
