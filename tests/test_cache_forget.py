@@ -212,3 +212,26 @@ def test_a_shared_documents_entries_leave_under_every_salt(tiny_tokenizer, tmp_p
 
     assert salts_of(Rt, "alice", "notes") == [cache_salt("alice")]
     assert sorted(salts_of(Rt, "alice", "public")) == sorted([SHARED_SALT, cache_salt("alice"), cache_salt("bob"), ""])
+
+
+def test_a_replaced_documents_dropped_chunks_leave_the_cache(gateway):
+    live, rt = gateway
+    with client(live, "key-a") as alice:
+        def put(text):
+            r = alice.post("/documents", params={"collection": "drafts"}, json={"id": "draft", "text": text})
+            assert r.status_code == 201, r.text
+            return rt.collections.get("alice", "drafts").chunks("draft")
+
+        def ask():
+            r = alice.post("/query", json={"question": "Who keeps the key?", "max_tokens": 1, "collections": ["drafts"]})
+            assert r.status_code == 200, r.text
+
+        first = put(SECRET)
+        ask()
+        assert held(rt, "alice", "drafts", first)["host"] > 0
+        assert put(SECRET) == first  # the same text again: its entries stay
+        assert held(rt, "alice", "drafts", first)["host"] > 0
+        second = put(OTHER)
+        assert held(rt, "alice", "drafts", first) == {"host": 0, "disk": 0, "redis": 0}
+        ask()
+        assert held(rt, "alice", "drafts", second)["host"] > 0

@@ -14,7 +14,7 @@ collection (HYPIC_SHARED_COLLECTIONS) is read by every tenant and written only b
 (else 403). An upload past the tenant's document or byte quota is a 429 and changes nothing.
 A deleted document's text also leaves the cache: its chunks' segment entries (every tier, every seam
 width) and the exact snapshots holding them, under the salts it could be cached under
-(app/service/forgetting.py).
+(app/service/forgetting.py); so do a replaced document's chunks that its new version no longer has.
 
 POST /documents takes, by Content-Type:
 - `application/json`: one `{"id", "text", "title"?, "source"?}` object or a list of them;
@@ -128,13 +128,22 @@ async def add_documents(request: Request, id: str | None = Query(None, descripti
 
 def _ingest(rt: Runtime, tenant: str, collection: str, documents: list[Document]):
     """Ingest `documents` into `tenant`'s `collection` (created if new), within the tenant's quota
-    (checked, under the tenant's upload lock, once the chunks are cut and before anything is written)."""
+    (checked, under the tenant's upload lock, once the chunks are cut and before anything is written);
+    the replaced documents' chunks that are gone leave the cache."""
     index = rt.collections.writable(tenant, collection, "collection")
+    before = forgetting.chunks_before(index, [d.document_id for d in documents])  # what replacing them drops
     quotas = rt.quotas
     if not quotas.max_documents and not quotas.max_bytes:
-        return ingest_documents(documents, index, rt.chunker)
-    with quotas.upload_lock(tenant):
-        return ingest_documents(documents, index, rt.chunker, admit=lambda chunks: quotas.admit(rt.collections, tenant, index, chunks))
+        summary = ingest_documents(documents, index, rt.chunker)
+    else:
+        with quotas.upload_lock(tenant):
+            summary = ingest_documents(documents, index, rt.chunker,
+                                       admit=lambda chunks: quotas.admit(rt.collections, tenant, index, chunks))
+    if before:
+        forgotten = forgetting.forget_replaced(rt, tenant, collection, index, before)
+        log.info("%d document(s) of %s/%s replaced; cache entries of their dropped chunks removed %s, exact snapshots %d",
+                 len(before), tenant, collection, forgotten.entries, forgotten.snapshots)
+    return summary
 
 
 @router.get("/documents", response_model=schemas.DocumentList, responses=schemas.errors(400, 503))

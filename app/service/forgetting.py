@@ -9,7 +9,8 @@ under the shared salt and every configured tenant's. Each (segment, salt) is for
 (hypic_core/cache/forget.py) in the memory tiers, the disk tier and the Redis tier
 (`SegmentStore.forget`), and every exact snapshot that contains it is dropped (`ExactRuns.forget`).
 
-What this does not reach: another process's memory and disk tiers (other replicas: they keep their
+A document replaced by an upload of the same id is forgotten the same way, for the chunks its new
+version no longer has (`forget_replaced`). What this does not reach: another process's memory and disk tiers (other replicas: they keep their
 entries until evicted; the shared Redis tier is cleared for all), and a request running while the
 document is deleted, which may still store what it computed. An entry of the same text kept for another
 of the tenant's documents is forgotten too (it is recomputed on its next use).
@@ -54,6 +55,21 @@ def chunk_keys(rt: Runtime, chunks: Sequence[Chunk], salts: Sequence[str]) -> li
     engine = rt.engine
     segments = dict.fromkeys(rt.prompter.document(c.text, c.title) for c in chunks)
     return [SegmentKey.of(engine.fingerprint, 0, s, salt, engine.config.entry_prefix) for s in segments if s for salt in salts]
+
+
+def chunks_before(index, document_ids: Sequence[str]) -> dict[str, list[Chunk]]:
+    """The chunks `index` holds now for those of `document_ids` it has (what an upload is about to replace)."""
+    return {d: index.chunks(d) for d in dict.fromkeys(document_ids) if index.has_document(d)}
+
+
+def forget_replaced(rt: Runtime, tenant: str, collection: str, index, before: dict[str, list[Chunk]]) -> Forgotten:
+    """Once documents were replaced in `index`: forget their chunks of `before` (`chunks_before`) that the new
+    versions no longer have (a chunk of the same text and title keeps its entries)."""
+    gone = []
+    for document_id, old in before.items():
+        kept = {(c.text, c.title) for c in index.chunks(document_id)} if index.has_document(document_id) else set()
+        gone += [c for c in old if (c.text, c.title) not in kept]
+    return forget_chunks(rt, tenant, collection, gone)
 
 
 def forget_chunks(rt: Runtime, tenant: str, collection: str, chunks: Sequence[Chunk]) -> Forgotten:
