@@ -10,8 +10,9 @@ under the shared salt and every configured tenant's. Each (segment, salt) is for
 (`SegmentStore.forget`), and every exact snapshot that contains it is dropped (`ExactRuns.forget`).
 
 A document replaced by an upload of the same id is forgotten the same way, for the chunks its new
-version no longer has (`forget_replaced`). What this does not reach: another process's memory and disk tiers (other replicas: they keep their
-entries until evicted; the shared Redis tier is cleared for all), and a request running while the
+version no longer has (`forget_replaced`). What this does not reach: another process's memory and disk
+tiers (other replicas keep their entries until evicted; the shared Redis tier is cleared for all), a
+document deleted or replaced by `hypic ingest` (another process), and a request running while the
 document is deleted, which may still store what it computed. An entry of the same text kept for another
 of the tenant's documents is forgotten too (it is recomputed on its next use).
 """
