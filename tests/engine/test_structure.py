@@ -91,3 +91,34 @@ def test_no_engine_class_is_over_300_lines_and_the_engine_is_at_most_200():
     lengths = class_lengths(CORE / "engine")
     assert {name: n for name, n in lengths.items() if n > 300} == {}
     assert lengths["hypic_core/engine/engine.py:Engine"] <= 200
+
+
+JOB_STATE = {"state", "part", "ticket", "entry"}
+
+
+def job_state_writes(root: Path) -> list[str]:
+    """file:line of every assignment to an attribute named like an entry job's state fields, outside
+    the cache manager (the one place allowed to move a job between states) and the runner's own
+    objects (`PartialEntry`) — recognised by the name the code gives a job: `job` or `cw`."""
+    found = []
+    for path in root.rglob("*.py"):
+        if path.name == "cache_manager.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+            for target in targets:
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    if (isinstance(t, ast.Attribute) and t.attr in JOB_STATE and isinstance(t.value, ast.Name)
+                            and t.value.id in ("job", "cw")):
+                        found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_the_state_check_finds_a_write(tmp_path):
+    (tmp_path / "builder.py").write_text("def f(job, entry):\n    job.state, x = 1, 2\n    job.entry = entry\n")
+    (tmp_path / "cache_manager.py").write_text("def g(cw):\n    cw.state = 3\n")
+    assert len(job_state_writes(tmp_path)) == 2
+
+
+def test_only_the_cache_manager_moves_an_entry_job():
+    assert job_state_writes(CORE / "engine") == []
