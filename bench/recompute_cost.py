@@ -16,6 +16,7 @@ measured speed-up: on a quiet machine the default measured 13.0x (hybrid) and 9.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -47,13 +48,22 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=6)
     ap.add_argument("--chunk-len", type=int, nargs="+", default=[80, 300])
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2])
+    ap.add_argument("--json", type=Path, help="also write the first --chunk-len's ratios here, in bench/ladder_ttft.py's "
+                    "format (labels as bench/accuracy_real.py's), for bench/ladder_report.py")
     args = ap.parse_args()
+    out: dict[str, dict] = {}
     print("| model | chunks | budget r | seam tokens | full / config (cost model) |\n|---|---|---:|---:|---:|")
     for name in args.model:
         cost = Engine(real_model(name), config=EngineConfig(seam=8)).context.cost
         for n in args.chunk_len:
             for r, heads, x in ratios(cost, [32] + [n] * args.chunks, 64, 8, args.budgets):
                 print(f"| {name} | {args.chunks} x {n} | {r:g} | {heads} | {x:.1f}x |", flush=True)
+                if n == args.chunk_len[0]:
+                    label = "hypic s=8" + (f" r={r:g}" if r else "")
+                    out.setdefault(name, {"full": {"full_over": 1.0, "seam_tokens": 0}})[label] = {
+                        "full_over": x, "seam_tokens": heads}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
