@@ -28,7 +28,8 @@ names without `-spec` send `speculation: false` and start llama-server without d
 Cells: every `--streams` value x every `--max-tokens` value, each on its own requests
 (`--num-requests` per cell, at least one group of `streams`). Streams S > 1: groups of S requests
 sent at once (llama-server started with `-np S --cont-batching`, S x `--ctx` of context; the
-gateway batches them as it always does, HYPIC_MAX_RUNNING 8). Each group goes to every backend in
+gateway batches them as it always does, HYPIC_MAX_RUNNING 8). Every backend runs its own server
+(a gateway per gateway row too), so no backend finds another's prompt in its cache. Each group goes to every backend in
 turn, the order rotated per group, so a drifting machine load hits them alike.
 
 Reported per row: TTFT p50 / p95, TPOT p50 (after the first token), the whole answer p50 (request
@@ -348,6 +349,13 @@ class Tally:
     accepted: int = 0
 
 
+async def _draft_counters(client: serve.Client) -> tuple[int, int]:
+    """A gateway's cumulative (drafted, accepted) speculation counters."""
+    m = await client.metrics()
+    return (int(serve.total(m, "hypic_speculation_drafted_tokens_total")),
+            int(serve.total(m, "hypic_speculation_accepted_tokens_total")))
+
+
 async def warm_up(send: Send, warmup: Sequence[Item], max_tokens: int) -> None:
     for item in warmup:
         out = await send(item, max_tokens)
@@ -465,40 +473,33 @@ async def amain(args: argparse.Namespace) -> dict:
     result: dict[str, Any] = {
         "command": " ".join(shlex.quote(x) for x in [".venv/bin/python", "bench/peer.py", *sys.argv[1:]]),
         "model": str(model_dir), "threads": args.threads, "workload": work.tokens, "reference": reference,
-        "llama_version": llama_version(binary) if binary else None, "rows": [],
+        "llama_version": (llama_version(binary) + (f", from {args.llama_src.resolve().parent.name}" if args.llama_src else "")
+                          if binary else None), "rows": [],
         "load_average_start": os.getloadavg(),
     }
     ids = {id(it): prompt_ids(maker, it) for it in (*work.warmup, *work.rewarm, *(i for c in work.cells for i in c[2]))}
     timeout = httpx.Timeout(args.request_timeout, connect=10.0, pool=None)
-    gateway: Gateway | None = None
+    gateways: list[Gateway] = []
     async with httpx.AsyncClient(timeout=timeout, trust_env=False,
                                  limits=httpx.Limits(max_connections=64, max_keepalive_connections=64)) as http:
         try:
             senders: dict[str, Send] = {}
             drafts: dict[str, Callable[[], Awaitable[tuple[int, int]]]] = {}
-            if any(not b.llama for b in backends):  # one gateway serves every mode: `full` never touches the segment cache
-                one = argparse.Namespace(**{**vars(args), "max_tokens": max(args.max_tokens)})  # as serve.py reads it
-                gateway = Gateway(one, "gateway", extra_env={"HYPIC_DECODE_STEP": args.decode_step})
-                base = await gateway.start(http)
+            # A gateway per gateway backend, as llama-server runs one per row: two modes on one gateway
+            # would see each prompt twice, and the second would find the first's exact snapshot.
+            one = argparse.Namespace(**{**vars(args), "max_tokens": max(args.max_tokens)})  # as serve.py reads it
+            mine = [b for b in backends if not b.llama]
+            gateways = [Gateway(one, b.name, extra_env={"HYPIC_DECODE_STEP": args.decode_step}) for b in mine]
+            bases = await asyncio.gather(*(g.start(http) for g in gateways))
+            for b, base in zip(mine, bases):
                 client = serve.Client(base, http, await serve.served_model(http, base), one)
-
-                async def counters() -> tuple[int, int]:
-                    m = await client.metrics()
-                    return (int(serve.total(m, "hypic_speculation_drafted_tokens_total")),
-                            int(serve.total(m, "hypic_speculation_accepted_tokens_total")))
-
-                for b in backends:
-                    if not b.llama:
-                        senders[b.name] = (lambda b: lambda it, n: client.send(
-                            client.body(it, b.base, n) | {"speculation": b.spec}))(b)
-                        drafts[b.name] = counters
-                for b in backends:
-                    if not b.llama:
-                        await warm_up(senders[b.name], work.warmup, 8)
-                if work.rewarm and any(b.base == "hypic" for b in backends):
-                    serve._progress(f"warm chunks: {len(work.rewarm)} requests (chunks in another order) to hypic")
-                    await warm_up(lambda it, n: client.send(client.body(it, "hypic", n) | {"speculation": False}),
-                                  work.rewarm, 1)
+                senders[b.name] = (lambda c, b: lambda it, n: c.send(c.body(it, b.base, n) | {"speculation": b.spec}))(client, b)
+                drafts[b.name] = (lambda c: lambda: _draft_counters(c))(client)
+            await asyncio.gather(*(warm_up(senders[b.name], work.warmup, 8) for b in mine))
+            if work.rewarm and (warm := [b for b in mine if b.base == "hypic"]):
+                serve._progress(f"warm chunks: {len(work.rewarm)} requests (chunks in another order) to "
+                                + ", ".join(b.name for b in warm))
+                await asyncio.gather(*(warm_up(senders[b.name], work.rewarm, 1) for b in warm))
             for streams in args.streams:
                 servers = []
                 try:
@@ -529,7 +530,7 @@ async def amain(args: argparse.Namespace) -> dict:
                     for server in servers:
                         server.stop()
         finally:
-            if gateway is not None:
+            for gateway in gateways:
                 gateway.stop()
     result["load_average_end"] = os.getloadavg()
     return result
