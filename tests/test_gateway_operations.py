@@ -247,10 +247,13 @@ class FailingEngine(Engine):
             raise RuntimeError("device lost")
 
         self.runner.batch.forward = device_lost
+        next_token = self.output.next_token
 
-    def _sample(self, seq, logits) -> StepOutput:
-        out = super()._sample(seq, logits)
-        return dataclasses.replace(out, text="partial answer") if out.index == 0 else out
+        def first_is_partial(seq, logits, draft=None) -> StepOutput:
+            out = next_token(seq, logits, draft)
+            return dataclasses.replace(out, text="partial answer") if out.index == 0 else out
+
+        self.output.next_token = first_is_partial
 
 
 def test_engine_failure_mid_stream_ends_with_a_failure_event(engine, tmp_path, caplog):
