@@ -301,6 +301,20 @@ PASSAGE = ("The Alna is a river that flows through the city of Varo. The mayor o
            "who was elected in 2019. Brill is a company founded by Tam Oke in 1999 in Varo.")
 
 
+class SteadyCost(DraftCost):
+    """DraftCost with the measured price held at its prior and no resting: what it decides then depends on
+    the drafts' acceptance alone, not on step timings (which a loaded machine makes erratic)."""
+
+    def plain(self, rows: int, seconds: float) -> None:
+        self._plain[rows] = (2, 1.0)
+
+    def verify(self, rows: int, drafted: int, seconds: float) -> None:
+        pass
+
+    def verified(self, rows: int, tokens: int, seconds: float) -> None:
+        pass
+
+
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "smollm2-hybrid-135m"])
 def test_real_models_answer_identically_with_fewer_steps(name, smollm2_dir):
     """SmolLM2 and its hybrid asked to copy from a passage: the same 40 greedy tokens with speculation,
@@ -315,6 +329,7 @@ def test_real_models_answer_identically_with_fewer_steps(name, smollm2_dir):
     req = GenerationRequest((prompt,), mode="full", sampling=SamplingParams(max_tokens=40, ignore_eos=True))
     plain = engine.generated_tokens(req)
     engine.config = EngineConfig(seam=4, decode_step="lean", speculation=True)
+    engine.speculator.cost = SteadyCost(0.3)  # the drafts' yield is under test here, not this machine's load
     steps = 0
     seq = engine.add_request(req, collect=True)
     while engine.has_unfinished():
