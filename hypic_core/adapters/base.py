@@ -5,7 +5,8 @@ An adapter answers, for one loaded transformers model:
 - how to capture, during a plain forward, the per-token quantities a linear layer's
   recurrence consumes, and turn a span of them into a `LinearOperator` (T, E);
 - how to read and write a linear layer's conv and recurrent state in a transformers cache;
-- how to move cached attention keys to a new position (RoPE re-rotation; NoPE: nothing).
+- whether attention keys carry a position; moving them is `rotary.KeyRotation`'s (RoPE
+  re-rotation; NoPE: nothing).
 
 Adding a family means adding one file with one `ModelAdapter` subclass and registering it.
 """
@@ -21,6 +22,7 @@ import torch
 
 from ..algebra.operators import LinearOperator
 from .kernels import KernelSelection
+from .rotary import KeyRotation
 
 
 @dataclass
@@ -70,7 +72,7 @@ class ModelAdapter(ABC):
         self.attention_layers: list[int] = []
         self.linear_layers: list[int] = []
         self._classify_layers()
-        self._inv_freq, self._rope_scaling = self._find_rotary()
+        self.rotation = KeyRotation.of(model, self.uses_nope)
 
     # --- layers -------------------------------------------------------------------------
     def _classify_layers(self) -> None:
@@ -157,69 +159,6 @@ class ModelAdapter(ABC):
     def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], transition: bool) -> dict[tuple[Any, str], Callable]:
         return {}
 
-    def _stitch_conv(self, cap: Capture, spans: list[StitchSpan], conv_fn: Callable) -> Callable:
-        """A conv function for a fused stitch forward: each run span is convolved after the conv
-        context of what precedes it (the previous span, then the cached body's conv tail shifted in),
-        as a sequential stitch would. Records each layer's final context in `cap.conv_inputs`.
-
-        The mixer passes [conv state | run tokens] (K + n_run columns); only the run tokens' outputs return.
-        """
-        n_run = spans[-1].end if spans else 0
-
-        def conv_wrapper(hidden_states, *args, **kwargs):
-            lp = len(cap.conv_inputs)
-            K = self.conv_kernel(lp)
-            x = hidden_states[..., hidden_states.shape[-1] - n_run :]
-            ctx = hidden_states[..., : hidden_states.shape[-1] - n_run][..., -K:]
-            outs = []
-            for span in spans:
-                piece = x[..., span.start : span.end]
-                if span.end > span.start:
-                    full = torch.cat([ctx, piece], dim=-1)
-                    outs.append(conv_fn(full, *args, **kwargs)[..., -piece.shape[-1] :])
-                    ctx = full[..., -K:]
-                if span.entry is not None:
-                    ctx = torch.cat([ctx, span.entry.conv_tails[lp].to(ctx.dtype)[None]], dim=-1)[..., -K:]
-            cap.conv_inputs.append(ctx[0].clone())
-            return torch.cat(outs, dim=-1)
-
-        return conv_wrapper
-
-    @staticmethod
-    def _advance_body(state: torch.Tensor, span: StitchSpan, layer_pos: int, transition: bool) -> torch.Tensor:
-        """`state` after the cached body that follows `span` (unchanged when none follows):
-        S <- T S + E, or S <- S + E without `transition` (pic-naive ignores it)."""
-        if span.entry is None:
-            return state
-        op = span.entry.operators[layer_pos]
-        return op.apply(state) if transition else state.float() + op.end
-
-    def _stitch_delta_scan(self, spans: list[StitchSpan], transition: bool, scan_fn: Callable) -> Callable:
-        """A chunked delta-rule kernel (GDN, KDA: `(q, k, v, g, beta, ...) -> (o, state)`) for a fused
-        stitch forward: the recurrence runs span by span from the carried state, each cached body's
-        operator applied in between, all inside the layer's one call."""
-        calls = [0]
-
-        def scan_wrapper(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
-            lp = calls[0]
-            calls[0] += 1
-            kwargs.pop("chunk_size", None)
-            B, _, hv, dv = value.shape
-            state = (value.new_zeros(B, hv, key.shape[-1], dv, dtype=torch.float32) if initial_state is None
-                     else initial_state.float())
-            outs = []
-            for span in spans:
-                a, b = span.start, span.end
-                if b > a:
-                    out, state = scan_fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
-                                         chunk_size=span_chunk(b - a), initial_state=state, output_final_state=True,
-                                         **kwargs)
-                    outs.append(out)
-                state = self._advance_body(state, span, lp, transition)
-            return torch.cat(outs, dim=1), (state if output_final_state else None)
-
-        return scan_wrapper
-
     def finish_stitch(self, cache, cap: Capture) -> None:
         """Copy the conv contexts recorded during a fused stitch into the cache (row 0)."""
         for p, ctx in enumerate(cap.conv_inputs):
@@ -233,16 +172,6 @@ class ModelAdapter(ABC):
         if self.linear_layers:  # hybrids build one mask per layer type; linear layers take none (no padding)
             return {"full_attention": mask, "linear_attention": None}
         return mask
-
-    @staticmethod
-    def _recording_conv(cap: Capture, conv_fn: Callable) -> Callable:
-        """Wrap a conv function so every call's pre-conv input is appended to `cap.conv_inputs`."""
-
-        def conv_wrapper(hidden_states, *args, **kwargs):
-            cap.conv_inputs.append(cap.keep(hidden_states))
-            return conv_fn(hidden_states, *args, **kwargs)
-
-        return conv_wrapper
 
     @contextlib.contextmanager
     def _patched(self, cap: Capture, make_patches) -> Iterator[Capture]:
@@ -335,13 +264,7 @@ class ModelAdapter(ABC):
     # set this False and decode one sequence per forward.
     supports_batched_decode = True
 
-    # --- attention layers ---------------------------------------------------------------
-    def _find_rotary(self) -> tuple[torch.Tensor | None, float]:
-        rotary = getattr(self.model.base_model, "rotary_emb", None)
-        if rotary is None or self.uses_nope:
-            return None, 1.0
-        return rotary.inv_freq.detach().to(torch.float64).cpu(), float(getattr(rotary, "attention_scaling", 1.0))
-
+    # --- attention layers: key rotation lives in adapters/rotary.py -----------------------
     @property
     def uses_nope(self) -> bool:
         """True when attention layers use no positional rotation (keys are position-free).
@@ -352,36 +275,15 @@ class ModelAdapter(ABC):
 
     @property
     def rotary_dim(self) -> int:
-        return 0 if self._inv_freq is None else 2 * self._inv_freq.numel()
+        return self.rotation.dim
 
     def rotate_keys(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
-        """Move keys rotated at positions p to positions p + delta. keys: [..., L, head_dim].
-
-        RoPE rotations compose (R(p + d) = R(d) R(p)), so this rotates every key by `delta`
-        on the rotary dims (the first `rotary_dim`; partial rotary leaves the rest) using the
-        rotate-half layout of transformers' `apply_rotary_pos_emb`. NoPE: returned unchanged.
-        """
-        if self._inv_freq is None or delta == 0:
-            return keys
-        return self._rotate(keys, float(delta) * self._inv_freq, 1.0)  # float64 angles for large offsets
+        """Move keys rotated at positions p to positions p + delta (`KeyRotation.move`)."""
+        return self.rotation.move(keys, delta)
 
     def rope_at(self, keys_unrotated: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Reference: rotate position-free keys [..., L, D] at absolute `positions` [L] (tests)."""
-        if self._inv_freq is None:
-            return keys_unrotated
-        angles = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
-        return self._rotate(keys_unrotated, angles, self._rope_scaling)
-
-    def _rotate(self, keys: torch.Tensor, angles: torch.Tensor, scale: float) -> torch.Tensor:
-        """Rotate the rotary dims of `keys` by `angles` ([d/2] or [L, d/2], rotate-half layout), times `scale`."""
-        cos = (torch.cat([angles.cos(), angles.cos()], -1) * scale).to(keys.device, torch.float32)
-        sin = (torch.cat([angles.sin(), angles.sin()], -1) * scale).to(keys.device, torch.float32)
-        d, half = self.rotary_dim, self.rotary_dim // 2
-        rot = keys[..., :d].to(torch.float32)
-        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        out = keys.clone()
-        out[..., :d] = (rot * cos + rotated_half * sin).to(keys.dtype)
-        return out
+        """Reference: position-free keys rotated at absolute `positions` (`KeyRotation.at`)."""
+        return self.rotation.at(keys_unrotated, positions)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 
 from ..algebra.operators import LinearOperator
 from .base import Capture, ModelAdapter, StitchSpan, span_chunk
+from .wrappers import recording_conv, stitch_conv, stitch_delta_scan
 from .kernels import KernelSelection
 
 _MODELING = {
@@ -50,7 +51,7 @@ class GatedDeltaNetAdapter(ModelAdapter):
     # --- capture ------------------------------------------------------------------------
     def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
         mod = self._modeling
-        conv_wrapper = self._recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
+        conv_wrapper = recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
         scan_fn = self.kernels.fallback("torch_chunk_gated_delta_rule")
 
         def scan_wrapper(query, key, value, *args, **kwargs):
@@ -77,7 +78,7 @@ class GatedDeltaNetAdapter(ModelAdapter):
         runs the layer's kernel with values [v | 0] from [0 | I].)
         """
         mod = self._modeling
-        conv_wrapper = self._recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
+        conv_wrapper = recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
         scan_fn = self.kernels.fallback("torch_chunk_gated_delta_rule")
         lengths = torch.tensor(body_lengths)
 
@@ -111,9 +112,9 @@ class GatedDeltaNetAdapter(ModelAdapter):
         one batch; only the recurrence and the short conv run per span, as in a sequential stitch.
         """
         mod = self._modeling
-        return {(mod, "causal_conv1d_fn"): self._stitch_conv(cap, spans, self.kernels.fallback("causal_conv1d_fn")),
+        return {(mod, "causal_conv1d_fn"): stitch_conv(cap, spans, self.kernels.fallback("causal_conv1d_fn"), self.conv_kernel),
                 (mod, "torch_chunk_gated_delta_rule"):
-                    self._stitch_delta_scan(spans, transition, self.kernels.fallback("torch_chunk_gated_delta_rule"))}
+                    stitch_delta_scan(spans, transition, self.kernels.fallback("torch_chunk_gated_delta_rule"))}
 
     # --- operators ----------------------------------------------------------------------
     def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:

@@ -25,6 +25,7 @@ import torch
 
 from ..algebra.operators import LinearOperator
 from .base import Capture, ModelAdapter, StitchSpan, span_chunk
+from .wrappers import recording_conv, stitch_conv, stitch_delta_scan
 from .kernels import KernelSelection
 
 
@@ -51,7 +52,7 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
     # --- capture ------------------------------------------------------------------------
     def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
         mod = self._modeling
-        conv_wrapper = self._recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
+        conv_wrapper = recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
         scan_fn = self.kernels.fallback("chunk_kimi_delta_attention")
 
         def scan_wrapper(query, key, value, g, beta, *args, **kwargs):
@@ -68,7 +69,7 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
         the seam heads [0, seam) run as usual, then the bodies with values [v | 0] from [S_w | I],
         which end in [S_L | T]; E = S_L - T S_w. Padding gets beta = 0 and g = 0 (A_t = I, no input)."""
         mod = self._modeling
-        conv_wrapper = self._recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
+        conv_wrapper = recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
         scan_fn = self.kernels.fallback("chunk_kimi_delta_attention")
         lengths = torch.tensor(body_lengths)
 
@@ -103,9 +104,9 @@ class KimiDeltaAttentionAdapter(ModelAdapter):
         """As Gated DeltaNet: the KDA recurrence runs span by span inside the layer's one kernel call,
         each body's (T, E) applied in between; the short conv continues across spans."""
         mod = self._modeling
-        return {(mod, "causal_conv1d_fn"): self._stitch_conv(cap, spans, self.kernels.fallback("causal_conv1d_fn")),
+        return {(mod, "causal_conv1d_fn"): stitch_conv(cap, spans, self.kernels.fallback("causal_conv1d_fn"), self.conv_kernel),
                 (mod, "chunk_kimi_delta_attention"):
-                    self._stitch_delta_scan(spans, transition, self.kernels.fallback("chunk_kimi_delta_attention"))}
+                    stitch_delta_scan(spans, transition, self.kernels.fallback("chunk_kimi_delta_attention"))}
 
     # --- operators ----------------------------------------------------------------------
     def span_operators(self, cap: Capture, row: int, start: int, end: int) -> list[LinearOperator]:

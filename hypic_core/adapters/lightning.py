@@ -27,6 +27,7 @@ from transformers.models.minimax import modeling_minimax
 
 from ..algebra.operators import LinearOperator
 from .base import Capture, ModelAdapter, StitchSpan, require
+from .wrappers import advance_body
 
 
 class LightningAdapter(ModelAdapter):
@@ -80,7 +81,7 @@ class LightningAdapter(ModelAdapter):
                 if hi > lo:
                     out, state = lightning_scan(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], slopes, state, mixer.block_size)
                     outs.append(out)
-                state = adapter._advance_body(state, span, lp, transition)
+                state = advance_body(state, span, lp, transition)
             out = torch.cat(outs, dim=1).to(hidden_states.dtype).reshape(b, n, h * d)
             out = torch.sigmoid(mixer.output_gate(hidden_states)) * mixer.norm(out)
             cache.set_linear_cache(mixer.layer_idx, state.to(hidden_states.dtype))

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..algebra.operators import LinearOperator
 from .base import Capture, ModelAdapter, StitchSpan, require, span_chunk
+from .wrappers import advance_body, recording_conv, stitch_conv
 from .kernels import KernelSelection
 
 _MODELING = {
@@ -74,7 +75,7 @@ class Mamba2Adapter(ModelAdapter):
     # --- capture ------------------------------------------------------------------------
     def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
         mod = self._modeling
-        conv_wrapper = self._recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
+        conv_wrapper = recording_conv(cap, self.kernels.fallback("causal_conv1d_fn"))
         scan_fn = self.kernels.fallback("mamba2_chunk_scan")
 
         def scan_wrapper(hidden_states, dt, A, B, C, *args, **kwargs):
@@ -115,11 +116,11 @@ class Mamba2Adapter(ModelAdapter):
                                          initial_states=state, dt_softplus=dt_softplus, dt_limit=dt_limit,
                                          return_final_states=True, **kwargs)
                     outs.append(out)
-                state = self._advance_body(state, span, lp, transition)
+                state = advance_body(state, span, lp, transition)
             out = torch.cat(outs, dim=1)
             return (out, state) if return_final_states else out
 
-        return {(mod, "causal_conv1d_fn"): self._stitch_conv(cap, spans, self.kernels.fallback("causal_conv1d_fn")),
+        return {(mod, "causal_conv1d_fn"): stitch_conv(cap, spans, self.kernels.fallback("causal_conv1d_fn"), self.conv_kernel),
                 (mod, "mamba2_chunk_scan"): scan_wrapper}
 
     # --- operators ----------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The engine's shape, read from the source: the core has no import circle (imports under
 TYPE_CHECKING and inside functions count: a circle there still ties the modules together), no
-class in the engine package is over 300 lines, and `Engine` (the step loop) is at most 200."""
+class in hypic_core is over 300 lines, and `Engine` (the step loop) is at most 200."""
 
 from __future__ import annotations
 
@@ -87,8 +87,9 @@ def test_the_core_has_no_import_circle():
     assert cycles(import_graph(CORE)) == []
 
 
-def test_no_engine_class_is_over_300_lines_and_the_engine_is_at_most_200():
-    lengths = class_lengths(CORE / "engine")
+def test_no_core_class_is_over_300_lines_and_the_engine_is_at_most_200():
+    lengths = class_lengths(CORE)
+    assert "hypic_core/adapters/base.py:ModelAdapter" in lengths  # the scan reaches past engine/
     assert {name: n for name, n in lengths.items() if n > 300} == {}
     assert lengths["hypic_core/engine/engine.py:Engine"] <= 200
 
