@@ -11,6 +11,7 @@ from .errors import InvalidRequestError
 
 DEFAULT_SEAM = 8  # the reference implementation's default seam width
 COLD_PREFILL = ("stitch", "exact", "auto")  # EngineConfig.cold_prefill
+REPEATS = ("exact", "cheaper")  # EngineConfig.repeats
 DECODE_STEPS = ("module", "lean", "lean-packed")  # EngineConfig.decode_step
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias positive ones
 
@@ -103,6 +104,11 @@ class EngineConfig:
     order, so a repeat equals full prefill there from its second sighting on. The gateway turns it
     on; off (the default here), only the exact prefix is exact and the same request always gets the
     same answer whatever the cache holds, as benchmarks comparing modes on one engine need.
+    repeats (with exact_repeats): what a run seen before in this order, that no snapshot holds yet,
+    costs. "exact" (the default): computed exactly at its second sighting and snapshotted, so a
+    repeat equals full from then on, even where composing it from stored entries is cheaper.
+    "cheaper": computed exactly only when the cost model (`CostModel`) puts its forward at no more
+    than composing it; otherwise composed (no snapshot), so no repeat pays a forward it could skip.
     cold_prefill (pic modes, requests with `exact_runs`): how a request whose context entries are
     missing is prefilled. "stitch" (the default here): canonical entries of the misses, then the
     stitch. "exact": a request that misses every entry it would stitch runs ONE exact forward over
@@ -126,6 +132,7 @@ class EngineConfig:
     max_step_tokens: int = 512  # model tokens per engine step: decode tokens + a chunk of prefill
     running_budget_bytes: int = 4 << 30  # attention K/V + linear state of the running sequences
     exact_repeats: bool = False
+    repeats: str = "exact"  # "exact" or "cheaper" (see above)
     scheduling: str = "fcfs"  # the waiting queue's policy: "fcfs" or "priority" (hypic_core/engine/request_queue.py)
     cold_prefill: str = "stitch"  # "stitch", "exact" or "auto" (see above)
     background_tokens: int = 1 << 20  # deferred cold work queued at most, in segment tokens
@@ -161,6 +168,8 @@ class EngineConfig:
             raise InvalidRequestError("scheduling", f"must be 'fcfs' or 'priority', got {self.scheduling!r}")
         if self.cold_prefill not in COLD_PREFILL:
             raise InvalidRequestError("cold_prefill", f"must be one of {', '.join(COLD_PREFILL)}, got {self.cold_prefill!r}")
+        if self.repeats not in REPEATS:
+            raise InvalidRequestError("repeats", f"must be one of {', '.join(REPEATS)}, got {self.repeats!r}")
         if self.background_tokens < 0:
             raise InvalidRequestError("background_tokens", f"must be >= 0, got {self.background_tokens}")
         if self.decode_step not in DECODE_STEPS:

@@ -7,8 +7,8 @@ sequence, or a fake in tests) what is cached, and decides, changing nothing:
 - `prefix`: the longest run of leading context segments a snapshot holds is restored, the rest of
   the context runs exactly (kept as a snapshot), then the question;
 - `hypic` / `pic-naive`: an exact run of leading segments (at least `exact_prefix`, the first one
-  with an entry prefix; with exact repeats as many as a snapshot holds or an earlier request had
-  in this order), then every other context segment's canonical entry (a hit, or a miss to compute)
+  with an entry prefix; with exact repeats as many as a snapshot holds, and those an earlier
+  request had in this order unless the cost model finds composing them cheaper: `repeats`), then every other context segment's canonical entry (a hit, or a miss to compute)
   stitched with its seam head recomputed in context, then the question. A cold request
   (`EngineConfig.cold_prefill`: every entry missing, or the cost model's choice) runs the rest of
   its prompt as ONE exact forward instead, its missing entries deferred.
@@ -101,9 +101,13 @@ def plan_stitched(request: GenerationRequest, view: CacheView) -> Plan:
     considered = request.context if longer else request.context[:exact]
     hit = view.longest_run(considered) if considered else RunHit(None, 0, 0)
     see = bool(considered) and longer and request.cache_store
-    exact = max(exact, hit.restored, hit.seen if see else 0)
-    found = tuple(view.find(exact))
-    heads = tuple(view.head(s) for s in request.context[exact:])
+    exact, seen = max(exact, hit.restored), (hit.seen if see else 0)
+    found = view.find(exact)
+    heads = [view.head(s) for s in request.context[exact:]]
+    if seen > exact and repeat_runs_exactly(request, view, exact, seen, found, heads):
+        found = [None] * seen + found[seen:]
+        heads, exact = heads[seen - exact:], seen
+    found, heads = tuple(found), tuple(heads)
     rest = "forward" if exact_forward_wins(request, view, exact, found, heads) else "stitch"
     return Plan(rest, exact, hit.restored, hit.snapshot, see, found, heads, transition=request.mode is Mode.HYPIC)
 
@@ -137,15 +141,53 @@ def exact_forward_wins(request: GenerationRequest, view: CacheView, exact: int, 
         return all(e is None for e in stitched)
     if view.cost is None:
         return False
+    start = sum(len(s) for s in request.context[:exact])
+    return exact_wins(view.cost, start, request.prompt_tokens, cold_work(request, view, exact, found, heads),
+                      stitch_tokens(request, exact, heads), view.workers)
+
+
+def repeat_runs_exactly(request: GenerationRequest, view: CacheView, exact: int, seen: int,
+                        found: Seq[SegmentEntry | None], heads: Seq[int]) -> bool:
+    """Whether context segments [exact, seen), which an earlier request had in this order and no snapshot
+    holds, run exactly now (kept as a snapshot, restored from the next repeat on) rather than composed
+    (`EngineConfig.repeats`): "exact" always; "cheaper" when the cost model puts that run's forward, and
+    the stitch after it, at no more than composing from `exact` (their entries, what is missing of them,
+    and their seam heads in the stitch). `found` and `heads` are from `exact` on, as the planner looked
+    them up. No cost model: exactly."""
+    cost = view.cost
+    if view.config.repeats == "exact" or cost is None:
+        return True
+    start = sum(len(s) for s in request.context[:exact])
+    run = sum(len(s) for s in request.context[exact:seen])
+    later = list(heads[seen - exact:])
+    computed = (cost.forward(run, start) + cold_cost(cost, cold_work(request, view, seen, found, later), view.workers)
+                + cost.stitch(stitch_tokens(request, seen, later), request.prompt_tokens))
+    composed = (cold_cost(cost, cold_work(request, view, exact, found, heads), view.workers)
+                + cost.stitch(stitch_tokens(request, exact, heads), request.prompt_tokens))
+    return computed <= composed
+
+
+def cold_work(request: GenerationRequest, view: CacheView, exact: int, found: Seq[SegmentEntry | None],
+              heads: Seq[int]) -> list[tuple[int, int]]:
+    """(length, tokens computed already) of each distinct missing entry of the stitched segments
+    [exact, n) (`heads`: theirs, from `exact`)."""
     cold: dict[tuple[int, ...], tuple[int, int]] = {}
-    for seg, entry, head in zip(request.context[exact:], stitched, heads):
+    for seg, entry, head in zip(request.context[exact:], found[exact:], heads):
         if entry is None:
             work = view.in_flight(seg)
             done = 0 if work is None else len(seg) if work[1] else work[0]
             cold[(head, *seg)] = (len(seg), done)
-    start = sum(len(s) for s in request.context[:exact])
-    stitch = sum(min(h, len(s)) for h, s in zip(heads, request.context[exact:])) + len(request.question)
-    return exact_wins(view.cost, start, request.prompt_tokens, list(cold.values()), stitch, view.workers)
+    return list(cold.values())
+
+
+def stitch_tokens(request: GenerationRequest, exact: int, heads: Seq[int]) -> int:
+    """Tokens of the stitch forward after an exact run of `exact` segments: the seam heads and the question."""
+    return sum(min(h, len(s)) for h, s in zip(heads, request.context[exact:])) + len(request.question)
+
+
+def cold_cost(cost: "CostModel", cold: Seq[tuple[int, int]], workers: int = 1) -> float:
+    """Computing the missing entries `cold` ((length, done) each), shared by `workers` processes."""
+    return sum(cost.entry(n, d) for n, d in cold) / max(1, workers)
 
 
 @dataclass(frozen=True)
@@ -217,5 +259,4 @@ def exact_wins(cost: CostModel, start: int, prompt_tokens: int, cold: Seq[tuple[
     the cold entries (`cold`: (length, done) of each missing one, shared by `workers` processes) and
     then stitching `stitched` tokens (seam heads and the question) over the whole prompt; the stitch
     has to be estimated under STITCH_MARGIN of the forward to win."""
-    entries = sum(cost.entry(n, d) for n, d in cold) / max(1, workers)
-    return entries + cost.stitch(stitched, prompt_tokens) > STITCH_MARGIN * cost.forward(prompt_tokens - start, start)
+    return cold_cost(cost, cold, workers) + cost.stitch(stitched, prompt_tokens) > STITCH_MARGIN * cost.forward(prompt_tokens - start, start)

@@ -11,6 +11,7 @@ import pytest
 
 import engines  # noqa: F401 - puts tests/ on the path
 from hypic_core.config import EngineConfig, GenerationRequest
+from hypic_core.errors import InvalidRequestError
 from hypic_core.engine.plan import CostModel, Plan, RunHit, looks_up, make_plan
 
 CONTEXT = ((1,) * 20, (2,) * 30, (3,) * 25, (4,) * 40)  # four context segments, then the question
@@ -49,6 +50,11 @@ def req(mode="hypic", exact_prefix=0, exact_runs=True, cache_store=True, context
                              cache_store=cache_store)
 
 
+CHEAPER = EngineConfig(seam=4, exact_repeats=True, repeats="cheaper")
+WARM_WINS = CostModel(attention=0.001, entry_overhead=0.3)  # with entries stored, the stitch is a few heads
+ENTRIES_DEAR = CostModel(attention=0.0001, entry_overhead=5.0)  # computing entries costs more than a forward
+
+
 def summary(p: Plan) -> tuple:
     return p.rest, p.exact, p.restored, p.see, tuple(p.misses)
 
@@ -73,6 +79,17 @@ ROWS = [
     ("repeats-not-for-composition-requests",
      req(exact_runs=False), FakeView(EngineConfig(seam=4, exact_repeats=True), restored=2, seen=3, hits=(0, 1, 2, 3)),
      ("stitch", 0, 0, False, ())),
+    # repeats "cheaper": a run seen before (no snapshot yet) is computed exactly only when the cost model
+    # puts its forward at no more than composing it from the store.
+    ("cheaper-composes-a-warm-repeat", req(), FakeView(CHEAPER, seen=4, hits=(0, 1, 2, 3), cost=WARM_WINS),
+     ("stitch", 0, 0, True, ())),
+    ("cheaper-composes-past-the-snapshot", req(), FakeView(CHEAPER, restored=1, seen=3, hits=(1, 2, 3), cost=WARM_WINS),
+     ("stitch", 1, 1, True, ())),
+    ("cheaper-computes-a-cold-repeat", req(), FakeView(CHEAPER, seen=4, cost=ENTRIES_DEAR), ("stitch", 4, 0, True, ())),
+    ("cheaper-without-a-cost-model-computes", req(), FakeView(CHEAPER, seen=4, hits=(0, 1, 2, 3)),
+     ("stitch", 4, 0, True, ())),
+    ("exact-rule-computes-a-warm-repeat", req(), FakeView(EngineConfig(seam=4, exact_repeats=True), seen=4,
+                                                          hits=(0, 1, 2, 3), cost=WARM_WINS), ("stitch", 4, 0, True, ())),
     ("entry-prefix-makes-the-first-exact", req(), FakeView(EngineConfig(seam=4, entry_prefix=(7, 7)), hits=(1, 2, 3)),
      ("stitch", 1, 0, False, ())),
     ("cold-exact-all-miss-one-forward", req(), FakeView(EngineConfig(seam=4, cold_prefill="exact")), ("forward", 0, 0, False, (0, 1, 2, 3))),
@@ -90,7 +107,8 @@ def test_plan_table(request_, view, expected):
     assert p.transition == (request_.mode.value != "pic-naive")
     assert (p.snapshot is SNAPSHOT) == (p.restored > 0)
     if p.rest in ("stitch", "forward"):
-        assert [a for a in view.asked if a[0] == "find"] == [("find", p.exact)]  # looked up after the exact run only
+        finds = [a[1] for a in view.asked if a[0] == "find"]  # looked up once, after the exact run (or the
+        assert finds == [p.exact] or finds == [p.restored]  # restored part, when a repeat may still compose)
         assert p.heads == (4,) * (len(CONTEXT) - p.exact)
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.exact = 1
@@ -116,3 +134,20 @@ def test_auto_weighs_the_cold_work_against_one_forward():
 
 def test_which_modes_look_up():
     assert [m for m in ("full", "prefix", "pic-naive", "hypic") if looks_up(req(m).mode)] == ["pic-naive", "hypic"]
+
+
+def test_cheaper_repeats_weigh_the_run_against_composing_it():
+    """The turning point is the cost model's: composing pays the missing entries, computing pays the
+    forward; a repeat whose entries are half in the store composes while entries stay cheap."""
+    half = FakeView(CHEAPER, seen=4, hits=(0, 1), cost=CostModel(attention=0.001, entry_overhead=0.3))
+    assert make_plan(req(), half).exact == 0
+    dear = FakeView(CHEAPER, seen=4, hits=(0, 1), cost=CostModel(attention=0.001, entry_overhead=3.0))
+    assert make_plan(req(), dear).exact == 4
+    # Entries being computed by another request count as done.
+    done = {seg: (0, True) for seg in CONTEXT}
+    assert make_plan(req(), FakeView(CHEAPER, seen=4, cost=ENTRIES_DEAR, in_flight=done)).exact == 0
+
+
+def test_repeats_is_validated():
+    with pytest.raises(InvalidRequestError, match="repeats"):
+        EngineConfig(repeats="sometimes")
