@@ -15,7 +15,9 @@ Workloads (`--workload`):
   all) as "Document:" chunks: the answers copy names, numbers and phrases from the documents,
   which is what prompt-lookup speculation drafts from. With `--warm-chunks` (the default here)
   every measured request is first sent to the gateway's `hypic` once with its passages in another
-  order (1 token), so measured `hypic` requests compose cached chunks (warm); llama-server keeps
+  order (1 token), so measured `hypic` requests compose cached chunks (warm; the gateways run
+  HYPIC_COLD_PREFILL=stitch, so a cold request stores its entries before its first token and no
+  deferred work runs under the measured requests); llama-server keeps
   only exact prefixes and its last prompts, so a new order costs it the prompt after the system part.
 
 Backends (`--backends`): `llama-f32` (the gateway's own checkpoint converted by llama.cpp's
@@ -489,7 +491,10 @@ async def amain(args: argparse.Namespace) -> dict:
             # would see each prompt twice, and the second would find the first's exact snapshot.
             one = argparse.Namespace(**{**vars(args), "max_tokens": max(args.max_tokens)})  # as serve.py reads it
             mine = [b for b in backends if not b.llama]
-            gateways = [Gateway(one, b.name, extra_env={"HYPIC_DECODE_STEP": args.decode_step}) for b in mine]
+            # Cold prefill `stitch`: a cold request computes its chunks' entries before its first token, so
+            # the warm-up passes leave no deferred work to run under the measured requests.
+            env = {"HYPIC_DECODE_STEP": args.decode_step, "HYPIC_COLD_PREFILL": "stitch"}
+            gateways = [Gateway(one, b.name, extra_env=env) for b in mine]
             bases = await asyncio.gather(*(g.start(http) for g in gateways))
             for b, base in zip(mine, bases):
                 client = serve.Client(base, http, await serve.served_model(http, base), one)
