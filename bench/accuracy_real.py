@@ -438,6 +438,13 @@ def main() -> None:
         results = join([partial_share(json.loads(Path(f).read_text()), args) for f in args.join])
         for path, label in args.merge:
             merge(results, path, label)
+        if "family" not in results:  # cut-short shares only: the model's shape from an earlier run's raw rows
+            for old in sorted((ROOT / "docs").glob(f"accuracy_real_{Path(args.model).name}*.json"),
+                              key=lambda p: p.stat().st_mtime, reverse=True):  # the newest: the model file now
+                known = json.loads(old.read_text())
+                if "family" in known:
+                    results.update({k: known[k] for k in ("family", "linear_layers", "attention_layers", "dtype")})
+                    break
     elif args.from_json:
         results = json.loads((ROOT / "docs" / raw).read_text())
     else:

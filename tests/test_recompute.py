@@ -61,3 +61,53 @@ def test_widths_respect_the_budget_the_grid_and_the_bounds():
 def test_bad_input_names_what_is_wrong(kwargs, match):
     with pytest.raises(ValueError, match=match):
         head_widths(**kwargs)
+
+
+def _bench():
+    """bench/accuracy_real.py (a script, loaded by path): its `install_recompute` applies the widths to an engine."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_accuracy_real", root / "bench" / "accuracy_real.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_widths_in_the_stitched_prefill_whole_budget_equals_full_and_no_budget_equals_the_default():
+    import torch
+
+    from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
+    from hypic_core.engine.engine import Engine
+    from hypic_core.testing import tiny_model
+
+    bench = _bench()
+    model = tiny_model("qwen3_5")
+    gen = torch.Generator().manual_seed(3)
+    lengths = (11, 40, 33, 52, 9)  # the last is the question
+    segs = tuple(tuple(int(t) for t in torch.randint(5, 200, (n,), generator=gen)) for n in lengths)
+
+    def prefill(engine, mode="hypic"):
+        return engine.prefill(GenerationRequest(segs, mode=mode, sampling=SamplingParams(max_tokens=1)))
+
+    plain = Engine(model, config=EngineConfig(seam=8))
+    full = prefill(plain, "full").logits
+    default = prefill(plain)
+    whole = Engine(model, config=EngineConfig(seam=8))
+    bench.install_recompute(whole, "1.0")
+    out = prefill(whole)
+    assert out.stats.seam_tokens == sum(lengths[:-1])
+    assert (out.logits - full).abs().max().item() <= 1e-4  # every segment recomputed: the golden test
+    none = Engine(model, config=EngineConfig(seam=8))
+    bench.install_recompute(none, "0")
+    assert torch.equal(prefill(none).logits, default.logits)
+    part = Engine(model, config=EngineConfig(seam=8))
+    bench.install_recompute(part, "0.2")
+    out = prefill(part)
+    widths = head_widths(lengths[:-1], [8] * 4, 0.2)
+    assert widths != (8, 8, 8, 8) and out.stats.seam_tokens == sum(widths)
+    assert (out.logits - default.logits).abs().max().item() > 1e-6  # the wider heads changed the stitch
