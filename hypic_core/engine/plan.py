@@ -102,6 +102,8 @@ def plan_stitched(request: GenerationRequest, view: CacheView) -> Plan:
     hit = view.longest_run(considered) if considered else RunHit(None, 0, 0)
     see = bool(considered) and longer and request.cache_store
     exact, seen = max(exact, hit.restored), (hit.seen if see else 0)
+    if view.config.repeats == "exact" or view.cost is None:  # no choice to make: the run is computed
+        exact = max(exact, seen)
     found = view.find(exact)
     heads = [view.head(s) for s in request.context[exact:]]
     if seen > exact and repeat_runs_exactly(request, view, exact, seen, found, heads):
@@ -150,13 +152,12 @@ def repeat_runs_exactly(request: GenerationRequest, view: CacheView, exact: int,
                         found: Seq[SegmentEntry | None], heads: Seq[int]) -> bool:
     """Whether context segments [exact, seen), which an earlier request had in this order and no snapshot
     holds, run exactly now (kept as a snapshot, restored from the next repeat on) rather than composed
-    (`EngineConfig.repeats`): "exact" always; "cheaper" when the cost model puts that run's forward, and
+    (`EngineConfig.repeats` "cheaper"): when the cost model puts that run's forward, and
     the stitch after it, at no more than composing from `exact` (their entries, what is missing of them,
     and their seam heads in the stitch). `found` and `heads` are from `exact` on, as the planner looked
-    them up. No cost model: exactly."""
+    them up (plan_stitched asks only under "cheaper" with a cost model: otherwise the run is computed
+    and its entries are not looked up)."""
     cost = view.cost
-    if view.config.repeats == "exact" or cost is None:
-        return True
     start = sum(len(s) for s in request.context[:exact])
     run = sum(len(s) for s in request.context[exact:seen])
     later = list(heads[seen - exact:])
