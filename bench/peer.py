@@ -123,13 +123,13 @@ def find_llama_server(args: argparse.Namespace) -> Path:
 
 
 def llama_version(binary: Path) -> str:
-    """`llama-server --version`'s version line (build number and commit), or '?'."""
+    """`llama-server --version`'s version (build number and commit) as "llama.cpp <version>"."""
     try:
         run = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return "?"
     lines = [ln for ln in (run.stdout + run.stderr).splitlines() if ln.startswith("version")]
-    return lines[0].strip() if lines else "?"
+    return "llama.cpp " + (lines[0].removeprefix("version:").strip() if lines else "?")
 
 
 def convert(args: argparse.Namespace, model_dir: Path, outtype: str) -> Path:
