@@ -1,0 +1,92 @@
+"""Kernel wrappers a patched forward installs in place of a modeling module's conv and scan ops.
+
+Pure functions of what they wrap: each takes the original kernel (the torch fallback
+`KernelSelection.fallback` names) and returns a function of the same signature that records into
+a `Capture` or runs a fused stitch. The adapters decide *where* to install them
+(`_capture_patches`, `_stitch_patches`); the arithmetic of a stitched span lives here, once for
+every family.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .base import Capture, StitchSpan, span_chunk
+
+
+def recording_conv(cap: Capture, conv_fn: Callable) -> Callable:
+    """Wrap a conv function so every call's pre-conv input is appended to `cap.conv_inputs`."""
+
+    def conv_wrapper(hidden_states, *args, **kwargs):
+        cap.conv_inputs.append(cap.keep(hidden_states))
+        return conv_fn(hidden_states, *args, **kwargs)
+
+    return conv_wrapper
+
+
+def stitch_conv(cap: Capture, spans: list[StitchSpan], conv_fn: Callable, conv_kernel: Callable[[int], int]) -> Callable:
+    """A conv function for a fused stitch forward: each run span is convolved after the conv
+    context of what precedes it (the previous span, then the cached body's conv tail shifted in),
+    as a sequential stitch would. Records each layer's final context in `cap.conv_inputs`.
+
+    The mixer passes [conv state | run tokens] (K + n_run columns); only the run tokens' outputs
+    return. `conv_kernel(layer_pos)` is the layer's kernel width K.
+    """
+    n_run = spans[-1].end if spans else 0
+
+    def conv_wrapper(hidden_states, *args, **kwargs):
+        lp = len(cap.conv_inputs)
+        K = conv_kernel(lp)
+        x = hidden_states[..., hidden_states.shape[-1] - n_run :]
+        ctx = hidden_states[..., : hidden_states.shape[-1] - n_run][..., -K:]
+        outs = []
+        for span in spans:
+            piece = x[..., span.start : span.end]
+            if span.end > span.start:
+                full = torch.cat([ctx, piece], dim=-1)
+                outs.append(conv_fn(full, *args, **kwargs)[..., -piece.shape[-1] :])
+                ctx = full[..., -K:]
+            if span.entry is not None:
+                ctx = torch.cat([ctx, span.entry.conv_tails[lp].to(ctx.dtype)[None]], dim=-1)[..., -K:]
+        cap.conv_inputs.append(ctx[0].clone())
+        return torch.cat(outs, dim=-1)
+
+    return conv_wrapper
+
+
+def advance_body(state: torch.Tensor, span: StitchSpan, layer_pos: int, transition: bool) -> torch.Tensor:
+    """`state` after the cached body that follows `span` (unchanged when none follows):
+    S <- T S + E, or S <- S + E without `transition` (pic-naive ignores it)."""
+    if span.entry is None:
+        return state
+    op = span.entry.operators[layer_pos]
+    return op.apply(state) if transition else state.float() + op.end
+
+
+def stitch_delta_scan(spans: list[StitchSpan], transition: bool, scan_fn: Callable) -> Callable:
+    """A chunked delta-rule kernel (GDN, KDA: `(q, k, v, g, beta, ...) -> (o, state)`) for a fused
+    stitch forward: the recurrence runs span by span from the carried state, each cached body's
+    operator applied in between, all inside the layer's one call."""
+    calls = [0]
+
+    def scan_wrapper(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
+        lp = calls[0]
+        calls[0] += 1
+        kwargs.pop("chunk_size", None)
+        B, _, hv, dv = value.shape
+        state = (value.new_zeros(B, hv, key.shape[-1], dv, dtype=torch.float32) if initial_state is None
+                 else initial_state.float())
+        outs = []
+        for span in spans:
+            a, b = span.start, span.end
+            if b > a:
+                out, state = scan_fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
+                                     chunk_size=span_chunk(b - a), initial_state=state, output_final_state=True,
+                                     **kwargs)
+                outs.append(out)
+            state = advance_body(state, span, lp, transition)
+        return torch.cat(outs, dim=1), (state if output_final_state else None)
+
+    return scan_wrapper
