@@ -8,8 +8,9 @@ sequence, or a fake in tests) what is cached, and decides, changing nothing:
   the context runs exactly (kept as a snapshot), then the question;
 - `hypic` / `pic-naive`: an exact run of leading segments (at least `exact_prefix`, the first one
   with an entry prefix; with exact repeats as many as a snapshot holds, and those an earlier
-  request had in this order unless the cost model finds composing them cheaper: `repeats`), then every other context segment's canonical entry (a hit, or a miss to compute)
-  stitched with its seam head recomputed in context, then the question. A cold request
+  request had in this order unless the cost model finds composing them cheaper: `repeats`), then
+  every other context segment's canonical entry (a hit, or a miss to compute) stitched with its
+  seam head recomputed in context, then the question. A cold request
   (`EngineConfig.cold_prefill`: every entry missing, or the cost model's choice) runs the rest of
   its prompt as ONE exact forward instead, its missing entries deferred.
 
