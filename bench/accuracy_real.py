@@ -469,16 +469,19 @@ def main() -> None:
         return
     (ROOT / "docs" / raw).write_text(json.dumps(results, indent=1))
     tag = args.tag or f"real-{name}"
+    wanted = len(args.ids) if args.ids else args.n  # cut short: shares stopped before every question was asked
+    cut = bool(results.get("partial")) and results["n"] < wanted
     section = "\n".join([
         f"<!-- {tag}:begin -->",
         f"### {name} on real text ({results['family']}: {results['linear_layers']} linear + "
         f"{results['attention_layers']} attention layers, {results['dtype']})"
-        + (f", PARTIAL: {results['n']} of {args.n} questions" if results.get("partial") else ""),
+        + (f", PARTIAL: {results['n']} of {wanted} questions" if cut else ""),
         "",
         f"`{command}` ({results['n']} questions from "
         + (f"data/short_qa, six ~80-token documents each in {args.order} order, greedy, " if args.set == "short"
            else "data/real_qa, 3-10 chunks each, greedy, ")
-        + (f"a run cut short: only the questions its shares finished" if results.get("partial")
+        + (f"a run cut short: only the questions its shares finished" if cut
+           else "joined from the shares' `--partial` files, no wall time kept" if results.get("partial")
            else f"{results['seconds']} s on this machine's CPU")
         + f"{_shares_note(results)}). Raw rows: `docs/{raw}`."
         + (f" Merged: {', '.join(results['merged'])} (full's answers checked identical)." if results.get("merged") else ""),
