@@ -1,7 +1,7 @@
 """What a rung-3 recompute budget costs a warm request, in the engine's own cost model (no timing).
 
 A warm stitched request runs its seam heads and its question over the whole prompt; `full` runs the
-whole prompt. `hypic_core/engine/prefill.py` `CostModel` prices both from the model's shapes (tokens
+whole prompt. `hypic_core/engine/plan.py` `CostModel` prices both from the model's shapes (tokens
 through the weights, plus the attention's query-key pairs), which a loaded machine cannot distort.
 This prints full / config for each recompute budget on bench/ladder_ttft.py's workload shape (a 32-token
 system prompt, CHUNKS chunks of CHUNK_LEN tokens, a 64-token question, everything but the question
