@@ -15,7 +15,7 @@ Workloads (`--workload`):
   all) as "Document:" chunks: the answers copy names, numbers and phrases from the documents,
   which is what prompt-lookup speculation drafts from. With `--warm-chunks` (the default here)
   every measured request is first sent to the gateway's `hypic` once with its passages in another
-  order (1 token), so measured `hypic` requests compose cached chunks (warm; the gateways run
+  order (1 token), so measured `hypic` requests compose cached chunks (warm; the gateway runs
   HYPIC_COLD_PREFILL=stitch, so a cold request stores its entries before its first token and no
   deferred work runs under the measured requests); llama-server keeps
   only exact prefixes and its last prompts, so a new order costs it the prompt after the system part.
@@ -30,8 +30,9 @@ names without `-spec` send `speculation: false` and start llama-server without d
 Cells: every `--streams` value x every `--max-tokens` value, each on its own requests
 (`--num-requests` per cell, at least one group of `streams`). Streams S > 1: groups of S requests
 sent at once (llama-server started with `-np S --cont-batching`, S x `--ctx` of context; the
-gateway batches them as it always does, HYPIC_MAX_RUNNING 8). Every backend runs its own server
-(a gateway per gateway row too), so no backend finds another's prompt in its cache. Each group goes to every backend in
+gateway batches them as it always does, HYPIC_MAX_RUNNING 8). Every llama.cpp row runs its own
+server; one gateway serves the gateway rows, with HYPIC_EXACT_REPEATS=false so that a prompt one
+row sent is no exact repeat for the next (each composes its documents from the chunk entries). Each group goes to every backend in
 turn, the order rotated per group, so a drifting machine load hits them alike.
 
 Reported per row: TTFT p50 / p95, TPOT p50 (after the first token), the whole answer p50 (request
@@ -487,24 +488,27 @@ async def amain(args: argparse.Namespace) -> dict:
         try:
             senders: dict[str, Send] = {}
             drafts: dict[str, Callable[[], Awaitable[tuple[int, int]]]] = {}
-            # A gateway per gateway backend, as llama-server runs one per row: two modes on one gateway
-            # would see each prompt twice, and the second would find the first's exact snapshot.
+            # One gateway serves every gateway row (a second would compute every chunk's entries again).
+            # HYPIC_EXACT_REPEATS=false: a prompt one row sent is then no exact repeat for the next row
+            # (whose documents would otherwise come from the first's exact snapshot). Cold prefill
+            # `stitch`: a cold request stores its chunks' entries before its first token, so the
+            # warm-up passes leave no deferred work to run under the measured requests.
             one = argparse.Namespace(**{**vars(args), "max_tokens": max(args.max_tokens)})  # as serve.py reads it
             mine = [b for b in backends if not b.llama]
-            # Cold prefill `stitch`: a cold request computes its chunks' entries before its first token, so
-            # the warm-up passes leave no deferred work to run under the measured requests.
-            env = {"HYPIC_DECODE_STEP": args.decode_step, "HYPIC_COLD_PREFILL": "stitch"}
-            gateways = [Gateway(one, b.name, extra_env=env) for b in mine]
-            bases = await asyncio.gather(*(g.start(http) for g in gateways))
-            for b, base in zip(mine, bases):
+            if mine:
+                env = {"HYPIC_DECODE_STEP": args.decode_step, "HYPIC_COLD_PREFILL": "stitch", "HYPIC_EXACT_REPEATS": "false"}
+                gateways = [Gateway(one, "gateway", extra_env=env)]
+                base = await gateways[0].start(http)
                 client = serve.Client(base, http, await serve.served_model(http, base), one)
-                senders[b.name] = (lambda c, b: lambda it, n: c.send(c.body(it, b.base, n) | {"speculation": b.spec}))(client, b)
-                drafts[b.name] = (lambda c: lambda: _draft_counters(c))(client)
-            await asyncio.gather(*(warm_up(senders[b.name], work.warmup, 8) for b in mine))
-            if work.rewarm and (warm := [b for b in mine if b.base == "hypic"]):
-                serve._progress(f"warm chunks: {len(work.rewarm)} requests (chunks in another order) to "
-                                + ", ".join(b.name for b in warm))
-                await asyncio.gather(*(warm_up(senders[b.name], work.rewarm, 1) for b in warm))
+                for b in mine:
+                    senders[b.name] = (lambda b: lambda it, n: client.send(
+                        client.body(it, b.base, n) | {"speculation": b.spec}))(b)
+                    drafts[b.name] = lambda: _draft_counters(client)
+            for b in mine:
+                await warm_up(senders[b.name], work.warmup, 8)
+            if work.rewarm and (warm := next((b for b in mine if b.base == "hypic"), None)):
+                serve._progress(f"warm chunks: {len(work.rewarm)} requests (chunks in another order) to hypic")
+                await warm_up(senders[warm.name], work.rewarm, 1)
             for streams in args.streams:
                 servers = []
                 try:
