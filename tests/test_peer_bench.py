@@ -4,26 +4,16 @@ concurrent requests sent to every backend in turn, draft counts, and llama-serve
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str, path: Path):
-    """bench/ holds scripts, not packages: load one by path (bench/ on sys.path for its imports)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-peer = _load("bench_peer", ROOT / "bench" / "peer.py")
+peer = load_script("bench_peer", ROOT / "bench" / "peer.py")
 
 
 @pytest.fixture(scope="module")

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "real_qa"
 
 
-def _module():
-    """bench/ is a folder of scripts, not a package: load bench/real_qa.py by path."""
-    spec = importlib.util.spec_from_file_location("bench_real_qa", ROOT / "bench" / "real_qa.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-real_qa = _module()
+real_qa = load_script("bench_real_qa", ROOT / "bench" / "real_qa.py")
 
 
 def _jsonl(name):
@@ -144,10 +135,7 @@ def test_normalize_answer():
 
 
 def test_accuracy_table_counts_answers_that_start_with_whitespace_only_where_full_does_not():
-    spec = importlib.util.spec_from_file_location("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
 
     def row(ws, acc=True):
         return {"acc": acc, "f1": 1.0, "agree": True, "kl": 0.0, "cont_kl": 0.0, "top1": True, "ws": ws}
@@ -161,10 +149,7 @@ def test_accuracy_table_counts_answers_that_start_with_whitespace_only_where_ful
 
 
 def test_shares_of_an_accuracy_run_join_in_question_order():
-    spec = importlib.util.spec_from_file_location("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
 
     def share(first, ids, seconds):
         return {"model": "m", "configs": [["full", "full", 0]], "seed": 0, "max_tokens": 32, "first": first,
@@ -182,9 +167,7 @@ def test_shares_of_an_accuracy_run_join_in_question_order():
 
 
 def test_accuracy_by_position_counts_answers_by_documents_between_gold_and_question(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_accuracy_by_position", ROOT / "bench" / "accuracy_by_position.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_accuracy_by_position", ROOT / "bench" / "accuracy_by_position.py")
     rows = [{"id": "a", "chunks": 3, "gold_at": 2, "acc": True}, {"id": "b", "chunks": 10, "gold_at": 0, "acc": True},
             {"id": "c", "chunks": 5, "gold_at": 1, "acc": False}, {"id": "d", "chunks": 4, "gold_at": 2, "acc": True}]
     assert [bench.documents_after_gold(r) for r in rows] == [0, 9, 3, 1]
@@ -200,9 +183,7 @@ def test_accuracy_by_position_counts_answers_by_documents_between_gold_and_quest
 
 
 def test_hypic_loss_pairs_compares_two_runs_step_by_step_on_the_same_draws(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_hypic_loss_pairs", ROOT / "bench" / "hypic_loss_pairs.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_hypic_loss_pairs", ROOT / "bench" / "hypic_loss_pairs.py")
 
     def log(path, hypic):
         lines = [{"stage": 2, "step": 1, "kind": "chat", "tokens": 9, "kl": 0.1}]  # no answer KLs: not a RAG step

@@ -65,17 +65,9 @@ def test_bad_input_names_what_is_wrong(kwargs, match):
 
 def _bench():
     """bench/accuracy_real.py (a script, loaded by path): its `install_recompute` applies the widths to an engine."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from conftest import ROOT, load_script
 
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_accuracy_real", root / "bench" / "accuracy_real.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
 
 
 def test_widths_in_the_stitched_prefill_whole_budget_equals_full_and_no_budget_equals_the_default():

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "short_qa"
 
 
-def _load(name: str, path: Path):
-    """bench/ and data/ hold scripts, not packages: load one by path (bench/ on sys.path for its imports)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-short_qa = _load("bench_short_qa", ROOT / "bench" / "short_qa.py")
-build = _load("short_qa_build", DATA / "build.py")
+short_qa = load_script("bench_short_qa", ROOT / "bench" / "short_qa.py")
+build = load_script("short_qa_build", DATA / "build.py")
 
 
 def _rows() -> list[dict]:
