@@ -206,7 +206,20 @@ def _conv_step(conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: 
     return F.silu(out)
 
 
-class _Mamba2:
+class _Recurrent:
+    """A linear mixer whose rows in the batch are a conv window [C, width] and a recurrent state
+    (`state_dims`, fp32), in layer `p`'s slots; `core` advances them in place."""
+
+    def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
+        return self.core(x, batch._conv[self.p][:s.b], batch._state[self.p][:s.b])
+
+    def dummy_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero conv and state rows of `b` sequences, shaped and typed as a batch keeps them (fp32 state)."""
+        w = self.conv_w
+        return w.new_zeros(b, self.C, w.shape[-1]), w.new_zeros(b, *self.state_dims, dtype=torch.float32)
+
+
+class _Mamba2(_Recurrent):
     """Bamba's Mamba2 mixer, one token: S <- exp(dt a) S + dt x B^T, y = S C + D x, gated group RMSNorm."""
 
     def __init__(self, m: torch.nn.Module, p: int, fuse=_fuse):
@@ -221,13 +234,9 @@ class _Mamba2:
         self.norm_w, self.norm_eps = m.norm.weight.detach(), float(m.norm.variance_epsilon)
         self.o_w, self.o_b = fuse([m.out_proj])
 
-    def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
-        return self.core(x, batch._conv[self.p][:s.b], batch._state[self.p][:s.b])
-
-    def dummy_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero conv and state rows of `b` sequences, shaped and typed as a batch keeps them (fp32 state)."""
-        w = self.conv_w
-        return w.new_zeros(b, self.C, w.shape[-1]), w.new_zeros(b, self.H, self.P, self.N, dtype=torch.float32)
+    @property
+    def state_dims(self) -> tuple[int, int, int]:
+        return self.H, self.P, self.N
 
     def core(self, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """The mixer on x [B, hidden] with this layer's conv and state rows [B, ...] (advanced in place)."""
@@ -256,7 +265,7 @@ class _Mamba2:
         return _mm(y.to(dtype), self.o_w, self.o_b)
 
 
-class _GatedDeltaNet:
+class _GatedDeltaNet(_Recurrent):
     """qwen3_5's Gated DeltaNet mixer, one token: S <- exp(g) S; S <- S + k (b (v - S^T k))^T; o = S^T q."""
 
     def __init__(self, m: torch.nn.Module, p: int, fuse=_fuse):
@@ -272,13 +281,9 @@ class _GatedDeltaNet:
         self.norm_w, self.norm_eps = m.norm.weight.detach(), float(m.norm.variance_epsilon)
         self.o_w, self.o_b = fuse([m.out_proj])
 
-    def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
-        return self.core(x, batch._conv[self.p][:s.b], batch._state[self.p][:s.b])
-
-    def dummy_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero conv and state rows of `b` sequences, shaped and typed as a batch keeps them (fp32 state)."""
-        w = self.conv_w
-        return w.new_zeros(b, self.C, w.shape[-1]), w.new_zeros(b, self.Hv, self.dk, self.dv, dtype=torch.float32)
+    @property
+    def state_dims(self) -> tuple[int, int, int]:
+        return self.Hv, self.dk, self.dv
 
     def core(self, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """The mixer on x [B, hidden] with this layer's conv and state rows [B, ...] (advanced in place)."""
