@@ -114,7 +114,7 @@ class EngineConfig:
     stitch. "exact": a request that misses every entry it would stitch runs ONE exact forward over
     the prompt, as `full` does (its answer is `full`'s), and the missing entries are computed
     after its first token, off the critical path (`background_tokens`). "auto": the exact forward
-    whenever the cost model (hypic_core/engine/prefill.py `CostModel`) says the cold entries and the stitch
+    whenever the cost model (hypic_core/engine/plan.py `CostModel`) says the cold entries and the stitch
     cost more than it. The gateway defaults to "auto" (`HYPIC_COLD_PREFILL`); off here for the same
     reason as exact_repeats (the answer would depend on what the cache holds).
     background_tokens bounds the tokens of deferred cold work queued (the oldest is dropped past it).

@@ -57,7 +57,7 @@ def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engin
     model = model or resolve_model(settings.model, settings.models_dir)
     config = EngineConfig(seam=settings.seam, memory_budget_bytes=settings.cache_memory_bytes,
                           exact_budget_bytes=settings.exact_runs_bytes, exact_repeats=settings.exact_repeats,
-                          scheduling=settings.scheduling, cold_prefill=settings.cold_prefill,
+                          repeats=settings.repeats, scheduling=settings.scheduling, cold_prefill=settings.cold_prefill,
                           decode_step=settings.decode_step, speculation=settings.speculation)
     return Engine.from_pretrained(model.path, config, store_from_settings(settings), dtype=settings.dtype, device=settings.device,
                                   model_id=settings.served_model_name, prefill_workers=settings.prefill_workers,

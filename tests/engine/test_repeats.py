@@ -31,3 +31,21 @@ def test_the_exact_rule_computes_the_same_repeat():
     assert third.stats.exact_tokens == sum(LENGTHS[:-1])  # and restored from the snapshot it kept
     assert (second.logits - full).abs().max().item() <= 1e-4
     assert (first.logits - full).abs().max().item() > 1e-4  # composed differs: the rule changed something
+
+
+def test_the_gateway_setting_reaches_the_engine_and_a_bad_value_names_it(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    import pytest
+    from pydantic import ValidationError
+
+    from app.service.runtime import load_engine
+    from app.service.settings import Settings
+
+    tiny = Path(__file__).resolve().parents[2] / "models" / "hypic-tiny"
+    monkeypatch.setenv("HYPIC_REPEATS", "cheaper")
+    settings = Settings(model=str(tiny), index_dir=tmp_path / "index", cache_dir=tmp_path / "cache")
+    assert load_engine(settings).config.repeats == "cheaper"
+    monkeypatch.setenv("HYPIC_REPEATS", "sometimes")
+    with pytest.raises(ValidationError, match="repeats"):
+        Settings()
