@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_script
+from helpers import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data" / "real_qa"
 
 
