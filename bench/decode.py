@@ -12,11 +12,15 @@ kind (torch.profiler record_function ranges: module hooks on the HF path, the st
 on the lean one); "other" is what no range covers (embedding, rotary, masks, cache objects, the
 Python between modules). Sampling (argmax of the logits) is timed apart.
 
+With `--kernel native [native-f16]`, one more path per kernel: the lean step on that matmul kernel
+(LeanDecodeStep.build(kernel=...): runner/decode_matmul.py's AVX2 kernels), in the same lockstep; its
+logits' largest difference from the lean step's at the first timed step is printed beside it.
+
 With `--compile`, a fourth path runs the lean step `torch.compile`d (LeanDecodeStep.compile; every
 `--streams` size compiled before the timed steps, the compile time printed).
 
 Run:  .venv/bin/python bench/decode.py --model smollm2-135m-instruct --threads 2 [--streams 1 2 4 8]
-      [--steps 32 --context 256 --reps 3 --dtype float32 --split --packed --compile
+      [--steps 32 --context 256 --reps 3 --dtype float32 --split --packed --kernel native native-f16 --compile
        --compile-options '{"cpp_wrapper": true}' --compile-dynamic]
 `--model` takes a directory or a registry name (hypic models list).
 """
@@ -38,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from hypic_core.config import EngineConfig, GenerationRequest  # noqa: E402
 from hypic_core.engine.engine import Engine  # noqa: E402
+from hypic_core.runner.decode_step import KERNELS  # noqa: E402
 
 
 def bandwidth(threads: int, mb: int = 512, reps: int = 5) -> tuple[float, float]:
@@ -137,7 +142,8 @@ def run(engine: Engine, caches: list, positions: list[int], steps: int, profile:
 
 def lockstep(engines: dict[str, Engine], caches: dict[str, list], positions: list[int], steps: int):
     """Every path decodes the same rows, one step each in turn (the order alternating step by step), so
-    a shared machine's load falls on all alike. Returns (seconds per step by path, sampling seconds)."""
+    a shared machine's load falls on all alike. Returns (seconds per step by path, sampling seconds, each
+    path's logits at the first timed step)."""
     names = list(engines)
     state = {}
     with torch.inference_mode():
@@ -146,7 +152,7 @@ def lockstep(engines: dict[str, Engine], caches: dict[str, list], positions: lis
             batch.sync(list(range(len(positions))), {i: copy.deepcopy(c) for i, c in enumerate(caches[name])})
             state[name] = (list(positions), [5] * len(positions))
         times = {name: [] for name in names}
-        sampling = []
+        sampling, first = [], {}
         for k in range(steps + 2):  # the first two warm (buffers grown, first-call costs paid)
             for name in (names if k % 2 == 0 else names[::-1]):
                 pos, tokens = state[name]
@@ -155,13 +161,15 @@ def lockstep(engines: dict[str, Engine], caches: dict[str, list], positions: lis
                 t1 = time.perf_counter()
                 tokens = logits.argmax(-1).tolist()
                 t2 = time.perf_counter()
+                if k == 2:
+                    first[name] = logits.clone()
                 if k >= 2:
                     times[name].append(t1 - t0)
                     sampling.append(t2 - t1)
                 state[name] = ([p + 1 for p in pos], tokens)
         for name in names:
             engines[name].runner.batch.sync([], {})
-    return times, sampling
+    return times, sampling, first
 
 
 def split(prof, steps: int, total_ms: float) -> dict[str, float]:
@@ -186,6 +194,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--split", action="store_true", help="also split one profiled run per path by layer kind")
     ap.add_argument("--packed", action="store_true", help="also run decode_step lean-packed (oneDNN-packed weights)")
+    ap.add_argument("--kernel", nargs="+", default=[], choices=[k for k in KERNELS if k != "torch"],
+                    help="also run the lean step on these matmul kernels (runner/decode_matmul.py)")
     ap.add_argument("--compile", action="store_true", help="also run the lean step torch.compile'd (LeanDecodeStep.compile, "
                     "every --streams size compiled before timing)")
     ap.add_argument("--compile-options", default="{}", help="inductor options for --compile, JSON "
@@ -204,6 +214,11 @@ def main() -> None:
     kinds = ("module", "lean", "lean-packed") if args.packed else ("module", "lean")
     engines = {kind: Engine.from_pretrained(path, EngineConfig(max_running=max(args.streams), decode_step=kind), dtype=dtype)
                for kind in kinds}
+    for k in args.kernel:
+        engines[f"lean+{k}"] = e = Engine.from_pretrained(path, EngineConfig(max_running=max(args.streams)), dtype=dtype)
+        e.runner.use_decode_step("lean", kernel=k)
+        if e.runner.batch.step.kernel != k:
+            sys.exit(f"kernel {k} is not available here (see the warning above)")
     compile_seconds = None
     if args.compile:
         engines["lean-compiled"] = Engine.from_pretrained(
@@ -231,14 +246,14 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
-    splits, packed_rows, compiled_rows = {}, [], []
+    splits, packed_rows, compiled_rows, kernel_rows = {}, [], [], []
     for b in args.streams:
         prompts = [GenerationRequest((tuple(torch.randint(10, vocab, (args.context,), generator=gen).tolist()),), mode="full")
                    for _ in range(b)]
         pre = {kind: [e.prefill(r) for r in prompts] for kind, e in engines.items()}
         caches = {kind: [p.cache for p in ps] for kind, ps in pre.items()}
         positions = [p.position for p in pre["module"]]
-        got, samp = lockstep(engines, caches, positions, args.steps * args.reps)
+        got, samp, first = lockstep(engines, caches, positions, args.steps * args.reps)
         m, ln = (1e3 * statistics.median(got[k]) for k in ("module", "lean"))
         print(f"| {b} | {m:.1f} | {ln:.1f} | {m / ln:.2f}x | {m / b:.1f} | {ln / b:.1f} | {1e3 * b / m:.1f} | "
               f"{1e3 * b / ln:.1f} | {floor_ms:.1f} | {ln / floor_ms:.2f}x | {1e3 * statistics.median(samp):.2f} |",
@@ -247,6 +262,11 @@ def main() -> None:
             pk = 1e3 * statistics.median(got["lean-packed"])
             packed_rows.append(f"| {b} | {m:.1f} | {ln:.1f} | {pk:.1f} | {m / pk:.2f}x | {ln / pk:.2f}x | "
                                f"{pk / b:.1f} | {1e3 * b / pk:.1f} | {pk / floor_ms:.2f}x |")
+        for k in args.kernel:
+            kn = 1e3 * statistics.median(got[f"lean+{k}"])
+            err = (first[f"lean+{k}"] - first["lean"]).abs().max().item()
+            kernel_rows.append(f"| {b} | {k} | {ln:.1f} | {kn:.1f} | {ln / kn:.2f}x | {m / kn:.2f}x | {kn / b:.1f} | "
+                               f"{1e3 * b / kn:.1f} | {kn / floor_ms:.2f}x | {err:.1e} |")
         if "lean-compiled" in got:
             cp = 1e3 * statistics.median(got["lean-compiled"])
             compiled_rows.append(f"| {b} | {ln:.1f} | {cp:.1f} | {ln / cp:.2f}x | {cp / b:.1f} | {1e3 * b / cp:.1f} | "
@@ -270,6 +290,14 @@ def main() -> None:
               "packed ms/token | packed tok/s | packed / floor |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         print("\n".join(packed_rows))
+    if kernel_rows:
+        print()
+        print("the lean step on other matmul kernels (runner/decode_matmul.py), same lockstep runs; max |logit "
+              "difference| from the lean step at the first timed step:")
+        print("| streams | kernel | lean ms/step | kernel ms/step | kernel vs lean | kernel vs module | kernel ms/token | "
+              "kernel tok/s | kernel / floor | max logit diff |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("\n".join(kernel_rows))
     if compiled_rows:
         print()
         print(f"lean-compiled (LeanDecodeStep.compile, options {args.compile_options}, dynamic {args.compile_dynamic}; "

@@ -97,6 +97,13 @@ class Settings(BaseSettings):
                                                    "and bamba models, others keep module), lean-packed (the same on a second, "
                                                    "oneDNN-packed copy of the weights: faster with several streams on "
                                                    "AVX2 CPUs) or module (the transformers modules, the reference).")
+    decode_kernel: Literal["torch", "native", "native-f16"] = Field("torch", description="The lean decode step's "
+                                                                    "matmuls: torch (torch's kernels), native (AVX2 "
+                                                                    "kernels built once with the C++ compiler on the "
+                                                                    "fp32 weights; without a compiler or AVX2, torch "
+                                                                    "runs and a warning says why) or native-f16 (the "
+                                                                    "same on an fp16 copy of the weights: half the "
+                                                                    "bytes, logits no longer exact; a second copy).")
     speculation: bool = Field(True, description="Speculative decoding: each running answer drafts its next tokens from "
                               "its own prompt (n-gram lookup) and the decode forward verifies them, so text copied from "
                               "the documents comes several tokens a step; greedy answers are unchanged. Runs with "

@@ -19,6 +19,11 @@ qwen3_next (its grouped projections reordered into a copy; sparse MLPs run as th
 bamba. Not covered: olmo_hybrid (post-norms), granitemoehybrid, nemotron_h, zamba2, falcon_h1
 (Mamba2 with multipliers, shared or parallel blocks), kimi_linear (KDA + MLA), minimax (lightning).
 
+The matmuls run torch's kernels (`kernel="torch"`: mm on the transposed weights, or oneDNN's packed copy
+with `packed`) or the native AVX2 kernels of runner/decode_matmul.py (`kernel="native"`: the fp32
+weights kept [out, in], streamed at close to the machine's bandwidth from one to eight rows;
+"native-f16": an fp16 copy of them, half the bytes, lossy). docs/benchmarks.md measures each.
+
 `LeanDecodeStep.compile` runs the same step as a few `torch.compile`d blocks (inductor); measured
 in bench/decode.py `--compile`, it bought too little on this CPU for the gateway to compile
 (docs/benchmarks.md), so nothing serves it by default.
@@ -31,12 +36,15 @@ step over joins and leaves.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger("hypic.decode_step")
+KERNELS = ("torch", "native", "native-f16")  # the matmul kernel a step runs (LeanDecodeStep.build)
 _COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "bamba")
 _NULL = contextlib.nullcontext()
 
@@ -51,15 +59,17 @@ def uncovered_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse(linears: Sequence[torch.nn.Linear], transposed: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight, stored transposed [in, sum of outs] (and one bias), for several linears on the same
     input; each module's parameters become views of it (same numbers, one copy in memory).
 
     Transposed because x @ W with W [in, out] contiguous ran 1.5-2x faster than x @ W^T on [out, in]
     for 1-2 rows with this torch's MKL on this CPU (AMD EPYC, AVX2; docs/benchmarks.md). The modules'
     linears on their now transposed views compute the same product from the same bytes (prefill at
-    512 rows: measured unchanged)."""
-    weight = torch.cat([m.weight.detach() for m in linears]).t().contiguous()
+    512 rows: measured unchanged). `transposed=False` keeps it [sum of outs, in], each module's weight
+    a block of its rows (the modules' own layout): what the native kernels stream."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    weight = weight.t().contiguous() if transposed else weight.contiguous()
     bias = None
     if any(m.bias is not None for m in linears):
         bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
@@ -67,7 +77,7 @@ def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tenso
     at = 0
     for m in linears:
         n = m.out_features
-        m.weight.data = weight[:, at:at + n].t()
+        m.weight.data = weight[:, at:at + n].t() if transposed else weight[at:at + n]
         if m.bias is not None:
             m.bias.data = bias[at:at + n]
         at += n
@@ -92,8 +102,37 @@ def _fuse_packed(linears: Sequence[torch.nn.Linear]) -> tuple[_Packed, torch.Ten
     return _Packed(plain, torch.ops.mkldnn._reorder_linear_weight(plain.t().contiguous(), 8)), bias
 
 
+class _Native:
+    """A weight for the native kernels (runner/decode_matmul.py): `w` [out, in] contiguous, fp32 (the
+    modules' own rows, as `_fuse(transposed=False)` leaves them) or fp16 (a second copy, half the bytes)."""
+
+    __slots__ = ("w", "kernel")
+
+    def __init__(self, w: torch.Tensor, kernel):
+        self.w, self.kernel = w, kernel
+
+
+# Rows up to which an fp32 `_Native` weight runs the native kernel; more rows (a verification forward of
+# several rows' drafts) run torch's GEMM on the same [out, in] weight, which is faster there.
+NATIVE_ROWS = 16
+
+
+def _fuse_native(kernel, half: bool):
+    """A `fuse` for the native kernels: fp32 on the modules' own [out, in] rows, or (`half`) on an fp16
+    copy of them."""
+    def fuse(linears: Sequence[torch.nn.Linear]) -> tuple[_Native, torch.Tensor | None]:
+        weight, bias = _fuse(linears, transposed=False)
+        return _Native(weight.half() if half else weight, kernel), bias
+    return fuse
+
+
 def _mm(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [B, in] @ weight [in, out] (+ bias); a `_Packed` weight: oneDNN's packed linear from two rows on."""
+    """x [B, in] @ weight [in, out] (+ bias); a `_Packed` weight: oneDNN's packed linear from two rows on;
+    a `_Native` one [out, in]: the native kernel (fp32 past NATIVE_ROWS rows: torch's GEMM)."""
+    if isinstance(weight, _Native):
+        if weight.w.dtype == torch.float32 and x.shape[0] > NATIVE_ROWS:
+            return F.linear(x, weight.w, bias)
+        return weight.kernel.linear(x.contiguous(), weight.w, bias)
     if isinstance(weight, _Packed):
         if x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.packed, bias, "none", [], "")
@@ -361,9 +400,14 @@ class LeanDecodeStep:
     `ranges = True` wraps each part in a torch.profiler `record_function` (bench/decode.py splits the
     step by layer kind with it)."""
 
-    def __init__(self, model: torch.nn.Module, adapter, packed: bool = False):
-        fuse = _fuse_packed if packed else _fuse
-        self.packed = packed
+    def __init__(self, model: torch.nn.Module, adapter, packed: bool = False, kernel: str = "torch", native=None):
+        if kernel not in KERNELS:
+            raise ValueError(f"decode kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        if kernel != "torch" and native is None:
+            raise ValueError(f"decode kernel {kernel!r} needs the native kernels (decode_matmul.native())")
+        fuse = _fuse_native(native, half=kernel == "native-f16") if kernel != "torch" else _fuse_packed if packed else _fuse
+        self.packed = packed and kernel == "torch"
+        self.kernel = kernel
         base = model.base_model
         self.model = model
         self.rotary = getattr(base, "rotary_emb", None)
@@ -389,13 +433,30 @@ class LeanDecodeStep:
         self.blocks: dict | None = None  # compiled blocks (`compile`); None: eager
 
     @classmethod
-    def build(cls, model: torch.nn.Module, adapter, packed: bool = False) -> "LeanDecodeStep | None":
+    def build(cls, model: torch.nn.Module, adapter, packed: bool = False, kernel: str = "torch") -> "LeanDecodeStep | None":
         """The step for `model`, or None when its family is not covered (`uncovered_reason`). `packed`:
         a second copy of the weights packed for oneDNN, used from two rows on (faster at 2-8 rows on this
-        CPU), when oneDNN is there."""
+        CPU), when oneDNN is there. `kernel` (KERNELS): "torch" (torch's matmuls), "native" (the AVX2
+        kernels of runner/decode_matmul.py on the fp32 weights; `packed` then has nothing to do) or
+        "native-f16" (the same on an fp16 copy of the weights: lossy). A native kernel runs an fp32 model
+        on the CPU where the kernels could be built; elsewhere the step keeps "torch" and logs why."""
         if uncovered_reason(model):
             return None
-        return cls(model, adapter, packed=packed and torch.backends.mkldnn.is_available() and model.dtype == torch.float32)
+        if kernel not in KERNELS:
+            raise ValueError(f"decode kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        native = None
+        if kernel != "torch":
+            from . import decode_matmul
+
+            if model.dtype != torch.float32 or model.device.type != "cpu":
+                log.warning("decode kernel %r runs fp32 models on the CPU; this one is %s on %s: torch's matmuls run",
+                            kernel, model.dtype, model.device)
+            else:
+                native = decode_matmul.native()  # None: the reason was logged
+            if native is None:
+                kernel = "torch"
+        return cls(model, adapter, packed=packed and torch.backends.mkldnn.is_available() and model.dtype == torch.float32,
+                   kernel=kernel, native=native)
 
     def _range(self, name: str):
         return torch.profiler.record_function(name) if self.ranges else _NULL
@@ -434,6 +495,8 @@ class LeanDecodeStep:
         """Why `compile` cannot take this step (None: it can)."""
         if self.packed:
             return "packed weights (oneDNN's opaque layout) are not compiled"
+        if self.kernel != "torch":
+            return f"the {self.kernel} kernel is called through ctypes, which inductor does not trace"
         if any(mlp.module is not None for *_, mlp in self.layers):
             return "an MLP runs as its module (MoE)"
         return None

@@ -63,12 +63,13 @@ class ModelRunner:
 
     decode_step = "module"  # what the batched decode forward runs: "lean" or "module" (use_decode_step)
 
-    def use_decode_step(self, kind: str) -> str:
+    def use_decode_step(self, kind: str, kernel: str = "torch") -> str:
         """Run the batched decode on the lean step ("lean") or the HF modules ("module"); returns what runs
-        (a family the lean step does not cover keeps "module": runner/decode_step.py `uncovered_reason`)."""
+        (a family the lean step does not cover keeps "module": runner/decode_step.py `uncovered_reason`).
+        `kernel`: the lean step's matmuls (decode_step.KERNELS; what runs is `batch.step.kernel`)."""
         from .decode_step import LeanDecodeStep
 
-        step = LeanDecodeStep.build(self.model, self.adapter, packed=kind == "lean-packed") if kind != "module" else None
+        step = LeanDecodeStep.build(self.model, self.adapter, packed=kind == "lean-packed", kernel=kernel) if kind != "module" else None
         self.batch.step = step
         self.decode_step = "module" if step is None else "lean-packed" if step.packed else "lean"
         return self.decode_step

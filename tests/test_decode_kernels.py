@@ -1,0 +1,226 @@
+"""The native decode matmuls (hypic_core/runner/decode_matmul.py) and the lean step on them.
+
+- The kernels against their plain torch reference, fp32 and fp16 weights, 1-17 rows, shapes with
+  tails (in not a multiple of 8, out not of 4), with and without a bias.
+- `kernel="native"` (fp32): fp32 logits within 1e-4 of the module path and identical greedy tokens,
+  step for step with rows joining and leaving, on every family the lean step covers and on the
+  real SmolLM2 and its hybrid; the verification forward of speculative decoding runs the same
+  kernel and still equals the step fed one token at a time.
+- `kernel="native-f16"` (lossy): the logit error against fp32 is bounded.
+- No compiler: the step keeps torch's matmuls and a warning says why.
+- The gateway setting HYPIC_DECODE_KERNEL.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from hypic_core.config import EngineConfig, GenerationRequest
+from hypic_core.engine.engine import Engine
+from hypic_core.runner import decode_matmul
+from hypic_core.runner.decode_step import LeanDecodeStep, _Native
+from hypic_core.runner.verify_step import VerifyStep
+from hypic_core.testing import tiny_model
+
+COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba")
+SHAPES = ((5, 9), (12, 30, 7), (40, 3), (8, 8, 8, 8, 4), (25, 60, 11), (2,))
+MODES = ("full", "prefix", "pic-naive", "hypic", "hypic", "full")
+NATIVE = decode_matmul.native()
+needs_native = pytest.mark.skipif(NATIVE is None, reason="the native kernels cannot be built here (no compiler or no AVX2)")
+
+
+def random_segments(lengths, vocab=320, seed=0, low=2):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(tuple(torch.randint(low, vocab, (n,), generator=g).tolist()) for n in lengths)
+
+
+def engine_on(model, kernel: str, **config) -> Engine:
+    engine = Engine(model, config=EngineConfig(seam=3, **config))
+    engine.runner.use_decode_step("lean", kernel=kernel)
+    return engine
+
+
+def decode_against_module(engine: Engine, requests, steps: int, join_at: int, leave_at: int):
+    """Decode `requests` (prefilled) in the batch on its lean step, rows 4.. joining at `join_at` and row 1
+    leaving at `leave_at`; each row's logits beside its own cache advanced through the HF modules.
+    Returns (largest |logit difference|, greedy tokens that differ, rows compared); the reference's
+    greedy token is fed on."""
+    runner = engine.runner
+    pre = [engine.prefill(r) for r in requests]
+    ref_caches = [copy.deepcopy(p.cache) for p in pre]
+    caches = {i: p.cache for i, p in enumerate(pre)}
+    pos = [p.position for p in pre]
+    tokens = [int(p.logits.argmax()) for p in pre]
+    members = [0, 1, 2, 3][: len(pre)]
+    worst, differ, compared = 0.0, 0, 0
+    with torch.inference_mode():
+        for step in range(steps):
+            if step == join_at:
+                members += list(range(4, len(pre)))
+            if step == leave_at:
+                members.remove(1)
+            runner.batch.sync(members, {i: caches[i] for i in members})
+            rows = runner.batch.forward([tokens[i] for i in runner.batch.keys], [pos[i] for i in runner.batch.keys])
+            for i, lg in zip(runner.batch.keys, rows):
+                ref = runner.forward([tokens[i]], pos[i], ref_caches[i], logits=True)
+                worst = max(worst, (ref - lg).abs().max().item())
+                differ += int(lg.argmax()) != int(ref.argmax())
+                tokens[i], pos[i] = int(ref.argmax()), pos[i] + 1
+                compared += 1
+        runner.batch.sync([], {})
+    return worst, differ, compared
+
+
+# --- the kernels ----------------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("out,n", [(1536, 576), (7, 13), (576, 1536), (5, 8), (49, 3)], ids=lambda v: str(v))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
+def test_kernels_equal_the_reference(out, n, rows):
+    g = torch.Generator().manual_seed(rows * 1000 + out)
+    x = torch.randn(rows, n, generator=g)
+    w = torch.randn(out, n, generator=g) / n ** 0.5
+    b = torch.randn(out, generator=g)
+    for weight in (w, w.half()):
+        for bias in (None, b):
+            got = NATIVE.linear(x, weight, bias)
+            ref = decode_matmul.reference(x, weight, bias)
+            err = (got - ref).abs().max().item()
+            assert got.shape == (rows, out) and err < 1e-4, f"{weight.dtype} bias={bias is not None}: {err:.3g}"
+
+
+@needs_native
+def test_kernel_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="contiguous fp32 x"):
+        NATIVE.linear(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="contiguous fp32 x"):
+        NATIVE.linear(torch.randn(2, 8), torch.randn(8, 4).t())  # a transposed view
+    with pytest.raises(ValueError, match="bias"):
+        NATIVE.linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(3))
+
+
+def test_no_compiler_keeps_torch_matmuls_with_a_warning(monkeypatch, caplog):
+    """Without a C++ compiler the kernels are not built: `native` says why (a warning) and returns None,
+    and a step asked for kernel "native" runs torch's matmuls, exactly."""
+    monkeypatch.setattr(decode_matmul, "_built", {})
+    monkeypatch.setattr(decode_matmul, "_compiler", lambda: None)
+    monkeypatch.delenv("CXX", raising=False)
+    with caplog.at_level(logging.WARNING, logger="hypic.decode_matmul"):
+        assert decode_matmul.native() is None
+    assert "no C++ compiler found" in caplog.text
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler found"):
+        decode_matmul.build(compiler="/nonexistent/g++")
+    engine = engine_on(tiny_model("bamba"), "native")
+    step = engine.runner.batch.step
+    assert isinstance(step, LeanDecodeStep) and step.kernel == "torch" and not isinstance(step.lm_w, _Native)
+    reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
+    worst, differ, _ = decode_against_module(engine, reqs, steps=3, join_at=1, leave_at=2)
+    assert worst <= 1e-4 and differ == 0
+
+
+def test_kernel_name_is_checked():
+    with pytest.raises(ValueError, match="decode kernel must be one of"):
+        LeanDecodeStep.build(tiny_model("llama"), Engine(tiny_model("llama")).adapter, kernel="avx9")
+
+
+# --- the lean step on them -----------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("family", COVERED)
+def test_native_step_equals_module_path(family):
+    """kernel="native": every covered family, logits within 1e-4 and the same greedy tokens over joins
+    and leaves; the weights the step streams are the modules' own [out, in] rows (no second copy)."""
+    model = tiny_model(family)
+    engine = engine_on(model, "native")
+    step = engine.runner.batch.step
+    assert step.kernel == "native" and isinstance(step.lm_w, _Native) and step.lm_w.w.dtype == torch.float32
+    assert model.get_output_embeddings().weight.data_ptr() == step.lm_w.w.data_ptr()
+    reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
+    worst, differ, compared = decode_against_module(engine, reqs, steps=6, join_at=2, leave_at=3)
+    assert compared == 4 + 4 + 6 + 5 + 5 + 5
+    assert worst <= 1e-4 and differ == 0, f"{family}: max |logit diff| {worst:.3g}, {differ} greedy tokens differ"
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_verification_runs_the_native_kernel(family, monkeypatch):
+    """Speculation's verification forward (rows of 1 + drafts tokens) multiplies on the same native
+    weights, and its logits equal the native step fed the same tokens one at a time (1e-4)."""
+    engine = engine_on(tiny_model(family), "native")
+    runner = engine.runner
+    calls = []
+    linear = decode_matmul.NativeMatmul.linear
+    monkeypatch.setattr(decode_matmul.NativeMatmul, "linear", lambda self, x, w, b=None: calls.append(x.shape[0]) or linear(self, x, w, b))
+    pre = [engine.prefill(GenerationRequest(random_segments(s, seed=i), mode="full")) for i, s in enumerate(SHAPES[:3])]
+    fed = [[3, 17, 40], [9], [11, 12, 13, 14, 15]]
+    with torch.inference_mode():
+        ref = copy.deepcopy([p.cache for p in pre])
+        runner.batch.sync([0, 1, 2], dict(enumerate(p.cache for p in pre)))
+        verified = VerifyStep.build(runner.batch).verify(runner.batch, fed, [p.position for p in pre])
+        assert 9 in calls  # the 3 + 1 + 5 tokens went through the native kernel
+        runner.batch.sync([], {})
+        runner.batch.sync([0, 1, 2], dict(enumerate(ref)))
+        pos = [p.position for p in pre]
+        for t in range(5):
+            live = [r for r in range(3) if t < len(fed[r])]
+            runner.batch.sync(live, {})
+            logits = runner.batch.forward([fed[r][t] for r in runner.batch.keys], [pos[r] + t for r in runner.batch.keys])
+            for r, lg in zip(runner.batch.keys, logits):
+                err = (lg - verified.logits[r, t]).abs().max().item()
+                assert err < 1e-4, f"{family} row {r} token {t}: {err:.3g}"
+        runner.batch.sync([], {})
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "bamba"])
+def test_native_f16_logits_stay_near_fp32(family):
+    """kernel="native-f16" (fp16 copies of the weights): lossy, so bounded, not exact; the fp32 weights the
+    modules and the prefill use are untouched."""
+    model = tiny_model(family)
+    before = model.get_output_embeddings().weight.detach().clone()
+    engine = engine_on(model, "native-f16")
+    step = engine.runner.batch.step
+    assert step.kernel == "native-f16" and step.lm_w.w.dtype == torch.float16
+    assert torch.equal(model.get_output_embeddings().weight, before) and model.dtype == torch.float32
+    reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
+    worst, _, _ = decode_against_module(engine, reqs, steps=6, join_at=2, leave_at=3)
+    assert 1e-6 < worst < 2e-2, f"{family}: max |logit diff| {worst:.3g}"
+
+
+@needs_native
+@pytest.mark.parametrize("name,kernel,bound", [("smollm2-135m-instruct", "native", 1e-4), ("smollm2-hybrid-135m", "native", 1e-4),
+                                               ("smollm2-hybrid-135m", "native-f16", 0.25)])
+def test_native_step_on_the_real_models(name, kernel, bound):
+    """The real SmolLM2 (dense llama) and its distilled hybrid (bamba): 4 rows, one joining and one
+    leaving, 4 steps. fp32 weights: logits within 1e-4 and the same greedy tokens; fp16 copies: the
+    logit error bounded."""
+    from hypic_core.models.registry import resolve
+
+    torch.set_num_threads(2)
+    engine = Engine.from_pretrained(resolve(name).path, EngineConfig(seam=4))
+    engine.runner.use_decode_step("lean", kernel=kernel)
+    assert engine.runner.batch.step.kernel == kernel
+    reqs = [GenerationRequest(random_segments(s, vocab=40000, seed=i, low=10), mode=m)
+            for i, (s, m) in enumerate(zip(((12, 6), (20, 4), (7,), (16, 8, 3), (10, 5)), MODES))]
+    worst, differ, compared = decode_against_module(engine, reqs, steps=4, join_at=1, leave_at=2)
+    assert compared == 4 + 5 + 4 + 4
+    assert worst <= bound, f"{name} {kernel}: max |logit diff| {worst:.3g}"
+    if kernel == "native":
+        assert differ == 0
+
+
+# --- the gateway setting ---------------------------------------------------------------------------
+def test_gateway_setting_reads_hypic_decode_kernel(monkeypatch):
+    from pydantic import ValidationError
+
+    from app.service.settings import Settings
+
+    monkeypatch.delenv("HYPIC_DECODE_KERNEL", raising=False)
+    assert Settings(_env_file=None, torch_threads=None).decode_kernel == "torch"
+    monkeypatch.setenv("HYPIC_DECODE_KERNEL", "native-f16")
+    assert Settings(_env_file=None, torch_threads=None).decode_kernel == "native-f16"
+    monkeypatch.setenv("HYPIC_DECODE_KERNEL", "avx9")
+    with pytest.raises(ValidationError, match="decode_kernel"):
+        Settings(_env_file=None, torch_threads=None)
