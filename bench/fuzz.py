@@ -1,4 +1,4 @@
-"""A long fuzzing run of the gateway's API: tests/test_gateway_fuzz.py with more examples, a
+"""A long fuzzing run of the gateway's API: tests/gateway/test_gateway_fuzz.py with more examples, a
 seed of your choice (a new one by default) and the coverage phase (boundary values of every
 field), reporting every distinct failure with a curl command that reproduces it.
 
@@ -41,7 +41,7 @@ def main() -> int:
     selected = "every_operation" + ("" if args.shrink else " or collected")
     if args.operation:
         selected = f"({selected}) and ({args.operation} or collected)"
-    command = [sys.executable, "-m", "pytest", "tests/test_gateway_fuzz.py", "-q", "-p", "no:cacheprovider", "-k", selected]
+    command = [sys.executable, "-m", "pytest", "tests/gateway/test_gateway_fuzz.py", "-q", "-p", "no:cacheprovider", "-k", selected]
     print(f"seed {seed}: {args.examples} examples per operation, phases {args.phases}"
           f"{', strict' if args.strict else ''}; rerun with --seed {seed}", flush=True)
     started = time.perf_counter()

@@ -16,7 +16,7 @@ import yaml
 
 from app.service.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 # Settings another component adds; a gateway without it ignores the variable.
 PENDING_SETTINGS: set[str] = set()  # compose names the gateway does not read yet
@@ -242,7 +242,7 @@ def test_dockerignore_lets_in_what_the_dockerfile_copies():
         assert files, source
         for f in files:
             assert not _ignored(f.relative_to(ROOT).as_posix(), patterns), f"{f} is copied but .dockerignore leaves it out"
-    for outside in ("tests/test_deploy_files.py", "training/world.py", ".git/HEAD", "app/__pycache__/x.pyc", "bench/serve.py"):
+    for outside in ("tests/gateway/test_deploy_files.py", "training/world.py", ".git/HEAD", "app/__pycache__/x.pyc", "bench/serve.py"):
         assert _ignored(outside, patterns), outside
 
 

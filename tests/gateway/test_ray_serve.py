@@ -24,7 +24,7 @@ from app.serve_ray.asgi import ForwardedRequest, serve_asgi
 from app.serve_ray.directory import ChunkDirectory, Choice, choose
 from app.serve_ray.keys import chunk_key, routing_keys, text_key
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ CORPUS = [{"id": f"doc{i}", "text": f"Document {i}: the river Alna{i} flows thro
 class Served:
     url: str
     replicas: tuple[str, ...]
-    redis: object  # tests/conftest.py's RedisServer
+    redis: object  # tests/helpers.py's RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,9 @@ import pytest
 
 from app.service.settings import Settings
 from app.service.tenants import Collections, TenantLabels, cache_salt
-from app.testing import LiveServer, single_torch_thread, tiny_gateway
+from app.testing import tiny_gateway
+
+import gateways
 
 CORPUS = [{"id": "corpus-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."}]
 KEYS = {"key-a": "alice", "key-b": "bob", "key-c": "carol", "key-d": "dora", "key-e": "erin"}
@@ -33,8 +35,7 @@ def gateway(tiny_tokenizer, tmp_path_factory):
     app = tiny_gateway(tmp_path_factory.mktemp("tenants"), tiny_tokenizer, CORPUS, api_key="legacy",
                        api_keys=json.dumps(KEYS), shared_collections={"public": ["alice"]}, cold_prefill="stitch",
                        tenant_max_documents=6, tenant_max_bytes=2000, tenant_max_requests=2)
-    with single_torch_thread(), LiveServer(app) as live:
-        live.wait_ready(headers={"Authorization": "Bearer legacy"})
+    with gateways.served(app, headers={"Authorization": "Bearer legacy"}) as live:
         yield live, app
 
 

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from app.http.sse import parse
-from app.testing import LiveServer, single_torch_thread, tiny_gateway
+
+import gateways
 
 CORPUS = [
     {"id": "city-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."},
@@ -24,9 +25,7 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def server(tiny_tokenizer, tmp_path_factory):
-    app = tiny_gateway(tmp_path_factory.mktemp("gateway-query"), tiny_tokenizer, CORPUS, max_top_k=8, max_new_tokens=256)
-    with single_torch_thread(), LiveServer(app) as live:
-        live.wait_ready()
+    with gateways.gateway(tmp_path_factory.mktemp("gateway-query"), tiny_tokenizer, CORPUS, max_top_k=8, max_new_tokens=256) as live:
         yield live
 
 

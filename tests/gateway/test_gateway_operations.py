@@ -23,21 +23,22 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.http.server import create_app
 from app.http.sse import parse
 from app.service.settings import Settings
-from app.testing import LiveServer, single_torch_thread, tiny_engine
+from app.testing import LiveServer
 from hypic_core.engine.engine import Engine, StepOutput
 from retrieval import HashingEmbedder, VectorIndex
+
+import gateways
 
 LONG = 1000  # tokens: several seconds of decoding, far longer than any test waits
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_tokenizer):
-    with single_torch_thread():
-        yield tiny_engine(tiny_tokenizer, stop_at_eos=False)
+    with gateways.engine(tiny_tokenizer, stop_at_eos=False) as engine:
+        yield engine
 
 
-def settings_for(tmp_path, **overrides) -> Settings:
-    return Settings(_env_file=None, torch_threads=None, index_dir=tmp_path / "index", corpus_path=None, **overrides)
+settings_for = gateways.settings
 
 
 def empty_index(tmp_path) -> VectorIndex:
@@ -47,9 +48,7 @@ def empty_index(tmp_path) -> VectorIndex:
 @pytest.fixture(scope="module")
 def server(engine, tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway-ops")
-    settings = settings_for(root, max_running=2, max_queue=1, max_body_bytes=4096, retry_after_s=3)
-    with LiveServer(create_app(settings, engine=engine, index=empty_index(root))) as live:
-        live.wait_ready()
+    with gateways.served(gateways.app(root, engine, max_running=2, max_queue=1, max_body_bytes=4096, retry_after_s=3)) as live:
         yield live
 
 

@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from app.http.connections import uvicorn_options
-from app.http.server import create_app
 from app.service.settings import Settings
-from app.testing import LiveServer, single_torch_thread, tiny_engine
-from retrieval import HashingEmbedder, VectorIndex
+from app.testing import LiveServer
+
+import gateways
 
 UI = "http://ui.example"
 EVIL = "http://evil.example"
@@ -23,13 +23,12 @@ EVIL = "http://evil.example"
 
 @pytest.fixture(scope="module")
 def engine(tiny_tokenizer):
-    with single_torch_thread():
-        yield tiny_engine(tiny_tokenizer)
+    with gateways.engine(tiny_tokenizer) as engine:
+        yield engine
 
 
 def start(engine, root, **overrides) -> LiveServer:
-    settings = Settings(_env_file=None, torch_threads=None, index_dir=root / "index", corpus_path=None, **overrides)
-    live = LiveServer(create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64)))).start()
+    live = LiveServer(gateways.app(root, engine, **overrides)).start()
     live.wait_ready()
     return live
 

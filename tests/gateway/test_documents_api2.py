@@ -7,17 +7,15 @@ import gzip
 import httpx
 import pytest
 
-from app.testing import LiveServer, single_torch_thread, tiny_gateway
+import gateways
 
 PAGE = b"<html><head><title>Tide tables</title><script>var x = 'hidden';</script></head><body><p>The Moon pulls the sea.</p></body></html>"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_tokenizer, tmp_path_factory):
-    app = tiny_gateway(tmp_path_factory.mktemp("documents-api"), tiny_tokenizer, [], corpus_path=None, max_top_k=8,
-                       max_body_bytes=1 << 16)
-    with single_torch_thread(), LiveServer(app) as live:
-        live.wait_ready()
+    with gateways.gateway(tmp_path_factory.mktemp("documents-api"), tiny_tokenizer, [], corpus_path=None, max_top_k=8,
+                          max_body_bytes=1 << 16) as live:
         yield live
 
 

@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from app.testing import LiveServer, single_torch_thread, tiny_gateway
+import gateways
 
 CORPUS = [{"id": "city-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."}]
 LIMITS = dict(max_text_bytes=20_000, max_messages=50, max_segments=8, max_stop_strings=4, max_stop_bytes=64, max_document_ids=16)
@@ -29,9 +29,7 @@ LIMITS = dict(max_text_bytes=20_000, max_messages=50, max_segments=8, max_stop_s
 
 @pytest.fixture(scope="module")
 def server(tiny_tokenizer, tmp_path_factory):
-    app = tiny_gateway(tmp_path_factory.mktemp("gateway-limits"), tiny_tokenizer, CORPUS, max_new_tokens=16, **LIMITS)
-    with single_torch_thread(), LiveServer(app) as live:
-        live.wait_ready()
+    with gateways.gateway(tmp_path_factory.mktemp("gateway-limits"), tiny_tokenizer, CORPUS, max_new_tokens=16, **LIMITS) as live:
         yield live
 
 
@@ -228,7 +226,7 @@ def test_the_limits_are_in_the_settings_table():
     """docs/api.md names every limit's setting and default."""
     from pathlib import Path
 
-    table = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    table = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
     for name in ("MAX_TEXT_BYTES", "MAX_MESSAGES", "MAX_SEGMENTS", "MAX_DOCUMENT_IDS", "MAX_STOP_STRINGS", "MAX_STOP_BYTES",
                  "BODY_DEADLINE_S"):
         assert f"`HYPIC_{name}`" in table, name

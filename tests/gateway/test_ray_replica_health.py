@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORPUS = [{"id": "varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."}]
 
 

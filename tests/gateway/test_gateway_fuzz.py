@@ -39,8 +39,10 @@ from schemathesis.core.failures import FailureGroup  # noqa: E402
 
 from app.http.server import create_app  # noqa: E402
 from app.service.settings import Settings  # noqa: E402
-from app.testing import LiveServer, single_torch_thread, tiny_engine, tiny_gateway  # noqa: E402
+from app.testing import LiveServer, tiny_engine  # noqa: E402
 from retrieval import HashingEmbedder, VectorIndex  # noqa: E402
+
+import gateways  # noqa: E402
 
 EXAMPLES = int(os.environ.get("HYPIC_FUZZ_EXAMPLES", "30"))
 SEED = int(os.environ.get("HYPIC_FUZZ_SEED", "20240611"))
@@ -121,10 +123,8 @@ FOUND: dict[tuple[str, str, str], str] = {}
 
 @pytest.fixture(scope="module")
 def server(tiny_tokenizer, tmp_path_factory):
-    app = tiny_gateway(tmp_path_factory.mktemp("gateway-fuzz"), tiny_tokenizer, CORPUS,
-                       max_top_k=8, max_new_tokens=128, default_top_k=2)
-    with single_torch_thread(), LiveServer(app) as live:
-        live.wait_ready()
+    with gateways.gateway(tmp_path_factory.mktemp("gateway-fuzz"), tiny_tokenizer, CORPUS,
+                          max_top_k=8, max_new_tokens=128, default_top_k=2) as live:
         yield live
 
 
@@ -189,7 +189,7 @@ PROBES = {
     "chat-rag-top-k-string": ("POST", "/v1/chat/completions", {**CHAT, "rag": {"top_k": "2"}}, None),
     "chat-content-part-number": ("POST", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "text", "text": 5}]}]}, None),
-    # sizes and counts (tests/test_gateway_limits.py has the rest, at small limits)
+    # sizes and counts (tests/gateway/test_gateway_limits.py has the rest, at small limits)
     "completions-2-mb-prompt": ("POST", "/v1/completions", {"model": MODEL, "prompt": "Varo is a city. " * 131_072}, None),
     "chat-50000-messages": ("POST", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": ""}] * 50_000},
                             None),

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import openai
 import pytest
 
-from app.http.server import create_app
-from app.service.settings import Settings
-from app.testing import LiveServer, single_torch_thread, tiny_engine
-from retrieval import HashingEmbedder, VectorIndex
+import gateways
 
 CORPUS = [
     {"id": "city-varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."},
@@ -22,13 +17,7 @@ HELLO = [{"role": "user", "content": "Who founded Brill?"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_tokenizer, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gateway-openai")
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("\n".join(json.dumps(d) for d in CORPUS) + "\n")
-    settings = Settings(_env_file=None, torch_threads=None, index_dir=root / "index", corpus_path=corpus, max_new_tokens=64)
-    index = VectorIndex(settings.index_dir, HashingEmbedder(64))
-    with single_torch_thread(), LiveServer(create_app(settings, engine=tiny_engine(tiny_tokenizer), index=index)) as live:
-        live.wait_ready()
+    with gateways.gateway(tmp_path_factory.mktemp("gateway-openai"), tiny_tokenizer, CORPUS, max_new_tokens=64) as live:
         yield live
 
 

@@ -22,7 +22,7 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PROPERTY = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 # Text that tends to spell, or almost spell, special tokens, between arbitrary text (no surrogates:
-# hypothesis's default; a lone surrogate cannot be tokenized at all, see tests/test_gateway_fuzz.py).
+# hypothesis's default; a lone surrogate cannot be tokenized at all, see tests/gateway/test_gateway_fuzz.py).
 pieces = st.one_of(st.text(max_size=12), st.sampled_from(SPECIALS + ("<|", "|>", "im_end", "\n", " ", "Vavux", "paper")))
 texts = st.lists(pieces, max_size=8).map("".join)
 

@@ -18,14 +18,14 @@ from app.service.guard import (CHECK_PRIORITY, CheckResult, Choice, Guard, Guard
                        Window, exact_mode, run_check)
 from app.http.server import create_app
 from app.service.settings import Settings
-from app.testing import LiveServer, single_torch_thread, tiny_engine
+from app.testing import LiveServer, single_torch_thread
 from hypic_core.config import EngineConfig, GenerationRequest, Mode
 from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError
 from hypic_core.testing import tiny_model
-from retrieval import HashingEmbedder, VectorIndex
 
-from conftest import random_segments
+import gateways
+from helpers import random_segments
 
 HYPIC8 = Choice(Mode.HYPIC, 8)
 DOCS = ["The river Alna flows through Varo. Its mayor is Ines Kell. Documents about cities, rivers and companies.",
@@ -186,12 +186,11 @@ def test_offer_samples_picks_configurations_and_drops_the_oldest(poor_engine):
 
 
 # --- in a gateway -----------------------------------------------------------------------------
-def settings_for(root, **overrides) -> Settings:
-    return Settings(_env_file=None, torch_threads=None, index_dir=root / "index", corpus_path=None, **overrides)
+settings_for = gateways.settings
 
 
 def serve(engine, root, **overrides) -> LiveServer:
-    return LiveServer(create_app(settings_for(root, **overrides), engine=engine, index=VectorIndex(root / "index", HashingEmbedder(64))))
+    return LiveServer(gateways.app(root, engine, **overrides))
 
 
 class AddSpy:
@@ -293,8 +292,8 @@ def test_exact_reuse_does_not_trip_the_guard(poor_engine, tmp_path, monkeypatch)
 
 @pytest.fixture(scope="module")
 def endless_engine(tiny_tokenizer):
-    with single_torch_thread():
-        yield tiny_engine(tiny_tokenizer, stop_at_eos=False)
+    with gateways.engine(tiny_tokenizer, stop_at_eos=False) as engine:
+        yield engine
 
 
 INERT = dict(guard_sample_rate=1.0, guard_greedy_sample=1.0, guard_window=50, guard_min_checks=50)  # checks, no actions

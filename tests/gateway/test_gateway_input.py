@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from app.http.sse import KEEPALIVE, parse
-from app.testing import LiveServer, single_torch_thread, tiny_gateway
+
+import gateways
 
 CORPUS = [{"id": "city-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."},
           {"id": "firm-brill", "title": "Brill", "text": "Brill is a company founded by Tam Oke in 1999."}]
@@ -26,9 +27,7 @@ DEEP = "[" * 100_000 + "]" * 100_000
 
 @pytest.fixture(scope="module")
 def server(tiny_tokenizer, tmp_path_factory):
-    app = tiny_gateway(tmp_path_factory.mktemp("gateway-input"), tiny_tokenizer, CORPUS, max_new_tokens=64, sse_keepalive_s=0.001)
-    with single_torch_thread(), LiveServer(app) as live:
-        live.wait_ready()
+    with gateways.gateway(tmp_path_factory.mktemp("gateway-input"), tiny_tokenizer, CORPUS, max_new_tokens=64, sse_keepalive_s=0.001) as live:
         yield live
 
 

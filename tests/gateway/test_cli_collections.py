@@ -10,7 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
-from app.testing import LiveServer, single_torch_thread, tiny_gateway
+from app.testing import LiveServer
+
+import gateways
 
 KEYS = {"key-a": "alice", "key-b": "bob"}
 CORPUS = [{"id": "corpus-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."}]
@@ -22,9 +24,8 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def gateway(tiny_tokenizer, tmp_path_factory):
-    app = tiny_gateway(tmp_path_factory.mktemp("cli-collections"), tiny_tokenizer, CORPUS, api_keys=json.dumps(KEYS))
-    with single_torch_thread(), LiveServer(app) as live:
-        live.wait_ready(headers={"Authorization": "Bearer key-a"})
+    with gateways.gateway(tmp_path_factory.mktemp("cli-collections"), tiny_tokenizer, CORPUS, api_keys=json.dumps(KEYS),
+                          headers={"Authorization": "Bearer key-a"}) as live:
         with httpx.Client(base_url=live.url, timeout=60, headers={"Authorization": "Bearer key-a"}) as alice:
             for collection, doc_id, text in (("notes", "vault", NOTES), ("recipes", "soup", RECIPES)):
                 r = alice.post("/documents", params={"collection": collection}, json={"id": doc_id, "text": text})

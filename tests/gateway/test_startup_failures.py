@@ -14,11 +14,13 @@ import pytest
 
 from app.http.server import create_app
 from app.service.settings import Settings
-from app.testing import LiveServer, free_port, single_torch_thread, tiny_engine
+from app.testing import LiveServer, free_port
+
+import gateways
 from test_cache_disk import _damage, _filled_cache
 from test_gateway_operations import metric
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _serve(tmp_path: Path, model: str, **env: str) -> tuple[subprocess.Popen, str]:
@@ -72,8 +74,8 @@ def test_serve_stays_up_answering_503_when_told_to(tmp_path):
 
 @pytest.fixture(scope="module")
 def engine(tiny_tokenizer):
-    with single_torch_thread():
-        yield tiny_engine(tiny_tokenizer)
+    with gateways.engine(tiny_tokenizer) as engine:
+        yield engine
 
 
 def test_a_damaged_disk_cache_does_not_keep_the_gateway_from_becoming_ready(engine, tmp_path):
