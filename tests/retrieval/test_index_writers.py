@@ -16,13 +16,14 @@ import pytest
 
 from app.http.server import create_app
 from app.service.settings import Settings
-from app.testing import LiveServer, single_torch_thread, tiny_engine
+from app.testing import LiveServer
 from retrieval import HashingEmbedder, IndexCorruptError, IndexLockedError, VectorIndex, minilm_model_dir
 from retrieval.index import LOCK_NAME
 
+import gateways
 from index_child import document, writer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ids(index: VectorIndex) -> set[str]:
@@ -96,8 +97,8 @@ def _cli_ingest(index_dir: Path, *paths: Path, lock_timeout: float | None = None
 
 @pytest.fixture(scope="module")
 def engine(tiny_tokenizer):
-    with single_torch_thread():
-        yield tiny_engine(tiny_tokenizer)
+    with gateways.engine(tiny_tokenizer) as engine:
+        yield engine
 
 
 def test_hypic_ingest_next_to_a_live_gateway_loses_nothing(engine, tmp_path):

@@ -1,4 +1,4 @@
-"""Child-process side of tests/test_index_writers.py, in a module that imports only the index
+"""Child-process side of tests/retrieval/test_index_writers.py, in a module that imports only the index
 (spawned children import it; the test module would bring FastAPI and torch along)."""
 
 from __future__ import annotations
