@@ -9,7 +9,7 @@ import diskcache
 import pytest
 import torch
 
-from conftest import random_segments
+from helpers import random_segments
 from hypic_core.algebra.keys import SegmentKey, model_fingerprint
 from hypic_core.cache import TieredSegmentStore, build_store
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
@@ -18,11 +18,6 @@ from hypic_core.testing import tiny_model
 
 LENGTHS = (12, 30, 21, 5)  # system prompt, two chunks, question
 CONFIG = EngineConfig(seam=4)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen3_5", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,13 @@ from app.service.metrics import Metrics
 from app.service.runtime import store_from_settings as build_store_from_settings
 from app.service.settings import Settings
 from app.testing import LiveServer, single_torch_thread
-from conftest import RedisServer, random_segments
+from helpers import RedisServer, random_segments
 from hypic_core.cache import DiskTier, MemoryTier, RedisTier, TieredSegmentStore, encode
 from hypic_core.cache.redis_tier import sign
 from hypic_core.cache.serde import _PREFIX, MAGIC
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
-from hypic_core.testing import tiny_model
+import stores
 from test_cache_engine import answer
 from test_cache_serde import make_entry
 from test_cache_tiered import damaged, key_of
@@ -148,7 +148,7 @@ TIER_ACL = ("on resetkeys ~hypic:* resetchannels -@all +ping +auth +client|setin
 def test_the_documented_acl_user_is_enough_for_the_tier_and_no_more(server, tiers):
     import redis
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "deploy-redis.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy-redis.md").read_text()
     assert f"ACL SETUSER hypic {TIER_ACL} >" in " ".join(doc.split())  # the docs give these same rules
     admin = server.client()
     admin.execute_command("ACL", "SETUSER", "hypic", "reset", *TIER_ACL.split(), ">acl-test-password")
@@ -366,11 +366,6 @@ CONFIG = EngineConfig(seam=4)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen3_5", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-
-
-@pytest.fixture(scope="module")
 def request_():
     return GenerationRequest(random_segments(LENGTHS, seed=7), sampling=SamplingParams(max_tokens=4))
 
@@ -445,20 +440,9 @@ CORPUS = [
 
 
 def gateway(root, tokenizer, redis_url: str):
-    """A gateway app over the tiny engine whose store is built from its settings, as `hypic serve`
+    """(app, store): a gateway over the tiny engine whose store is built from its settings, as `hypic serve`
     builds it (host memory, a disk tier beside its index, Redis at `redis_url`)."""
-    import json
-
-    from app.http.server import create_app
-    from retrieval import HashingEmbedder, VectorIndex
-
-    root.mkdir(parents=True)
-    (root / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
-    settings = Settings(_env_file=None, torch_threads=None, index_dir=root / "index", corpus_path=root / "corpus.jsonl",
-                        redis_url=redis_url, cache_secret=SECRET)
-    store = build_store_from_settings(settings)
-    engine = Engine(tiny_model("qwen3_5", vocab_size=len(tokenizer)), tokenizer, EngineConfig(seam=4), store=store, model_id="tiny")
-    return create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64))), store
+    return stores.gateway(root, tokenizer, CORPUS, redis_url=redis_url, cache_secret=SECRET)
 
 
 def test_a_gateway_starts_and_answers_with_redis_down(tiny_tokenizer, tmp_path, caplog):

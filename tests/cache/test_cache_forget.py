@@ -116,26 +116,16 @@ def test_exact_runs_drop_the_snapshots_holding_a_forgotten_segment():
 # --- on a live gateway: upload, query, delete -------------------------------------------------------
 @pytest.fixture(scope="module")
 def gateway(tiny_tokenizer, tmp_path_factory, redis_server):
-    from app.http.server import create_app
-    from app.service.settings import Settings
-    from app.testing import LiveServer, single_torch_thread
-    from hypic_core.config import EngineConfig
-    from hypic_core.engine.engine import Engine
-    from hypic_core.testing import tiny_model
-    from retrieval import HashingEmbedder, VectorIndex
+    import gateways
+    import stores
 
     root = tmp_path_factory.mktemp("forget")
-    (root / "corpus.jsonl").write_text(json.dumps({"id": "corpus", "text": OTHER}) + "\n")
     redis_server.client().flushall()
-    settings = Settings(_env_file=None, torch_threads=None, index_dir=root / "index", corpus_path=root / "corpus.jsonl",
-                        api_keys=json.dumps({"key-a": "alice", "key-b": "bob"}), cold_prefill="stitch", guard_enabled=False)
+    # The tiny engine over the tiers under test (host memory, disk, Redis).
     store = build_store(1 << 28, directory=root / "cache", redis_url=redis_server.url, redis_secret="s" * 32)
-    # `app.testing.tiny_engine`'s model over the tiers under test (host memory, disk, Redis).
-    engine = Engine(tiny_model("qwen3_5", vocab_size=len(tiny_tokenizer)), tiny_tokenizer, EngineConfig(seam=4),
-                    store=store, model_id="tiny")
-    app = create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64)))
-    with single_torch_thread(), LiveServer(app) as live:
-        live.wait_ready(headers={"Authorization": "Bearer key-a"})
+    app, _ = stores.gateway(root, tiny_tokenizer, [{"id": "corpus", "text": OTHER}], store=store,
+                            api_keys=json.dumps({"key-a": "alice", "key-b": "bob"}), cold_prefill="stitch", guard_enabled=False)
+    with gateways.served(app, headers={"Authorization": "Bearer key-a"}) as live:
         yield live, app.state.runtime
     store.close()
 

@@ -9,7 +9,6 @@ proxy that holds every reply 0.4 s, and stopped with SIGSTOP under a 5 s timeout
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -19,12 +18,10 @@ import time
 import httpx
 import pytest
 
-from app.service.runtime import store_from_settings
 from app.service.settings import Settings
 from app.testing import LiveServer, free_port, single_torch_thread
-from hypic_core.config import EngineConfig
-from hypic_core.engine.engine import Engine
-from hypic_core.testing import tiny_model
+
+import stores
 
 CORPUS = [
     {"id": "city-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."},
@@ -84,17 +81,7 @@ class DelayingProxy:
 
 
 def gateway(root, tokenizer, redis_url: str, timeout_s: float):
-    from app.http.server import create_app
-    from retrieval import HashingEmbedder, VectorIndex
-
-    root.mkdir(parents=True)
-    (root / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
-    settings = Settings(_env_file=None, torch_threads=None, index_dir=root / "index", corpus_path=root / "corpus.jsonl",
-                        redis_url=redis_url, redis_timeout_s=timeout_s, **_secret())
-    store = store_from_settings(settings)
-    engine = Engine(tiny_model("qwen3_5", vocab_size=len(tokenizer)), tokenizer, EngineConfig(seam=4), store=store,
-                    model_id="tiny")
-    return create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64))), store
+    return stores.gateway(root, tokenizer, CORPUS, redis_url=redis_url, redis_timeout_s=timeout_s, **_secret())
 
 
 def _secret() -> dict:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_segments
+from helpers import random_segments
 from hypic_core.algebra.keys import SegmentKey
 from hypic_core.cache.store import MemorySegmentStore
 from hypic_core.config import EngineConfig, GenerationRequest, Mode, SamplingParams
 from hypic_core.engine.engine import Engine
-from hypic_core.testing import tiny_model
 
 LENGTHS = (12, 30, 21, 5)  # system prompt, two chunks, question
 
@@ -26,11 +25,6 @@ class CountingStore(MemorySegmentStore):
     def insert(self, key, entry) -> None:
         self.inserts += 1
         super().insert(key, entry)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen3_5", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
 
 def engine(model, **config) -> Engine:
