@@ -22,7 +22,8 @@ def test_budget_goes_to_decodes_then_prefills_in_order():
     step = s.schedule()
     assert [(x, n) for x, n in step.prefills] == [(a, 70), (b, 30)] and not step.decodes
     assert c.status is Status.WAITING and a.status is b.status is Status.PREFILLING  # no budget left for c
-    a.status, a.prefill_left, b.prefill_left = Status.RUNNING, 0, 20
+    a.status, a.num_computed_tokens, b.num_computed_tokens = Status.RUNNING, 70, 30  # what the executor ran
+    assert (a.prefill_left, b.prefill_left, c.prefill_left) == (0, 20, 10)
     step = s.schedule()  # a decodes (1 token), b continues first, then c is admitted
     assert step.decodes == [a] and step.prefills == [(b, 20), (c, 10)]
 
@@ -32,7 +33,8 @@ def test_the_context_cache_lays_out_the_real_work_before_the_grant():
 
     class Context:
         def plan(self, x):
-            x.prefill_left = 30 if x is warm else x.prefill_left
+            if x is warm:
+                x.num_computed_tokens = 470  # a restored snapshot moves the cursor, as a prefix hit does
 
     s = Scheduler(SchedulerConfig(max_running=4, max_step_tokens=100), Context())
     s.add(warm)

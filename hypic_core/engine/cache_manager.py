@@ -54,8 +54,8 @@ class CacheManager:
 
     # --- the scheduler's questions ----------------------------------------------------------
     def plan(self, seq: Sequence) -> None:
-        """Lay out `seq`'s prefill (sets `seq.prefill` and `seq.prefill_left`, the tokens it really has
-        to run); a failure is kept in `seq.error` (the engine ends it with "error" in this step)."""
+        """Lay out `seq`'s prefill (sets `seq.prefill`; a restored snapshot moves its cursor, as a prefix
+        hit does); a failure is kept in `seq.error` (the engine ends it with "error" in this step)."""
         if seq.prefill is not None:
             return
         stats = seq.stats
@@ -65,11 +65,10 @@ class CacheManager:
             view = SequenceView(self, seq)
             progress = self._carry_out(seq, make_plan(seq.request, view), view.chain)
         except Exception as exc:  # noqa: BLE001 - reported on the sequence, never raised into the scheduler
-            seq.error, seq.prefill_left = exc, 0
+            seq.error = exc
             return
         stats.timings_ms["lookup"] = _ms(t)
         seq.prefill = progress
-        seq.prefill_left = progress.tokens_left(seq)
 
     def segment_entries(self, segments: tuple[tuple[int, ...], ...], seam: int, salt: str,
                         lock: AbstractContextManager) -> EntryLookup:
@@ -120,6 +119,7 @@ class CacheManager:
             pos = self.runner.restore_exact(progress.cache, p.snapshot, p.restored)
             progress.boundaries, progress.linear = list(p.snapshot.boundaries[:p.restored]), list(p.snapshot.linear[:p.restored])
             stats.exact_tokens, stats.segment_hits = pos, p.restored
+        seq.num_computed_tokens = pos
         progress.reused = p.restored
         stats.segment_misses += p.exact - p.restored
         for seg in request.context[p.restored:p.exact]:
@@ -152,7 +152,7 @@ class CacheManager:
                 wanted[k] = (job, [])
             wanted[k][1].append(i)
         progress.cold = list(wanted.values())
-        progress.stitch_pending = True
+        progress.stitch_end = request.prompt_tokens - len(request.question)
         stats.seam_tokens = sum(min(head, len(seg)) for seg, head in zip(request.context[p.exact:], p.heads))
 
     def _forward_rest(self, seq: Sequence, p: Plan, progress: PrefillProgress) -> None:

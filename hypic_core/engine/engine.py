@@ -155,7 +155,7 @@ class Engine:
         self.scheduler.check_fits(seq)
         if prefilled is not None:
             seq.prefill = PrefillProgress(prefilled.cache, logits=prefilled.logits)
-            seq.stats, seq.prefill_left = prefilled.stats, 1
+            seq.stats, seq.num_computed_tokens = prefilled.stats, request.prompt_tokens
         elif self.lookups is not None and looks_up(seq.mode):
             self.lookups.submit(seq)  # queued once its segments are looked up, off this thread
             return seq

@@ -92,7 +92,6 @@ class Executor:
             try:
                 seq.stats.prefill_steps += 1
                 self._advance(seq, budget)
-                seq.prefill_left = seq.prefill.tokens_left(seq)
                 if seq.prefill.logits is not None:
                     done.logits[seq] = self._start_decoding(seq)
             except Exception as exc:
@@ -118,19 +117,19 @@ class Executor:
         if progress.logits is not None or progress.cold or budget <= 0:
             return
         budget = self._runs(seq, budget)
-        if progress.stitch_pending and not progress.runs and budget > 0:
+        if progress.stitch_due(seq.num_computed_tokens) and not progress.runs and budget > 0:
+            assert seq.num_computed_tokens == progress.start, "the stitch starts where the exact run ends"
             t = time.perf_counter()
             seams = stats.seam_tokens
             head = max(1, min(len(request.question), budget - seams))
             context = request.context[progress.exact:]
             logits = self.runner.stitch(progress.cache, context, progress.entries[progress.exact:], request.question[:head],
                                         progress.transition, start=progress.start)
-            progress.stitch_pending = False
+            seq.num_computed_tokens = progress.stitch_end + head
             stats.computed_tokens += seams + head
             budget -= seams + head
-            start = request.prompt_tokens - len(request.question) + head
             if head < len(request.question):
-                progress.runs.append(Run(request.question[head:], start))
+                progress.runs.append(Run(request.question[head:], seq.num_computed_tokens))
             else:
                 progress.logits = logits
             _add_ms(stats, "stitch", time.perf_counter() - t)
@@ -142,14 +141,15 @@ class Executor:
         progress, stats = seq.prefill, seq.stats
         while progress.runs and budget > 0:
             t = time.perf_counter()
-            run = progress.runs[0]
-            n = min(budget, len(run.ids) - run.done)
-            last = len(progress.runs) == 1 and run.done + n == len(run.ids) and not progress.stitch_pending
-            logits = self.runner.forward(run.ids[run.done:run.done + n], run.start + run.done, progress.cache, logits=last)
-            run.done += n
+            run, at = progress.runs[0], seq.num_computed_tokens
+            assert run.start <= at < run.end, "runs are laid out from the cursor on"
+            n = min(budget, run.end - at)
+            last = len(progress.runs) == 1 and at + n == run.end and not progress.stitch_due(at)
+            logits = self.runner.forward(run.ids[at - run.start:at - run.start + n], at, progress.cache, logits=last)
+            seq.num_computed_tokens += n
             budget -= n
             stats.computed_tokens += n
-            if run.done == len(run.ids):
+            if seq.num_computed_tokens == run.end:
                 progress.runs.popleft()
                 if run.boundary:
                     progress.boundaries.append(run.start + len(run.ids))
@@ -166,8 +166,9 @@ class Executor:
     def _start_decoding(self, seq: Sequence) -> torch.Tensor:
         """Prefill done: the sequence decodes from the next step; returns its first-token logits."""
         progress = seq.prefill
-        seq.cache, seq.logits, seq.position = progress.cache, progress.logits, seq.request.prompt_tokens
-        seq.prefill, seq.status, seq.prefill_left = None, Status.RUNNING, 0
+        assert seq.num_computed_tokens == seq.request.prompt_tokens, "the whole prompt is in its cache"
+        seq.cache, seq.logits = progress.cache, progress.logits
+        seq.prefill, seq.status = None, Status.RUNNING
         if seq.first_scheduled is not None:
             seq.stats.timings_ms["prefill"] = round((time.perf_counter() - seq.first_scheduled) * 1000.0, 3)
         return seq.logits
@@ -192,17 +193,17 @@ class Executor:
                     done.logits.update(logits)
                     return
                 t0 = time.perf_counter()
-                rows = batch.forward([s.output_ids[-1] for s in batch.keys], [s.position for s in batch.keys])
+                rows = batch.forward([s.output_ids[-1] for s in batch.keys], [s.num_computed_tokens for s in batch.keys])
                 logits = dict(zip(batch.keys, rows))
                 self.speculator.cost.plain(len(rows), time.perf_counter() - t0)
             else:
-                logits = {s: self.runner.forward([s.output_ids[-1]], s.position, s.cache, logits=True) for s in live}
+                logits = {s: self.runner.forward([s.output_ids[-1]], s.num_computed_tokens, s.cache, logits=True) for s in live}
         except Exception as exc:
             batch.sync([], {})
             done.errors.update(dict.fromkeys(live, exc))
             return
         for s in live:
-            s.position += 1
+            s.num_computed_tokens += 1
             done.logits[s] = logits[s]
 
     def leave(self, executed: Executed) -> None:

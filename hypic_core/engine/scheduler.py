@@ -11,15 +11,18 @@ prefill). Admission is bounded by a count (`max_running`) and by memory: the byt
 attention K/V and linear state each sequence can hold at most (`Sequence.reserved_bytes`)
 must fit in `running_budget_bytes` together; a sequence that does not fit now waits.
 
-Thread-safety: `add` and `abort` may be called from any thread; everything else from the
-engine thread. The lock guards the waiting queue and moves between it and `active` only: no
-lookup, plan or model work runs under it, so `add` (called on the HTTP event loop) never
-waits for a disk or Redis read.
+Thread-safety: the scheduler belongs to the engine thread and holds no lock. `add` may be called
+from any thread (the HTTP event loop, the lookup threads): it only puts the sequence in a
+thread-safe inbox, which `schedule` empties into the waiting queue at the start of each step, so
+`add` never waits for the engine, let alone for a disk or Redis read made while laying out a
+prefill. `len()`, `has_work` and `num_waiting` may also be read from any thread: they count the
+inbox before the queues, so a sequence on its way from one to the next is counted twice at worst,
+never missed.
 """
 
 from __future__ import annotations
 
-import threading
+import queue
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,7 +46,8 @@ class SchedulerConfig:
 
 class CachePlanner(Protocol):
     def plan(self, seq: Sequence) -> None:
-        """Lay out `seq.prefill` and set `seq.prefill_left` (or `seq.error`); never raises."""
+        """Lay out `seq.prefill` (a restored snapshot moves `seq.num_computed_tokens`), or set `seq.error`;
+        never raises. `seq.prefill_left` then says the tokens of work it really has."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +64,9 @@ class Scheduler:
                  policy: str = "fcfs") -> None:
         self.config = config or SchedulerConfig()
         self.cache = cache  # None: sequences are admitted as they are (tests)
-        self.waiting = queue_for(policy)
+        self.waiting = queue_for(policy)  # engine thread only, as `active`
         self.active: list[Sequence] = []  # prefilling or running, in admission order
-        self._lock = threading.Lock()  # guards `waiting` (add runs on other threads)
+        self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()  # added, not yet in `waiting`
 
     # --- any thread ------------------------------------------------------------------------
     def can_ever_fit(self, seq: Sequence) -> bool:
@@ -78,22 +82,21 @@ class Scheduler:
                 f"{self.config.running_budget_bytes / 2**20:.1f} MiB")
 
     def add(self, seq: Sequence) -> None:
-        """Queue `seq` (status WAITING) for admission."""
-        with self._lock:
-            self.waiting.add(seq)
+        """Queue `seq` (status WAITING) for admission (it joins the waiting queue at the next `schedule`)."""
+        self._inbox.put(seq)
 
     def __len__(self) -> int:
-        """Sequences not finished: waiting or active."""
-        with self._lock:
-            return len(self.waiting) + len(self.active)
+        """Sequences not finished: added, waiting or active (the inbox read first: see the module docstring)."""
+        inbox = self._inbox.qsize()
+        return inbox + len(self.waiting) + len(self.active)
 
     def has_work(self) -> bool:
         return len(self) > 0
 
     @property
     def num_waiting(self) -> int:
-        with self._lock:
-            return len(self.waiting)
+        inbox = self._inbox.qsize()
+        return inbox + len(self.waiting)
 
     @property
     def num_active(self) -> int:
@@ -111,10 +114,10 @@ class Scheduler:
         warm request needs a small part of its prompt).
         """
         cfg = self.config
-        with self._lock:
-            aborted = [s for s in (*self.waiting, *self.active) if s.abort.aborted]
-            for s in aborted:
-                self._remove(s)
+        self._take_inbox()
+        aborted = [s for s in (*self.waiting, *self.active) if s.abort.aborted]
+        for s in aborted:
+            self._remove(s)
         decodes = [s for s in self.active if s.status is Status.RUNNING]
         budget = cfg.max_step_tokens - len(decodes) if decodes else cfg.max_step_tokens
         prefills: list[tuple[Sequence, int]] = []
@@ -125,17 +128,15 @@ class Scheduler:
                 budget -= grant
         reserved = self.reserved_bytes
         while budget > 0 and len(self.active) < cfg.max_running:
-            with self._lock:  # held only to move one sequence from `waiting` to `active`
-                s = self.waiting.peek() if self.waiting else None
-                if s is None or reserved + s.reserved_bytes > cfg.running_budget_bytes:
-                    break  # in the queue's order: later ones do not overtake it
-                self.waiting.pop()
-                self.active.append(s)
+            s = self.waiting.peek() if self.waiting else None
+            if s is None or reserved + s.reserved_bytes > cfg.running_budget_bytes:
+                break  # in the queue's order: later ones do not overtake it
+            self.waiting.pop()
+            self.active.append(s)
             reserved += s.reserved_bytes
             s.status, s.first_scheduled = Status.PREFILLING, time.perf_counter()
             if self.cache is not None:
-                # Outside the lock: laying out a prefill may read the disk or a shared tier, and
-                # `add` (the HTTP event loop's) must never wait for that.
+                # May read the disk or a shared tier; `add` (the HTTP event loop's) never waits for it.
                 self.cache.plan(s)
             grant = min(max(s.prefill_left, 1), budget)
             prefills.append((s, grant))
@@ -144,8 +145,16 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished sequence (it frees its slot and memory)."""
-        with self._lock:
-            self._remove(seq)
+        self._take_inbox()
+        self._remove(seq)
+
+    def _take_inbox(self) -> None:
+        """Move what `add` queued since the last step into the waiting queue, in arrival order."""
+        while True:
+            try:
+                self.waiting.add(self._inbox.get_nowait())
+            except queue.Empty:
+                return
 
     def _remove(self, seq: Sequence) -> None:
         if seq in self.active:

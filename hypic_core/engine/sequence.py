@@ -84,27 +84,33 @@ class PrefillStats:
         return self.exact_tokens
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
-    """Tokens to run through all layers at positions start.. on the sequence's cache."""
+    """Tokens to run through all layers at positions start.. on the sequence's cache. How much of it is
+    done is the sequence's cursor (`Sequence.num_computed_tokens`), never the run's."""
 
     ids: tuple[int, ...]
     start: int
     boundary: bool = False  # the end of a context segment in an exact run: snapshot the linear states there
-    done: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.ids)
 
 
 @dataclass(eq=False)
 class PrefillProgress:
     """A sequence's prefill work in progress (engine thread only). What is left, in order: cold
     entries (`cold`, shared with other sequences), `runs` (an exact run; the whole prompt in
-    `full`), the stitch of the cached segments after the exact run (`stitch_pending`), and the
-    question's runs; the last run leaves the first-token `logits`."""
+    `full`), the stitch of the cached segments after the exact run (positions `start` to
+    `stitch_end`), and the question's runs; the last run leaves the first-token `logits`. Where the
+    prefill stands is the sequence's one cursor, `Sequence.num_computed_tokens`: the runs and the
+    stitch are laid out by position, so the cursor says which are done."""
 
     cache: Any  # the sequence's own transformers cache
     entries: list[SegmentEntry | None] = field(default_factory=list)  # stitched: one per context segment
     cold: list[tuple["EntryJob", list[int]]] = field(default_factory=list)  # (shared work, entry slots it fills)
-    stitch_pending: bool = False
+    stitch_end: int | None = None  # the position after the stitched segments (None: nothing is stitched)
     runs: deque[Run] = field(default_factory=deque)
     # the exact run (snapshots: hypic_core/cache/exact_runs.py)
     chain: list[str] = field(default_factory=list)  # chained hashes of its segments
@@ -118,11 +124,16 @@ class PrefillProgress:
     deferred: list = field(default_factory=list)  # (key, segment, seam) of entries to compute after the first token
     logits: torch.Tensor | None = None
 
-    def tokens_left(self, seq: "Sequence") -> int:
+    def stitch_due(self, cursor: int) -> bool:
+        """Whether the stitch is still to run, the cursor at `cursor` (the stitch moves it past `stitch_end`)."""
+        return self.stitch_end is not None and cursor <= self.stitch_end
+
+    def tokens_left(self, cursor: int, seam_tokens: int, question: int) -> int:
+        """Tokens of model work left from `cursor`: cold entries, the stitch (its `seam_tokens` and the
+        `question` tokens it may take), the runs' tokens past the cursor."""
         cold = sum(cw.left for cw, _ in self.cold)
-        stitch = (seq.stats.seam_tokens + len(seq.request.question)
-                  if self.stitch_pending else 0)
-        return cold + stitch + sum(len(r.ids) - r.done for r in self.runs)
+        stitch = seam_tokens + question if self.stitch_due(cursor) else 0
+        return cold + stitch + sum(r.end - max(r.start, cursor) for r in self.runs)
 
     @property
     def snapshot_due(self) -> bool:
@@ -170,14 +181,13 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled: float | None = None
     stats: PrefillStats | None = None
-    prefill_left: int = 0  # tokens of prefill work still to run (an upper bound until planned)
+    num_computed_tokens: int = 0  # the cursor: prompt and output tokens in its cache (a restored snapshot counts)
     prefill: PrefillProgress | None = None  # set when admitted, cleared when its decoding starts
     found: list | None = None  # its segments' store entries, looked up off the engine thread (lookups.py)
     drafter: Any = None  # its PromptLookup (drafting.py), made on its first draft
     draft_budget: DraftBudget = field(default_factory=DraftBudget)  # how many tokens it drafts next
     cache: Any = None  # the sequence's own cache between prefill and joining the decode batch
     logits: torch.Tensor | None = None  # next-token logits waiting to be sampled
-    position: int = 0  # position of the next token fed to the model
     output_ids: list[int] = field(default_factory=list)  # generated tokens, EOS included
     finish_reason: str | None = None
     error: BaseException | None = None  # why its prefill could not be laid out
@@ -186,7 +196,6 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.stats = PrefillStats(self.request.mode.value, self.seam, prompt_tokens=self.request.prompt_tokens)
-        self.prefill_left = self.request.prompt_tokens
         self._prompt_ids = [t for seg in self.request.segments for t in seg]
 
     @property
@@ -196,6 +205,16 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def prefill_left(self) -> int:
+        """Tokens of prefill work still to run: from the cursor, once laid out (`prefill`); before that the
+        prompt past the cursor (an upper bound); none once decoding or failed."""
+        if self.prefill is not None:
+            return self.prefill.tokens_left(self.num_computed_tokens, self.stats.seam_tokens, len(self.request.question))
+        if self.error is not None or self.status in (Status.RUNNING, Status.FINISHED):
+            return 0
+        return self.request.prompt_tokens - self.num_computed_tokens
 
     @property
     def num_generated(self) -> int:

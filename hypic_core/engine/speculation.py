@@ -62,7 +62,7 @@ class Speculator:
                                          self.config.speculation_min_ngram)
                 s.draft_budget = DraftBudget(self.config.speculation_max_draft)
             s.draft_budget.cost = price  # what a drafted token costs at this batch size on this machine now
-            k = min(s.draft_budget.next_k(), s.max_new_tokens - s.num_generated - 1, self.max_positions - s.position - 2)
+            k = min(s.draft_budget.next_k(), s.max_new_tokens - s.num_generated - 1, self.max_positions - s.num_computed_tokens - 2)
             if k <= 0:
                 continue
             s.drafter.extend(s.output_ids[len(s.drafter.tokens) - s.request.prompt_tokens:])
@@ -77,7 +77,7 @@ class Speculator:
         row's logits after every token it was fed ([n, vocab]) and the forward's seconds."""
         t0 = time.perf_counter()
         fed = [[s.output_ids[-1], *drafts.get(s, ())] for s in batch.keys]
-        verified = self._verify.verify(batch, fed, [s.position for s in batch.keys])
+        verified = self._verify.verify(batch, fed, [s.num_computed_tokens for s in batch.keys])
         seconds = time.perf_counter() - t0
         self.cost.verify(len(fed), sum(map(len, drafts.values())), seconds)
         self.stats.verify_steps += 1
@@ -107,5 +107,5 @@ class Speculator:
         back the rest; positions advance by as many."""
         VerifyStep.commit(batch, verified, [kept.get(s, 1) for s in batch.keys])
         for s in batch.keys:
-            s.position += kept.get(s, 1)
+            s.num_computed_tokens += kept.get(s, 1)
         self.cost.verified(len(batch.keys), sum(kept.values()), seconds)
