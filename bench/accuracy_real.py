@@ -419,7 +419,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-prefix", action="store_true", help="leave out `prefix` (equal to full by construction: "
-                        "tests/test_stitch.py checks it)")
+                        "tests/engine/test_stitch.py checks it)")
     parser.add_argument("--partial", default=None, help="rewrite the rows so far to this JSON file after each question")
     parser.add_argument("--tag", default=None, help="docs/accuracy.md section tag (default: real-<model>)")
     parser.add_argument("--raw", default=None, help="file name in docs/ of the raw rows (default: accuracy_real_<model>.json)")

@@ -315,7 +315,7 @@ class HypicView:
     writes into the cache, from how the answer reads it back.
 
     Either way, with a seam as long as every segment the logits are `full`'s (the engine's
-    exactness invariant), and at any seam the two ways give the same logits (tests/test_hybrid.py).
+    exactness invariant), and at any seam the two ways give the same logits (tests/engine/test_hybrid.py).
     """
 
     def __init__(self, tokenizer=None, seam: int = 8, documents: bool = False) -> None:

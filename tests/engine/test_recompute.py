@@ -65,7 +65,7 @@ def test_bad_input_names_what_is_wrong(kwargs, match):
 
 def _bench():
     """bench/accuracy_real.py (a script, loaded by path): its `install_recompute` applies the widths to an engine."""
-    from conftest import ROOT, load_script
+    from helpers import ROOT, load_script
 
     return load_script("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
 

@@ -20,7 +20,7 @@ import types
 import pytest
 import torch
 
-from conftest import random_segments
+from helpers import random_segments
 from hypic_core.adapters import adapter_for, kernels
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_segments
+import engines
+from helpers import random_segments
 from hypic_core.algebra.keys import SegmentKey
 from hypic_core.cache.store import MemorySegmentStore
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
@@ -28,7 +29,7 @@ LENGTHS = (14, 40, 31, 23, 9, 6)  # system prompt, four chunks, question
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def model(request):
-    return tiny_model(request.param)
+    return engines.model(request.param)
 
 
 def req(segments, mode="hypic", seam=None, max_tokens=6):

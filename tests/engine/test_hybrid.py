@@ -107,7 +107,7 @@ def test_attention_layers_are_the_measured_ones():
 
     from training.hybrid.sensitivity import copying_layers
 
-    folder = pathlib.Path(__file__).parents[1] / "models" / "smollm2-hybrid-135m"
+    folder = pathlib.Path(__file__).parents[2] / "models" / "smollm2-hybrid-135m"
     measured = json.loads((folder / "sensitivity.json").read_text())
     retrieval = json.loads((folder / "retrieval_heads.json").read_text())
     restore = json.loads((folder / "restore.json").read_text())
@@ -318,8 +318,8 @@ def test_composed_first_layer_state_equals_the_sequential_scan(tiny_hybrid):
     the embeddings in every mode, so its state composed from each segment's cached (T, E) must be
     full prefill's state; pic-naive's (last segment's E alone) is not. The seam (4) covers each
     segment's first conv-kernel - 1 = 3 tokens, whose short convolution reads the previous segment.
-    (SmolLM2's hybrid keeps attention in layer 0; tests/test_stitch.py checks the family.)"""
-    from conftest import random_segments
+    (SmolLM2's hybrid keeps attention in layer 0; tests/engine/test_stitch.py checks the family.)"""
+    from helpers import random_segments
 
     engine = Engine(tiny_hybrid, config=EngineConfig(seam=4))
     assert engine.adapter.family == "mamba2" and engine.adapter.linear_layers[0] == 0
@@ -549,7 +549,7 @@ def test_progress_counts_stage2_steps_across_machines_and_plots(tmp_path):
     assert [s for s, _ in validations(lines)] == [13, 28, 1029, 1029, 1031]
     assert layout_changes(lines) == [1029]
     (tmp_path / "log.jsonl").write_text("\n".join(lines))
-    plot(tmp_path / "log.jsonl", {28: pathlib.Path(__file__).parents[1] / "docs" / "accuracy_real_smollm2-hybrid-135m_r3.json"}, tmp_path / "p.png")
+    plot(tmp_path / "log.jsonl", {28: pathlib.Path(__file__).parents[2] / "docs" / "accuracy_real_smollm2-hybrid-135m_r3.json"}, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -7,7 +7,7 @@ import torch
 
 from hypic_core.adapters import adapter_for
 from hypic_core.testing import tiny_model
-from conftest import random_segments
+from helpers import random_segments
 
 
 def first_attention_keys(model, adapter, ids, start):

@@ -283,19 +283,11 @@ QUERY = {"question": "Who founded Brill?", "top_k": 1, "max_tokens": 3}
 
 @pytest.fixture(scope="module")
 def gateway(tiny_tokenizer, tmp_path_factory):
-    from app.http.server import create_app
-    from app.service.settings import Settings
-    from app.testing import LiveServer, single_torch_thread, tiny_engine
-    from retrieval import HashingEmbedder, VectorIndex
+    import gateways
+    from app.testing import tiny_gateway
 
-    root = tmp_path_factory.mktemp("gateway-sampling")
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("\n".join(json.dumps(d) for d in CORPUS) + "\n")
-    settings = Settings(_env_file=None, torch_threads=None, index_dir=root / "index", corpus_path=corpus, max_new_tokens=32)
-    index = VectorIndex(settings.index_dir, HashingEmbedder(64))
-    app = create_app(settings, engine=tiny_engine(tiny_tokenizer), index=index)
-    with single_torch_thread(), LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=30) as client:
-        live.wait_ready()
+    app = tiny_gateway(tmp_path_factory.mktemp("gateway-sampling"), tiny_tokenizer, CORPUS, max_new_tokens=32)
+    with gateways.served(app) as live, httpx.Client(base_url=live.url, timeout=30) as client:
         yield app, client
 
 

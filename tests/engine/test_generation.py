@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from conftest import random_segments
+from helpers import random_segments
 from hypic_core.algebra.entry import SegmentEntry
 from hypic_core.algebra.keys import SegmentKey
 from hypic_core.cache.store import MemorySegmentStore

@@ -18,7 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORE_FORBIDDEN = ("app", "retrieval", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic_core", "pydantic_settings",
                   "faiss")
 SERVICE_FORBIDDEN = ("app.http", "fastapi", "starlette", "uvicorn", "h11")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import random_segments
+from helpers import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError, PromptTooLongError, UnsupportedArchitectureError

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import random_segments
+from helpers import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest
 from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError, PromptTooLongError, UnsupportedArchitectureError

@@ -20,7 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_segments
+import engines
+from helpers import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError
@@ -36,7 +37,7 @@ TOL = 2e-4
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def model(request):
-    return tiny_model(request.param)
+    return engines.model(request.param)
 
 
 def engine_of(model, choice="exact", **kw):

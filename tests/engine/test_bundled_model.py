@@ -10,7 +10,7 @@ import pytest
 
 from training import world
 
-MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "models", "hypic-tiny")
+MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "models", "hypic-tiny")
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL_DIR, "model.safetensors")),
                                 reason="models/hypic-tiny has not been exported yet")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_segments
+from helpers import random_segments
 from hypic_core.config import Mode
 from hypic_core.engine.engine import Engine
 from hypic_core.testing import FAMILIES, tiny_model

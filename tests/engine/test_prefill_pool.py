@@ -20,7 +20,7 @@ from hypic_core.prefill_pool import PrefillPool, ReplicaSpec
 from hypic_core.prefill_pool.backends import Event
 from hypic_core.prefill_pool.split import join_pieces, split_points
 
-MODEL_DIR = str(Path(__file__).resolve().parents[1] / "models" / "hypic-tiny")
+MODEL_DIR = str(Path(__file__).resolve().parents[2] / "models" / "hypic-tiny")
 SEAM = 8
 
 
@@ -234,7 +234,7 @@ def test_bad_configuration_is_refused(tmp_path):
 def test_ray_actors_compute_the_same_bytes_and_survive_a_kill(plain):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}})
     try:
         with PrefillPool(ReplicaSpec(MODEL_DIR, threads=1), workers=2, backend="ray") as pool:
             pooled_engine(plain, pool)

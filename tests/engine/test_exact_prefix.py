@@ -18,24 +18,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_segments
+import engines
+from helpers import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError
-from hypic_core.testing import tiny_model
 
 FAMILIES = ["qwen3_5", "llama", "bamba", "kimi_linear", "minimax", "zamba2"]
 LENGTHS = (14, 20, 40, 31, 23, 6)  # system prompt, an earlier turn, three chunks, question
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def model(request):
-    return tiny_model(request.param)
+def family(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def engine(model):
-    return Engine(model, config=EngineConfig(seam=8))
+def model(family):
+    return engines.model(family)
+
+
+@pytest.fixture(scope="module")
+def engine(family):
+    return engines.engine(seam=8, family=family)
 
 
 def req(segments, mode="hypic", seam=None, exact_prefix=0, max_tokens=5, exact_runs=True):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_segments
-from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
+import engines
+from helpers import random_segments
+from hypic_core.config import GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
-from hypic_core.testing import tiny_model
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama",
             "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1", "kimi_linear", "minimax"]
@@ -25,7 +25,7 @@ LENGTHS = (14, 40, 31, 23, 9, 6)  # system prompt, four chunks, question
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def engine(request):
-    return Engine(tiny_model(request.param), config=EngineConfig(seam=8))
+    return engines.engine(seam=8, family=request.param)
 
 
 def req(segments, mode, seam=None, max_tokens=6):
@@ -100,7 +100,7 @@ def test_approximate_modes_really_differ_from_full(engine):
 
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_hypic_closer_to_full_than_pic_naive(family):
-    engine = Engine(tiny_model(family), config=EngineConfig(seam=4))
+    engine = engines.engine(seam=4, family=family)
     kls = {"hypic": [], "pic-naive": []}
     for seed in range(4):
         segs = random_segments((10, 48, 48, 48, 48, 8), seed=10 + seed)
