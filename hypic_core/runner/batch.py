@@ -16,7 +16,7 @@ cache replaces a linear state with a new tensor each step (MiniMax) has that ten
 the layer's buffer after the step; a join then regrows it (as stacking would).
 
 The plain reference is one sequence per forward on its own cache (`ModelRunner.forward`),
-which tests/test_batching.py compares step by step over joins and leaves.
+which tests/engine/test_batching.py compares step by step over joins and leaves.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Attention runs row by row over each row's own live columns (a batched, padded pr
 than the drafts saved once contexts were long); the recurrences step a padded [B, T] layout. Families: those of the
 lean decode step (runner/decode_step.py); the engine does not speculate on the others.
 
-Reference: feeding the same tokens one at a time through the lean step. tests/test_speculation.py
+Reference: feeding the same tokens one at a time through the lean step. tests/engine/test_speculation.py
 compares logits and the kept states on every covered family.
 """
 
