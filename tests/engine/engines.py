@@ -1,9 +1,16 @@
 """The engine tests' one fixture factory: `engine(seam=..., family=..., **config)` builds an `Engine`
-on a tiny random model (one model per family, shared), and `FakePool`, a prefill pool that computes
-entries with the engine's own runner but hands them out only when asked to wait or poll."""
+on a tiny random model (one model per family and overrides, shared), and `FakePool`, a prefill pool
+that computes entries with the engine's own runner but hands them out only when asked to wait or poll.
+
+    engine(3, "bamba", max_step_tokens=16)          # the shared bamba model, EngineConfig(seam=3, max_step_tokens=16)
+    engine(4, model=model("qwen3_5", vocab_size=300), tokenizer=tok)   # a tokenizer's vocabulary
+    engine(like=other, max_step_tokens=16)          # other's model, tokenizer, id and settings; a fresh store
+    engine(model=tiny_model("qwen3_5"))             # a model of the test's own, for a test that changes it
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -17,15 +24,40 @@ from hypic_core.testing import tiny_model  # noqa: E402
 
 __all__ = ["FakePool", "engine", "model", "random_segments", "request"]
 
+SEAM = 4  # the factory's seam when neither the call nor `like` names one
+
 
 @functools.cache
-def model(family: str = "qwen3_5"):
-    return tiny_model(family)
+def model(family: str = "qwen3_5", **overrides):
+    """The shared tiny model of `family`, one per set of `tiny_model` overrides (vocab_size,
+    max_position_embeddings, ...). A test that changes its model, or runs a lean decode step on it,
+    builds its own with `tiny_model`."""
+    return tiny_model(family, **overrides)
 
 
-def engine(seam: int = 4, family: str = "qwen3_5", prefill_pool=None, **config) -> Engine:
-    """A fresh engine (its own store) on the shared tiny model of `family`."""
-    return Engine(model(family), config=EngineConfig(seam=seam, **config), prefill_pool=prefill_pool)
+def engine(seam: int | None = None, family: str = "qwen3_5", *, model=None, tokenizer=None, like: Engine | None = None,
+           store=None, model_id: str | None = None, prefill_pool=None, **config) -> Engine:
+    """A fresh engine (its own store unless `store` is given).
+
+    The model is `model`, else `like`'s, else the shared tiny model of `family`, or a new one when
+    `decode_step` is not "module" (the lean step makes a model's weights views of fused copies: on the
+    shared model that would change what every later test runs). The tokenizer and model id likewise:
+    `tokenizer`, `model_id`, else `like`'s, else none and "model". The settings are
+    `EngineConfig(seam=seam, **config)` (seam 4 when not given), or with `like` its settings, `seam`
+    and `config` replacing fields."""
+    if like is not None:
+        model = like.model if model is None else model
+        tokenizer = like.tokenizer if tokenizer is None else tokenizer
+        model_id = like.model_id if model_id is None else model_id
+        settings = dataclasses.replace(like.config, **({} if seam is None else {"seam": seam}), **config)
+    else:
+        settings = EngineConfig(seam=SEAM if seam is None else seam, **config)
+    if model is None:
+        model = _shared(family) if settings.decode_step == "module" else tiny_model(family)
+    return Engine(model, tokenizer, settings, store, model_id or "model", prefill_pool=prefill_pool)
+
+
+_shared = model  # `engine`'s parameter `model` hides the function there
 
 
 def request(segments, mode: str = "hypic", max_tokens: int = 1, **kw) -> GenerationRequest:

@@ -12,11 +12,12 @@ import copy
 import pytest
 import torch
 
+import engines
 from conftest import random_segments
-from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
+from hypic_core.config import GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError
-from hypic_core.testing import FAMILIES, tiny_model
+from hypic_core.testing import FAMILIES
 
 MODES = ("full", "prefix", "pic-naive", "hypic", "hypic", "full")
 SHAPES = ((5, 9), (12, 30, 7), (40, 3), (8, 8, 8, 8, 4), (25, 60, 11), (2,))  # 6 prompts of different lengths
@@ -41,7 +42,7 @@ def prefilled(engine: Engine, seed: int = 0):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_decode_equals_one_at_a_time(family):
     """Rows join (2 late) and leave (1 early) between steps; every step's logits match the plain path."""
-    engine = Engine(tiny_model(family), config=EngineConfig(seam=3))
+    engine = engines.engine(3, family)
     if not engine.adapter.supports_batched_decode:
         pytest.skip(f"{family} decodes one sequence per forward")
     runner = engine.runner
@@ -67,7 +68,7 @@ def test_batched_decode_equals_one_at_a_time(family):
 
 @pytest.fixture(scope="module")
 def engine(tiny_tokenizer):
-    return Engine(tiny_model("qwen3_5", vocab_size=len(tiny_tokenizer)), tiny_tokenizer, EngineConfig(seam=3))
+    return engines.engine(3, model=engines.model("qwen3_5", vocab_size=len(tiny_tokenizer)), tokenizer=tiny_tokenizer)
 
 
 def requests(engine, max_tokens=(9, 4, 12, 7, 10, 6)):
@@ -119,7 +120,7 @@ def test_min_tokens_and_ignore_eos_hold_eos_back(engine):
     """The model's favourite first token is made EOS: without the extras the answer stops at once."""
     seg = random_segments((10, 4), vocab=len(engine.tokenizer), seed=3)
     first = engine.generated_tokens(GenerationRequest(seg, sampling=SamplingParams(max_tokens=1)))[0]
-    eng = Engine(engine.model, engine.tokenizer, engine.config)
+    eng = engines.engine(like=engine)
     eng.eos_ids = frozenset({first})
     stopped = list(eng.generate(GenerationRequest(seg, sampling=SamplingParams(max_tokens=6))))
     assert len(stopped) == 1 and stopped[0].finish_reason == "stop"
@@ -136,7 +137,7 @@ LINEAR_FAMILIES = [f for f in FAMILIES if f not in ("qwen3", "llama")]
 @pytest.mark.parametrize("family", LINEAR_FAMILIES)
 def test_entry_computed_piece_by_piece_equals_whole(family):
     """A long cold segment split over steps: its entry equals the one-forward reference entry."""
-    engine = Engine(tiny_model(family), config=EngineConfig(seam=5))
+    engine = engines.engine(5, family)
     (seg,) = random_segments((45,), seed=4)
     with torch.inference_mode():
         (ref,) = engine.runner.compute_entries_reference([seg], 5)
@@ -156,11 +157,11 @@ def test_entry_computed_piece_by_piece_equals_whole(family):
 @pytest.mark.parametrize("mode", ["full", "prefix", "pic-naive", "hypic"])
 def test_chunked_prefill_equals_one_shot(engine, mode):
     """A 16-token step budget spreads the prompt over many steps; outputs equal the unbudgeted engine."""
-    small = Engine(engine.model, engine.tokenizer, EngineConfig(seam=3, max_step_tokens=16))
+    small = engines.engine(3, like=engine, max_step_tokens=16)
     segs = random_segments((7, 50, 23, 40, 30), vocab=len(engine.tokenizer), seed=21)
     req = GenerationRequest(segs, mode=mode, sampling=SamplingParams(max_tokens=5, top_logprobs=5, ignore_eos=True))
     for _ in range(2):  # cold, then warm (exact snapshots and segment entries reused)
-        ref = list(Engine(engine.model, engine.tokenizer, EngineConfig(seam=3)).generate(req))
+        ref = list(engines.engine(3, like=engine).generate(req))
         got = list(small.generate(req))
         assert [o.token_id for o in got] == [o.token_id for o in ref]
         assert_close(mode, torch.tensor([v for _, v in ref[0].top_logprobs]), torch.tensor([v for _, v in got[0].top_logprobs]))
@@ -170,7 +171,7 @@ def test_chunked_prefill_equals_one_shot(engine, mode):
 def test_running_streams_keep_decoding_during_a_long_cold_prefill(engine):
     """Budget 32 tokens per step: a 300-token cold request prefills over >= 9 steps, and the running
     stream produces a token in every one of them."""
-    eng = Engine(engine.model, engine.tokenizer, EngineConfig(seam=3, max_step_tokens=32))
+    eng = engines.engine(3, like=engine, max_step_tokens=32)
     vocab = len(engine.tokenizer)
     running = eng.add_request(GenerationRequest(random_segments((10, 5), vocab=vocab, seed=1),
                                                 sampling=SamplingParams(max_tokens=40, ignore_eos=True)))
@@ -186,7 +187,7 @@ def test_running_streams_keep_decoding_during_a_long_cold_prefill(engine):
 
 
 def test_cold_segment_shared_by_two_requests_is_computed_once(engine, monkeypatch):
-    eng = Engine(engine.model, engine.tokenizer, EngineConfig(seam=3))
+    eng = engines.engine(3, like=engine)
     vocab = len(engine.tokenizer)
     shared, a, b, q = random_segments((40, 20, 25, 5), vocab=vocab, seed=8)
     computed = []
@@ -203,9 +204,9 @@ def test_cold_segment_shared_by_two_requests_is_computed_once(engine, monkeypatc
 def test_memory_budget_bounds_the_running_set(engine):
     vocab = len(engine.tokenizer)
     req = GenerationRequest(random_segments((30, 5), vocab=vocab, seed=3), sampling=SamplingParams(max_tokens=6, ignore_eos=True))
-    probe = Engine(engine.model, engine.tokenizer, EngineConfig(seam=3))
+    probe = engines.engine(3, like=engine)
     need = probe.add_request(req).reserved_bytes
-    eng = Engine(engine.model, engine.tokenizer, EngineConfig(seam=3, running_budget_bytes=int(need * 1.5)))
+    eng = engines.engine(3, like=engine, running_budget_bytes=int(need * 1.5))
     seqs = [eng.add_request(req) for _ in range(3)]
     most = 0
     while eng.has_unfinished():
@@ -221,8 +222,8 @@ def test_memory_budget_bounds_the_running_set(engine):
 def test_one_forward_per_sequence_fallback_matches_the_batch(engine):
     """A family that cannot take the batched layout decodes each sequence on its own cache: same outputs."""
     reqs = requests(engine)
-    batched = run_together(Engine(engine.model, engine.tokenizer, engine.config), reqs)
-    alone = Engine(engine.model, engine.tokenizer, engine.config)
+    batched = run_together(engines.engine(like=engine), reqs)
+    alone = engines.engine(like=engine)
     alone.adapter.supports_batched_decode = False  # this engine's adapter instance only
     serial = run_together(alone, reqs)
     assert len(alone.runner.batch) == 0
@@ -234,7 +235,7 @@ def test_decode_steps_joins_and_leaves_keep_the_buffers_in_place():
     """With room reserved, steps write K/V and linear states in place, a join copies only its own row
     in and a leave moves one row: no buffer is reallocated or re-concatenated, the cache object stays
     (and the logits still match, test_batched_decode_equals_one_at_a_time)."""
-    engine = Engine(tiny_model("qwen3_5"), config=EngineConfig(seam=3))
+    engine = engines.engine(3)
     batch = engine.runner.batch
     seqs = prefilled(engine)
     with torch.inference_mode():
@@ -261,7 +262,7 @@ def test_long_decode_grows_the_buffers_and_matches(family):
     """Past the first column capacity (growth mid-run), with a join and leaves on the way, and for a
     family whose cache replaces its linear state each step (minimax: the new tensor is adopted),
     every step's logits match the plain path."""
-    engine = Engine(tiny_model(family), config=EngineConfig(seam=3))
+    engine = engines.engine(3, family)
     runner = engine.runner
     seqs = prefilled(engine)
     ref_caches = [copy.deepcopy(c) for c, _, _ in seqs]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engines
 from helpers import random_segments
 from hypic_core.config import Mode
-from hypic_core.engine.engine import Engine
 from hypic_core.testing import FAMILIES, tiny_model
 from test_operators import assert_close
 
@@ -25,7 +25,7 @@ def rel(ref, out):
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear"])
 @pytest.mark.parametrize("seam", [0, 5])
 def test_batched_fused_entries_equal_reference(family, seam):
-    engine = Engine(tiny_model(family))
+    engine = engines.engine(8, family)
     assert engine.adapter.supports_fused_body
     segs = random_segments((40, 2, 9, 17, 3, 65), seed=seam)  # shorter than the seam and the conv kernel too
     with torch.inference_mode():
@@ -43,7 +43,7 @@ def test_batched_fused_entries_equal_reference(family, seam):
 
 
 def test_batches_split_by_token_budget():
-    engine = Engine(tiny_model("qwen3_5"))
+    engine = engines.engine(8)
     segs = random_segments((30, 30, 30, 30), seed=1)
     with torch.inference_mode():
         small = engine.runner.compute_entries(segs, 4, max_batch_tokens=60)  # two rows per batch
@@ -57,7 +57,7 @@ def test_batches_split_by_token_budget():
 def test_fused_stitch_equals_sequential_stitch(family, seam):
     """Every family: one fused forward over all seam heads and the question equals the plain
     sequential stitch (first-token logits, and the final K/V, conv and recurrent states)."""
-    engine = Engine(tiny_model(family))
+    engine = engines.engine(8, family)
     assert engine.adapter.supports_fused_stitch
     segs = random_segments((12, 40, 2, 17, 3, 33, 7), seed=seam)
     context, question = segs[:-1], segs[-1]
@@ -100,7 +100,7 @@ def fused_key_positions(segs, entries) -> torch.Tensor:
 def test_fused_stitch_with_eager_attention():
     model = tiny_model("qwen3_5")
     model.set_attn_implementation("eager")
-    engine = Engine(model)
+    engine = engines.engine(8, model=model)  # its own model: eager attention is set on it
     segs = random_segments((12, 30, 5, 21, 6), seed=4)
     entries, _ = engine.segment_entries(segs[:-1], 3)
     with torch.inference_mode():

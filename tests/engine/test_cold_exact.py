@@ -23,12 +23,10 @@ import torch
 import engines
 from helpers import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError
 from hypic_core.algebra.keys import SegmentKey
 from hypic_core.engine.plan import CostModel, exact_wins
 from hypic_core.engine.sequence import Status
-from hypic_core.testing import tiny_model
 
 FAMILIES = ["qwen3_5", "bamba", "kimi_linear", "minimax", "llama"]
 LENGTHS = (12, 40, 33, 27, 9)  # system prompt, three chunks, question
@@ -41,7 +39,7 @@ def model(request):
 
 
 def engine_of(model, choice="exact", **kw):
-    return Engine(model, config=EngineConfig(seam=4, cold_prefill=choice, **kw))
+    return engines.engine(4, model=model, cold_prefill=choice, **kw)
 
 
 def req(segments, mode="hypic", max_tokens=1, exact_runs=True):
@@ -126,7 +124,7 @@ def test_stitch_and_composition_requests_keep_the_stitch(model):
 
 
 def test_partial_miss_stitches_and_shared_work():
-    model = tiny_model("qwen3_5")
+    model = engines.model("qwen3_5")
     segs = random_segments(LENGTHS, seed=5)
     eng = engine_of(model)
     eng.segment_entries(tuple(segs[1:2]), 4)  # one chunk warm: not every entry misses
@@ -148,7 +146,7 @@ def test_partial_miss_stitches_and_shared_work():
 
 
 def test_abort_before_first_token_leaves_no_background_work():
-    model = tiny_model("bamba")
+    model = engines.model("bamba")
     segs = random_segments(LENGTHS, seed=7)
     eng = engine_of(model, max_step_tokens=16)
     seq = eng.add_request(req(segs, max_tokens=4))
@@ -160,7 +158,7 @@ def test_abort_before_first_token_leaves_no_background_work():
 
 
 def test_exact_repeats_a_repeat_is_exact_then_restored():
-    model = tiny_model("qwen3_5")
+    model = engines.model("qwen3_5")
     segs = random_segments(LENGTHS, seed=8)
     eng = engine_of(model, exact_repeats=True)
     out, _ = first(eng, req(segs))
@@ -175,7 +173,7 @@ def test_exact_repeats_a_repeat_is_exact_then_restored():
 
 
 def test_background_queue_is_bounded():
-    model = tiny_model("qwen3_5")
+    model = engines.model("qwen3_5")
     eng = engine_of(model, background_tokens=50)
     for seed in (9, 10):
         first(eng, req(random_segments(LENGTHS, seed=seed)))
@@ -201,7 +199,7 @@ def test_cost_model_formula_and_choice():
 
 
 def test_auto_chooses_by_cost():
-    model = tiny_model("qwen3_5")
+    model = engines.model("qwen3_5")
     eng = engine_of(model, "auto")
     cost = eng.cache_manager.cost
     assert cost.entry_overhead > 0 and cost.attention > 0
@@ -211,7 +209,7 @@ def test_auto_chooses_by_cost():
     eng.drain_background()
     warm, _ = first(eng, req([segs[0], segs[2], segs[1], segs[3], random_segments((9,), seed=12)[0]]))
     assert not warm.stats.exact_forward and warm.stats.segment_hits == len(LENGTHS) - 1
-    dense = engine_of(tiny_model("llama"), "auto")
+    dense = engine_of(engines.model("llama"), "auto")
     assert dense.cache_manager.cost.entry_overhead == 0
 
 
@@ -231,7 +229,7 @@ def test_cold_exact_runs_the_forwards_full_runs(model):
 
 
 def test_failed_background_work_is_dropped_not_raised():
-    model = tiny_model("qwen3_5")
+    model = engines.model("qwen3_5")
     eng = engine_of(model)
     first(eng, req(random_segments(LENGTHS, seed=14)))
     real = eng.runner.compute_entries
@@ -261,8 +259,8 @@ def test_gateway_serves_cold_exactly_and_its_engine_thread_builds_the_entries(ti
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     settings = Settings(_env_file=None, torch_threads=None, index_dir=tmp_path / "index", corpus_path=tmp_path / "corpus.jsonl",
                         exact_repeats=False)
-    engine = Engine(tiny_model("qwen3_5", vocab_size=len(tiny_tokenizer)), tiny_tokenizer,
-                    EngineConfig(seam=4, cold_prefill="exact"), model_id="tiny")
+    engine = engines.engine(4, model=engines.model("qwen3_5", vocab_size=len(tiny_tokenizer)), tokenizer=tiny_tokenizer,
+                            model_id="tiny", cold_prefill="exact")
     app = create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64)))
     ask = {"question": "Which way does the river flow?", "top_k": 3, "max_tokens": 4}
     with LiveServer(app) as live:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+import engines
 from helpers import random_segments
-from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
+from hypic_core.config import GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError, PromptTooLongError, UnsupportedArchitectureError
-from hypic_core.testing import tiny_model
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(tiny_model("qwen3_5", max_position_embeddings=128), config=EngineConfig(seam=4))
+    return engines.engine(4, model=engines.model("qwen3_5", max_position_embeddings=128))
 
 
 def test_no_segments():

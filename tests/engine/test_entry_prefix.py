@@ -20,16 +20,15 @@ from helpers import random_segments
 from hypic_core.algebra.keys import SegmentKey
 from hypic_core.cache.store import MemorySegmentStore
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine.engine import Engine
-from hypic_core.testing import FAMILIES, tiny_model
+from hypic_core.testing import FAMILIES
 
 PREFIX = random_segments((6,), seed=77)[0]
 LENGTHS = (14, 40, 31, 23, 9, 6)  # system prompt, four chunks, question
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def model(request):
-    return engines.model(request.param)
+def family(request):
+    return request.param
 
 
 def req(segments, mode="hypic", seam=None, max_tokens=6):
@@ -41,10 +40,10 @@ def maxdiff(a, b):
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 
 
-def test_entry_after_its_prefix_is_exact_at_any_seam(model):
+def test_entry_after_its_prefix_is_exact_at_any_seam(family):
     """[P, chunk, question] with entries computed after P: the chunk sits where its entry was
     computed, so at seam 0 its K/V and composed linear states are full prefill's."""
-    engine = Engine(model, config=EngineConfig(seam=0, entry_prefix=PREFIX))
+    engine = engines.engine(0, family, entry_prefix=PREFIX)
     chunk, question = random_segments((33, 5), seed=3)
     segs = (PREFIX, chunk, question)
     full = engine.prefill(req(segs, "full")).logits
@@ -56,8 +55,8 @@ def test_entry_after_its_prefix_is_exact_at_any_seam(model):
     assert engine.generated_tokens(req(segs, seam=0)) == engine.generated_tokens(req(segs, "full"))
 
 
-def test_seam_covering_segments_equals_full_with_prefix(model):
-    engine = Engine(model, config=EngineConfig(seam=8, entry_prefix=PREFIX))
+def test_seam_covering_segments_equals_full_with_prefix(family):
+    engine = engines.engine(8, family, entry_prefix=PREFIX)
     segs = random_segments(LENGTHS, seed=1)
     full = engine.prefill(req(segs, "full")).logits
     for mode in ("hypic", "pic-naive"):
@@ -65,22 +64,22 @@ def test_seam_covering_segments_equals_full_with_prefix(model):
         assert maxdiff(full, out.logits) <= 1e-4, mode
         assert engine.generated_tokens(req(segs, mode, seam=max(LENGTHS))) == engine.generated_tokens(req(segs, "full"))
     # A seam fraction of 1 covers every segment too.
-    whole = Engine(model, config=EngineConfig(seam=0, seam_fraction=1.0, entry_prefix=PREFIX))
+    whole = engines.engine(0, family, seam_fraction=1.0, entry_prefix=PREFIX)
     assert maxdiff(full, whole.prefill(req(segs)).logits) <= 1e-4
 
 
-def test_one_segment_equals_full_with_prefix(model):
-    engine = Engine(model, config=EngineConfig(seam=8, entry_prefix=PREFIX))
+def test_one_segment_equals_full_with_prefix(family):
+    engine = engines.engine(8, family, entry_prefix=PREFIX)
     segs = random_segments((37, 7), seed=2)
     full = engine.prefill(req(segs, "full")).logits
     for seam in (0, 3, 8):
         assert maxdiff(full, engine.prefill(req(segs, seam=seam)).logits) <= 1e-4
 
 
-def test_prefix_changes_entries_and_cold_equals_warm(model):
+def test_prefix_changes_entries_and_cold_equals_warm(family):
     segs = random_segments(LENGTHS, seed=4)
-    plain = Engine(model, config=EngineConfig(seam=4))
-    prefixed = Engine(model, config=EngineConfig(seam=4, entry_prefix=PREFIX))
+    plain = engines.engine(4, family)
+    prefixed = engines.engine(4, family, entry_prefix=PREFIX)
     cold = prefixed.prefill(req(segs, max_tokens=8))
     assert cold.stats.segment_misses == len(segs) - 1
     warm = prefixed.prefill(req(segs, max_tokens=8))
@@ -91,11 +90,10 @@ def test_prefix_changes_entries_and_cold_equals_warm(model):
 
 
 def test_prefix_is_part_of_the_key():
-    model = tiny_model("qwen3_5")
     store = MemorySegmentStore(1 << 30)
-    a = Engine(model, config=EngineConfig(seam=4, entry_prefix=PREFIX), store=store)
-    b = Engine(model, config=EngineConfig(seam=4, entry_prefix=PREFIX[:-1]), store=store)
-    none = Engine(model, config=EngineConfig(seam=4), store=store)
+    a = engines.engine(4, store=store, entry_prefix=PREFIX)
+    b = engines.engine(4, store=store, entry_prefix=PREFIX[:-1])
+    none = engines.engine(4, store=store)
     segs = random_segments(LENGTHS, seed=5)
     a.prefill(req(segs))
     assert a.prefill(req(segs)).stats.segment_misses == 0
@@ -110,7 +108,7 @@ def test_prefix_is_part_of_the_key():
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "kimi_linear", "granitemoehybrid", "minimax", "llama"])
 def test_fast_paths_equal_reference_with_prefix(family):
-    engine = Engine(tiny_model(family), config=EngineConfig(entry_prefix=PREFIX))
+    engine = engines.engine(8, family, entry_prefix=PREFIX)
     runner = engine.runner
     segs = random_segments((40, 2, 9, 17, 3, 65), seed=6)  # shorter than the seam and the conv kernel too
     seam = 5
@@ -138,14 +136,13 @@ def test_fast_paths_equal_reference_with_prefix(family):
 
 
 def test_seam_fraction_widens_each_head():
-    model = tiny_model("qwen3_5")
-    engine = Engine(model, config=EngineConfig(seam=4, seam_fraction=0.25))
+    engine = engines.engine(4, seam_fraction=0.25)
     segs = random_segments((10, 40, 8, 23, 5), seed=7)
     out = engine.prefill(req(segs))
     assert out.stats.seam_tokens == sum(min(len(s), max(4, -(-len(s) // 4))) for s in segs[:-1])
     assert engine.config.head_width(4, 40) == 10 and engine.config.head_width(4, 8) == 4
     # Entries of one head width are the same whichever rule gave it: a fixed seam of 10 shares the 40-token one.
-    fixed = Engine(model, config=EngineConfig(seam=10), store=engine.store)
+    fixed = engines.engine(10, store=engine.store)
     shared = fixed.prefill(req((segs[0], segs[1], segs[-1]))).stats  # segs[0] had head 4 there: a miss
     assert shared.segment_hits == 1 and shared.composed_tokens == 40 - 10
     with pytest.raises(Exception):

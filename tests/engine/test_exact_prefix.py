@@ -20,8 +20,7 @@ import torch
 
 import engines
 from helpers import random_segments
-from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine.engine import Engine
+from hypic_core.config import GenerationRequest, SamplingParams
 from hypic_core.errors import InvalidRequestError
 
 FAMILIES = ["qwen3_5", "llama", "bamba", "kimi_linear", "minimax", "zamba2"]
@@ -31,11 +30,6 @@ LENGTHS = (14, 20, 40, 31, 23, 6)  # system prompt, an earlier turn, three chunk
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     return request.param
-
-
-@pytest.fixture(scope="module")
-def model(family):
-    return engines.model(family)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +70,7 @@ def test_a_restored_prefix_equals_computing_it(engine):
     assert torch.equal(first.logits, again.logits)
     # a later turn: the same two leading segments, other chunks and question
     later = list(segs[:2]) + list(random_segments((25, 17, 9), seed=14))
-    cold = Engine(engine.model, config=engine.config)  # no snapshot there
+    cold = engines.engine(like=engine)  # no snapshot there
     ref = cold.prefill(req(later, exact_prefix=2)).logits
     warm = engine.prefill(req(later, exact_prefix=2))
     assert warm.stats.exact_tokens == LENGTHS[0] + LENGTHS[1]
@@ -92,7 +86,7 @@ def test_prefix_mode_snapshots_serve_pic_requests(engine):
     out = engine.prefill(req(segs, exact_prefix=2))
     assert out.stats.exact_tokens == LENGTHS[0] + LENGTHS[1]
     # with exact repeats the snapshot's documents are restored too
-    repeats = Engine(engine.model, config=EngineConfig(seam=8, exact_repeats=True))
+    repeats = engines.engine(like=engine, exact_repeats=True)
     repeats.prefill(req(segs, "prefix"))
     assert repeats.prefill(req(segs, exact_prefix=2)).stats.exact_tokens == sum(LENGTHS[:-1])
     assert repeats.prefill(req(segs, exact_prefix=2, exact_runs=False)).stats.exact_tokens == LENGTHS[0] + LENGTHS[1]
@@ -115,10 +109,10 @@ def test_accounting_partitions_the_prompt(engine):
     assert warm.seam_tokens == 8 * 3 and warm.fresh_tokens == LENGTHS[-1]
 
 
-def test_documents_repeated_in_order_equal_full(model):
+def test_documents_repeated_in_order_equal_full(family):
     """The first sighting composes; the repeat computes the run exactly (and snapshots it); from then on
     it is restored: logits and tokens equal full prefill, and `cached_tokens` counts the documents."""
-    engine = Engine(model, config=EngineConfig(seam=8, exact_repeats=True))
+    engine = engines.engine(8, family, exact_repeats=True)
     segs = random_segments(LENGTHS, seed=17)
     full = engine.prefill(req(segs, "full"))
     full_tokens = engine.generated_tokens(req(segs, "full"))
@@ -140,8 +134,8 @@ def test_documents_repeated_in_order_equal_full(model):
     assert out.exact_tokens == context and out.seam_tokens == 8 and out.segment_misses == 1  # stitched after it
 
 
-def test_documents_in_a_new_order_still_compose(model):
-    engine = Engine(model, config=EngineConfig(seam=8, exact_repeats=True))
+def test_documents_in_a_new_order_still_compose(family):
+    engine = engines.engine(8, family, exact_repeats=True)
     segs = random_segments(LENGTHS, seed=19)
     for _ in range(2):
         engine.prefill(req(segs, exact_prefix=1))
@@ -152,14 +146,14 @@ def test_documents_in_a_new_order_still_compose(model):
     full = engine.prefill(req(shuffled, "full")).logits
     assert (out.logits - full).abs().max().item() > 1e-4  # composed, not restored
     # opting out (the accuracy guard): a repeated run composes, and is not counted as seen
-    opted = Engine(model, config=EngineConfig(seam=8, exact_repeats=True))
+    opted = engines.engine(8, family, exact_repeats=True)
     a, b = (opted.prefill(req(segs, exact_prefix=1, exact_runs=False)) for _ in range(2))
     assert torch.equal(a.logits, b.logits) and b.stats.exact_tokens == LENGTHS[0] and b.stats.composed_tokens > 0
     assert opted.prefill(req(segs, exact_prefix=1)).stats.composed_tokens > 0  # its first sighting
 
 
-def test_exact_repeats_off_keeps_cold_and_warm_identical(model):
-    engine = Engine(model, config=EngineConfig(seam=8, exact_repeats=False))
+def test_exact_repeats_off_keeps_cold_and_warm_identical(family):
+    engine = engines.engine(8, family, exact_repeats=False)
     segs = random_segments(LENGTHS, seed=20)
     a, b = (engine.prefill(req(segs, exact_prefix=1)) for _ in range(2))
     assert torch.equal(a.logits, b.logits) and b.stats.exact_tokens == LENGTHS[0] and b.stats.composed_tokens > 0

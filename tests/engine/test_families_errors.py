@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
+import engines
 from helpers import random_segments
-from hypic_core.config import EngineConfig, GenerationRequest
+from hypic_core.config import GenerationRequest
 from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError, PromptTooLongError, UnsupportedArchitectureError
 from hypic_core.testing import tiny_model
@@ -17,7 +18,7 @@ ADDED = ["bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1", "kimi
 
 @pytest.mark.parametrize("family", ADDED)
 def test_bad_requests_are_refused_and_cache_nothing(family):
-    engine = Engine(tiny_model(family, max_position_embeddings=64), config=EngineConfig(seam=4))
+    engine = engines.engine(4, model=engines.model(family, max_position_embeddings=64))
     assert engine.max_positions == 64
     with pytest.raises(InvalidRequestError, match=r"segments\[1\].*token id 100000"):
         engine.prefill(GenerationRequest(((5, 6), (7, 100000), (8,))))

@@ -7,21 +7,20 @@ import threading
 import pytest
 import torch
 
+import engines
 from helpers import random_segments
 from hypic_core.algebra.entry import SegmentEntry
 from hypic_core.algebra.keys import SegmentKey
 from hypic_core.cache.store import MemorySegmentStore
-from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
+from hypic_core.config import GenerationRequest, SamplingParams
 from hypic_core.engine.detokenizer import IncrementalDetokenizer, StreamDetokenizer, detokenizer_for
-from hypic_core.engine.engine import AbortHandle, Engine
+from hypic_core.engine.engine import AbortHandle
 from hypic_core.engine.sampling import Sampler
-from hypic_core.testing import tiny_model
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_tokenizer):
-    model = tiny_model("qwen3_5", vocab_size=len(tiny_tokenizer))
-    return Engine(model, tiny_tokenizer, EngineConfig(seam=4))
+    return engines.engine(4, model=engines.model("qwen3_5", vocab_size=len(tiny_tokenizer)), tokenizer=tiny_tokenizer)
 
 
 def test_seeded_sampling_is_reproducible_and_differs_from_greedy(engine):
@@ -167,7 +166,7 @@ def test_memory_store_verifies_token_ids():
 
 
 def test_entry_roundtrips_through_flat_tensors():
-    engine = Engine(tiny_model("qwen3_5"), config=EngineConfig(seam=3))
+    engine = engines.engine(3)
     (seg,) = random_segments((20,), seed=9)
     entries, _ = engine.segment_entries((seg,), 3)
     back = SegmentEntry.from_tensors(entries[0].to_tensors())

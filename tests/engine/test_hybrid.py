@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BambaForCausalLM, LlamaConfig, LlamaForCausalLM
 
+import engines
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
 from hypic_core.models import hybrid as H
@@ -321,7 +322,7 @@ def test_composed_first_layer_state_equals_the_sequential_scan(tiny_hybrid):
     (SmolLM2's hybrid keeps attention in layer 0; tests/engine/test_stitch.py checks the family.)"""
     from helpers import random_segments
 
-    engine = Engine(tiny_hybrid, config=EngineConfig(seam=4))
+    engine = engines.engine(4, model=tiny_hybrid)
     assert engine.adapter.family == "mamba2" and engine.adapter.linear_layers[0] == 0
     segs = random_segments((12, 30, 25, 9), vocab=128, seed=5)
     states = {}

@@ -20,10 +20,10 @@ import types
 import pytest
 import torch
 
+import engines
 from helpers import random_segments
 from hypic_core.adapters import adapter_for, kernels
-from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-from hypic_core.engine.engine import Engine
+from hypic_core.config import GenerationRequest, SamplingParams
 from hypic_core.testing import tiny_model
 
 HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid", "nemotron_h",
@@ -134,7 +134,7 @@ def test_plain_forwards_use_the_fake_kernel_and_capture_stitch_do_not(family, mo
     monkeypatch.setattr(kernels, "FAST_DEVICE_TYPES", {"cuda", "cpu"})  # let the fake run on CPU tensors
     model = tiny_model(family)
     calls = fake_packages(monkeypatch, adapter_for(model)._modeling, type(adapter_for(model)).kernel_ops)
-    engine = Engine(model, config=EngineConfig(seam=SEAM))
+    engine = engines.engine(SEAM, model=model)
     adapter, runner = engine.adapter, engine.runner
     assert adapter.kernel_plan("cpu")[adapter.linear_layers[0]][scan_op(adapter)] != "torch"
     calls.clear()  # the engine's own probe forward is a plain forward
@@ -161,7 +161,7 @@ def request(segs, mode, seam=None):
 
 
 def run_engine(family, segs) -> dict:
-    engine = Engine(tiny_model(family), config=EngineConfig(seam=SEAM))
+    engine = engines.engine(SEAM, family)
     out = {"full": engine.prefill(request(segs, "full")).logits}
     for mode, seam in (("hypic", SEAM), ("hypic", max(SEGMENTS)), ("pic-naive", SEAM)):
         out[mode, seam] = engine.prefill(request(segs, mode, seam)).logits

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import engines
 from hypic_core.cache.store import MemorySegmentStore
 from hypic_core.config import GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
@@ -60,7 +61,7 @@ def pool():
 
 def pooled_engine(plain: Engine, pool: PrefillPool) -> Engine:
     """An engine on the same model as `plain`, an empty store, computing cold entries on `pool`."""
-    return Engine(plain.model, plain.tokenizer, plain.config, MemorySegmentStore(1 << 30), plain.model_id, prefill_pool=pool)
+    return engines.engine(like=plain, store=MemorySegmentStore(1 << 30), prefill_pool=pool)
 
 
 def test_pool_entries_are_the_local_bytes(plain, pool):
@@ -77,8 +78,7 @@ def test_pool_entries_are_the_local_bytes(plain, pool):
 
 def test_generation_with_the_pool_equals_without(plain, pool):
     chunks, question = segments([350, 90, 260, 180, 40], seed=1), segments([12], seed=2)[0]
-    expected = Engine(plain.model, plain.tokenizer, plain.config, MemorySegmentStore(1 << 30), plain.model_id
-                      ).generated_tokens(request(chunks, question))
+    expected = engines.engine(like=plain, store=MemorySegmentStore(1 << 30)).generated_tokens(request(chunks, question))
     engine = pooled_engine(plain, pool)
     before = pool.stats["remote"]
     assert engine.generated_tokens(request(chunks, question)) == expected
@@ -94,7 +94,7 @@ def test_two_requests_in_one_step_share_the_pool(plain, pool):
     need is computed once; both generate what they generate alone."""
     a, b, shared = segments([220, 150], seed=3), segments([300, 60], seed=4), segments([180], seed=5)[0]
     q = segments([10], seed=6)[0]
-    reference = Engine(plain.model, plain.tokenizer, plain.config, MemorySegmentStore(1 << 30), plain.model_id)
+    reference = engines.engine(like=plain, store=MemorySegmentStore(1 << 30))
     want = [reference.generated_tokens(request([*a, shared], q)), reference.generated_tokens(request([shared, *b], q))]
     engine = pooled_engine(plain, pool)
     seqs = [engine.add_request(request([*a, shared], q), collect=True), engine.add_request(request([shared, *b], q), collect=True)]
@@ -110,8 +110,7 @@ def test_worker_killed_mid_request(plain, pool):
     """kill -9 of a worker computing a segment: the segment is computed again elsewhere, the request
     completes with the right tokens, and the pool starts a replacement."""
     chunks, question = segments([500, 450, 400, 350], seed=7), segments([9], seed=8)[0]
-    expected = Engine(plain.model, plain.tokenizer, plain.config, MemorySegmentStore(1 << 30), plain.model_id
-                      ).generated_tokens(request(chunks, question))
+    expected = engines.engine(like=plain, store=MemorySegmentStore(1 << 30)).generated_tokens(request(chunks, question))
     engine = pooled_engine(plain, pool)
     deaths, requeued = pool.stats["deaths"], pool.stats["requeued"]
     result: list = []

@@ -73,12 +73,10 @@ def _bench():
 def test_widths_in_the_stitched_prefill_whole_budget_equals_full_and_no_budget_equals_the_default():
     import torch
 
-    from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
-    from hypic_core.engine.engine import Engine
-    from hypic_core.testing import tiny_model
+    import engines
+    from hypic_core.config import GenerationRequest, SamplingParams
 
     bench = _bench()
-    model = tiny_model("qwen3_5")
     gen = torch.Generator().manual_seed(3)
     lengths = (11, 40, 33, 52, 9)  # the last is the question
     segs = tuple(tuple(int(t) for t in torch.randint(5, 200, (n,), generator=gen)) for n in lengths)
@@ -86,18 +84,18 @@ def test_widths_in_the_stitched_prefill_whole_budget_equals_full_and_no_budget_e
     def prefill(engine, mode="hypic"):
         return engine.prefill(GenerationRequest(segs, mode=mode, sampling=SamplingParams(max_tokens=1)))
 
-    plain = Engine(model, config=EngineConfig(seam=8))
+    plain = engines.engine(8)
     full = prefill(plain, "full").logits
     default = prefill(plain)
-    whole = Engine(model, config=EngineConfig(seam=8))
+    whole = engines.engine(8)
     bench.install_recompute(whole, "1.0")
     out = prefill(whole)
     assert out.stats.seam_tokens == sum(lengths[:-1])
     assert (out.logits - full).abs().max().item() <= 1e-4  # every segment recomputed: the golden test
-    none = Engine(model, config=EngineConfig(seam=8))
+    none = engines.engine(8)
     bench.install_recompute(none, "0")
     assert torch.equal(prefill(none).logits, default.logits)
-    part = Engine(model, config=EngineConfig(seam=8))
+    part = engines.engine(8)
     bench.install_recompute(part, "0.2")
     out = prefill(part)
     widths = head_widths(lengths[:-1], [8] * 4, 0.2)

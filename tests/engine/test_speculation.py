@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 
+import engines
 from conftest import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine.drafting import DraftBudget, DraftCost, PromptLookup
@@ -98,7 +99,7 @@ def test_verify_equals_token_by_token_and_keeps_exactly_the_prefix(family):
     and after keeping 2, 1 and 4 of them every row's buffers equal the one-at-a-time batch's."""
     model = model_of(family)
     atol = 1e-5  # both paths take attention's softmax in fp32: their widths differ, so do the last bits
-    engine = Engine(model, config=EngineConfig(seam=4, decode_step="lean"))
+    engine = engines.engine(4, model=model, decode_step="lean")
     runner = engine.runner
     pre = [engine.prefill(GenerationRequest(random_segments(s, seed=i), mode="full")) for i, s in enumerate(SHAPES[:3])]
     fed = [[3, 17, 40], [9], [11, 12, 13, 14, 15]]
@@ -137,7 +138,7 @@ def test_verify_equals_token_by_token_and_keeps_exactly_the_prefix(family):
 
 
 def test_commit_refuses_a_prefix_out_of_range():
-    engine = Engine(tiny_model("llama"), config=EngineConfig(decode_step="lean"))
+    engine = engines.engine(8, "llama", decode_step="lean")
     pre = engine.prefill(GenerationRequest(random_segments((6,)), mode="full"))
     with torch.inference_mode():
         engine.runner.batch.sync(["a"], {"a": pre.cache})
@@ -176,7 +177,7 @@ def test_greedy_tokens_identical_with_and_without_speculation(family):
     model = model_of(family)
     outs, stats = {}, {}
     for spec in (False, True):
-        engine = Engine(model, config=EngineConfig(seam=4, decode_step="lean", speculation=spec, speculation_min_ngram=1))
+        engine = engines.engine(4, model=model, decode_step="lean", speculation=spec, speculation_min_ngram=1)
         outs[spec] = run(engine, requests(), abort_at=6)
         stats[spec] = engine.speculation
     for i, (a, b) in enumerate(zip(outs[False], outs[True])):
@@ -201,7 +202,8 @@ def test_stop_strings_and_max_tokens_cut_inside_an_accepted_draft(tiny_tokenizer
     prompt = tuple(tiny_tokenizer.encode("The river Alna flows through Varo. The river Alna flows through Varo. The river"))
     base = engine_out = None
     for spec in (False, True):
-        engine = Engine(model, tiny_tokenizer, EngineConfig(seam=4, decode_step="lean", speculation=spec, speculation_min_ngram=1))
+        engine = engines.engine(4, model=model, tokenizer=tiny_tokenizer, decode_step="lean", speculation=spec,
+                                speculation_min_ngram=1)
         plain = list(engine.generate(GenerationRequest((prompt,), mode="full", sampling=SamplingParams(max_tokens=30))))
         text = "".join(o.text for o in plain)
         stop = text[len(text) // 2: len(text) // 2 + 3] if len(text) > 6 else None
@@ -247,8 +249,8 @@ class FixedDrafter:
 def test_a_draft_rejected_at_its_first_token_and_one_accepted_whole(family):
     model = tiny_model(family, dtype=torch.float64)
     req = GenerationRequest(random_segments((14, 9), seed=3), mode="full", sampling=SamplingParams(max_tokens=20, ignore_eos=True))
-    plain = Engine(model, config=EngineConfig(decode_step="lean", speculation=False)).generated_tokens(req)
-    engine = Engine(model, config=EngineConfig(decode_step="lean", speculation=True))
+    plain = engines.engine(8, model=model, decode_step="lean", speculation=False).generated_tokens(req)
+    engine = engines.engine(8, model=model, decode_step="lean", speculation=True)
     seq = engine.add_request(req, collect=True)
     wrong = (plain[3] + 1) % 300  # plain[3] comes next: the draft misses at once
     # step 1 samples plain[0]; steps 2-3 decode plainly (the engine times plain steps of one row first);
@@ -268,11 +270,11 @@ def test_a_draft_rejected_at_its_first_token_and_one_accepted_whole(family):
 def test_per_request_field_overrides_the_engine():
     model = tiny_model("llama", dtype=torch.float64)
     reqs = requests()
-    off = Engine(model, config=EngineConfig(decode_step="lean", speculation=False))
+    off = engines.engine(8, model=model, decode_step="lean", speculation=False)
     on = [GenerationRequest(r.segments, r.mode, sampling=r.sampling, speculation=True) for r in reqs]
     run(off, on)
     assert off.speculation.drafted > 0
-    engine = Engine(model, config=EngineConfig(decode_step="lean", speculation=True))
+    engine = engines.engine(8, model=model, decode_step="lean", speculation=True)
     run(engine, [GenerationRequest(r.segments, r.mode, sampling=r.sampling, speculation=False) for r in reqs])
     assert engine.speculation.drafted == 0
     with pytest.raises(InvalidRequestError, match="speculation"):
@@ -356,8 +358,8 @@ def test_gateway_answers_the_same_with_speculation_and_counts_it(tiny_tokenizer,
               {"id": "brill", "title": "Brill", "text": "Brill is a company founded by Tam Oke in 1999."}]
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
     settings = Settings(_env_file=None, torch_threads=None, index_dir=tmp_path / "index", corpus_path=tmp_path / "corpus.jsonl")
-    engine = Engine(tiny_model("qwen3_5", vocab_size=len(tiny_tokenizer)), tiny_tokenizer,
-                    EngineConfig(seam=4, decode_step="lean", speculation_min_ngram=1), model_id="tiny")
+    engine = engines.engine(4, model=tiny_model("qwen3_5", vocab_size=len(tiny_tokenizer)), tokenizer=tiny_tokenizer,
+                            model_id="tiny", decode_step="lean", speculation_min_ngram=1)
     engine.eos_ids = frozenset()  # answers run to max_tokens
     app = create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64)))
     body = {"question": "Who is the mayor of Varo?", "top_k": 2, "max_tokens": 48}

@@ -14,7 +14,6 @@ import torch
 import engines
 from helpers import random_segments
 from hypic_core.config import GenerationRequest, SamplingParams
-from hypic_core.engine.engine import Engine
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "olmo_hybrid_nope", "qwen3", "llama",
             "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1", "kimi_linear", "minimax"]
@@ -76,7 +75,7 @@ def test_exact_prefix_reuse_equals_full(engine):
 
 def test_cold_and_warm_cache_give_identical_tokens(engine):
     segs = random_segments(LENGTHS, seed=4)
-    fresh = Engine(engine.model, config=engine.config)
+    fresh = engines.engine(like=engine)
     cold_req = req(segs, "hypic", max_tokens=8)
     cold_prefill = fresh.prefill(cold_req)
     assert cold_prefill.stats.segment_misses == len(segs) - 1
@@ -86,7 +85,7 @@ def test_cold_and_warm_cache_give_identical_tokens(engine):
     assert torch.equal(cold_prefill.logits, warm_prefill.logits)
     assert fresh.generated_tokens(cold_req) == cold
     # Warm entries filled by a request with another order serve this one identically.
-    other = Engine(engine.model, config=engine.config)
+    other = engines.engine(like=engine)
     other.prefill(req((segs[0], *reversed(segs[1:-1]), segs[-1]), "hypic"))
     assert torch.equal(other.prefill(cold_req).logits, cold_prefill.logits)
 
