@@ -29,7 +29,7 @@ in bench/decode.py `--compile`, it bought too little on this CPU for the gateway
 (docs/benchmarks.md), so nothing serves it by default.
 
 The module path (`DecodeBatch.forward` without a step) stays the reference:
-tests/test_decode_step.py holds fp32 logits within 1e-4 and greedy tokens identical step for
+tests/engine/test_decode_step.py holds fp32 logits within 1e-4 and greedy tokens identical step for
 step over joins and leaves.
 """
 

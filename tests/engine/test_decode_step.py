@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+import engines
 from conftest import random_segments
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
@@ -67,7 +68,7 @@ def lean_against_module(engine: Engine, requests, steps: int, join_at: int, leav
 def test_lean_step_equals_module_path(family):
     """Every covered family: logits within 1e-4 and the same greedy tokens over joins and leaves.
     An uncovered one: the engine keeps the module path and says why."""
-    engine = Engine(tiny_model(family), config=EngineConfig(seam=3, decode_step="lean"))
+    engine = engines.engine(3, family, decode_step="lean")
     if family not in COVERED:
         assert uncovered_reason(engine.model) is not None and engine.runner.batch.step is None
         assert engine.runner.decode_step == "module"
@@ -79,7 +80,7 @@ def test_lean_step_equals_module_path(family):
 
 def test_lean_step_writes_the_row_buffers_in_place():
     """A steady step (no join, no growth) moves no buffer: K/V columns and states are written where they live."""
-    engine = Engine(tiny_model("bamba"), config=EngineConfig(seam=3, decode_step="lean"))
+    engine = engines.engine(3, "bamba", decode_step="lean")
     pre = [engine.prefill(GenerationRequest(random_segments(s, seed=i))) for i, s in enumerate(((6, 4), (9, 2)))]
     batch = engine.runner.batch
     with torch.inference_mode():
@@ -96,7 +97,7 @@ def test_fused_weights_are_the_modules_own():
     and the module path computes with the same numbers."""
     model = tiny_model("llama")
     q = model.model.layers[0].self_attn.q_proj.weight.clone()
-    step = LeanDecodeStep.build(model, Engine(model).adapter)
+    step = LeanDecodeStep.build(model, engines.engine(8, model=model).adapter)
     attn = step.layers[0][1]
     assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, q)
     assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == attn.w.data_ptr()
@@ -111,7 +112,7 @@ def test_engine_lean_equals_module_tokens():
             for i, (s, m, n) in enumerate(zip(SHAPES, MODES, (9, 4, 12, 7, 10, 6)))]
     outs = {}
     for kind in ("module", "lean"):
-        engine = Engine(model, config=EngineConfig(seam=3, decode_step=kind))
+        engine = engines.engine(3, model=model, decode_step=kind)
         seqs = [engine.add_request(r) for r in reqs[:4]]
         got: dict[str, list] = {}
         for n in range(1000):
@@ -164,7 +165,7 @@ def test_gateway_setting_reads_hypic_decode_step(monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_next", "bamba"])
 def test_packed_lean_step_equals_module_path(family):
     """decode_step="lean-packed" (oneDNN-packed weight copies) holds the same bounds as "lean"."""
-    engine = Engine(tiny_model(family), config=EngineConfig(seam=3, decode_step="lean-packed"))
+    engine = engines.engine(3, family, decode_step="lean-packed")
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
     assert engine.runner.decode_step == "lean-packed"
@@ -184,12 +185,12 @@ def test_compiled_step_equals_eager(family):
     blocks; qwen3_5: gated attention and Gated DeltaNet): 2 minutes each on a loaded 2-core CPU."""
     import torch._dynamo.utils
 
-    engines = [Engine(tiny_model(family), config=EngineConfig(seam=3, decode_step="lean")) for _ in range(2)]
-    eager, compiled = (e.runner.batch.step for e in engines)
+    pair = [engines.engine(3, family, decode_step="lean") for _ in range(2)]  # a model each
+    eager, compiled = (e.runner.batch.step for e in pair)
     compiled.compile(batch_sizes=(3, 4, 5))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     reqs = [GenerationRequest(random_segments(s, seed=20 + i), mode="full") for i, s in enumerate(SHAPES[:5])]
-    pre = [[e.prefill(r) for r in reqs] for e in engines]
+    pre = [[e.prefill(r) for r in reqs] for e in pair]
     caches = [{i: p.cache for i, p in enumerate(ps)} for ps in pre]
     pos = [p.position for p in pre[0]]
     tokens = [int(p.logits.argmax()) for p in pre[0]]
@@ -201,7 +202,7 @@ def test_compiled_step_equals_eager(family):
             if step == 3:
                 members.remove(1)
             rows = []
-            for e, c in zip(engines, caches):
+            for e, c in zip(pair, caches):
                 e.runner.batch.sync(members, {i: c[i] for i in members})
                 rows.append(e.runner.batch.forward([tokens[i] for i in members], [pos[i] for i in members]))
             for i, ref, out in zip(members, *rows):
