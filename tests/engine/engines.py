@@ -3,7 +3,7 @@ on a tiny random model (one model per family and overrides, shared), and `FakePo
 that computes entries with the engine's own runner but hands them out only when asked to wait or poll.
 
     engine(3, "bamba", max_step_tokens=16)          # the shared bamba model, EngineConfig(seam=3, max_step_tokens=16)
-    engine(4, model=model("qwen3_5", vocab_size=300), tokenizer=tok)   # a tokenizer's vocabulary
+    engine(4, tokenizer=tok)                        # the shared qwen3_5 model sized to tok's vocabulary
     engine(like=other, max_step_tokens=16)          # other's model, tokenizer, id and settings; a fresh store
     engine(model=tiny_model("qwen3_5"))             # a model of the test's own, for a test that changes it
 """
@@ -39,10 +39,11 @@ def engine(seam: int | None = None, family: str = "qwen3_5", *, model=None, toke
            store=None, model_id: str | None = None, prefill_pool=None, **config) -> Engine:
     """A fresh engine (its own store unless `store` is given).
 
-    The model is `model`, else `like`'s, else the shared tiny model of `family`, or a new one when
-    `decode_step` is not "module" (the lean step makes a model's weights views of fused copies: on the
-    shared model that would change what every later test runs). The tokenizer and model id likewise:
-    `tokenizer`, `model_id`, else `like`'s, else none and "model". The settings are
+    The tokenizer and model id are `tokenizer`, `model_id`, else `like`'s, else none and "model". The
+    model is `model`, else `like`'s, else the shared tiny model of `family` (with a tokenizer, sized to
+    its vocabulary), or a new one when `decode_step` is not "module" (the lean step makes a model's
+    weights views of fused copies: on the shared model that would change what every later test runs).
+    The settings are
     `EngineConfig(seam=seam, **config)` (seam 4 when not given), or with `like` its settings, `seam`
     and `config` replacing fields."""
     if like is not None:
@@ -53,7 +54,8 @@ def engine(seam: int | None = None, family: str = "qwen3_5", *, model=None, toke
     else:
         settings = EngineConfig(seam=SEAM if seam is None else seam, **config)
     if model is None:
-        model = _shared(family) if settings.decode_step == "module" else tiny_model(family)
+        sizes = {} if tokenizer is None else {"vocab_size": len(tokenizer)}
+        model = (_shared if settings.decode_step == "module" else tiny_model)(family, **sizes)
     return Engine(model, tokenizer, settings, store, model_id or "model", prefill_pool=prefill_pool)
 
 

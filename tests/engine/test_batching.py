@@ -68,7 +68,7 @@ def test_batched_decode_equals_one_at_a_time(family):
 
 @pytest.fixture(scope="module")
 def engine(tiny_tokenizer):
-    return engines.engine(3, model=engines.model("qwen3_5", vocab_size=len(tiny_tokenizer)), tokenizer=tiny_tokenizer)
+    return engines.engine(3, tokenizer=tiny_tokenizer)
 
 
 def requests(engine, max_tokens=(9, 4, 12, 7, 10, 6)):

@@ -259,8 +259,7 @@ def test_gateway_serves_cold_exactly_and_its_engine_thread_builds_the_entries(ti
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     settings = Settings(_env_file=None, torch_threads=None, index_dir=tmp_path / "index", corpus_path=tmp_path / "corpus.jsonl",
                         exact_repeats=False)
-    engine = engines.engine(4, model=engines.model("qwen3_5", vocab_size=len(tiny_tokenizer)), tokenizer=tiny_tokenizer,
-                            model_id="tiny", cold_prefill="exact")
+    engine = engines.engine(4, tokenizer=tiny_tokenizer, model_id="tiny", cold_prefill="exact")
     app = create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64)))
     ask = {"question": "Which way does the river flow?", "top_k": 3, "max_tokens": 4}
     with LiveServer(app) as live:

@@ -22,16 +22,9 @@ from hypic_core.engine.engine import Engine
 from hypic_core.errors import InvalidRequestError
 from hypic_core.runner.decode_step import LeanDecodeStep, uncovered_reason
 from hypic_core.testing import FAMILIES, tiny_model
+from test_batching import MODES, SHAPES, assert_close  # the batching tests' six prompts and comparison
 
 COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba")
-SHAPES = ((5, 9), (12, 30, 7), (40, 3), (8, 8, 8, 8, 4), (25, 60, 11), (2,))
-MODES = ("full", "prefix", "pic-naive", "hypic", "hypic", "full")
-
-
-def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, atol: float = 1e-4) -> None:
-    assert ref.shape == out.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    err = (ref - out).abs().max().item()
-    assert err <= atol, f"{name}: max abs error {err:.3g} > {atol}"
 
 
 def lean_against_module(engine: Engine, requests, steps: int, join_at: int, leave_at: int, atol: float = 1e-4) -> int:

@@ -20,7 +20,7 @@ from hypic_core.engine.sampling import Sampler
 
 @pytest.fixture(scope="module")
 def engine(tiny_tokenizer):
-    return engines.engine(4, model=engines.model("qwen3_5", vocab_size=len(tiny_tokenizer)), tokenizer=tiny_tokenizer)
+    return engines.engine(4, tokenizer=tiny_tokenizer)
 
 
 def test_seeded_sampling_is_reproducible_and_differs_from_greedy(engine):

@@ -358,8 +358,7 @@ def test_gateway_answers_the_same_with_speculation_and_counts_it(tiny_tokenizer,
               {"id": "brill", "title": "Brill", "text": "Brill is a company founded by Tam Oke in 1999."}]
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
     settings = Settings(_env_file=None, torch_threads=None, index_dir=tmp_path / "index", corpus_path=tmp_path / "corpus.jsonl")
-    engine = engines.engine(4, model=tiny_model("qwen3_5", vocab_size=len(tiny_tokenizer)), tokenizer=tiny_tokenizer,
-                            model_id="tiny", decode_step="lean", speculation_min_ngram=1)
+    engine = engines.engine(4, tokenizer=tiny_tokenizer, model_id="tiny", decode_step="lean", speculation_min_ngram=1)
     engine.eos_ids = frozenset()  # answers run to max_tokens
     app = create_app(settings, engine=engine, index=VectorIndex(settings.index_dir, HashingEmbedder(64)))
     body = {"question": "Who is the mayor of Varo?", "top_k": 2, "max_tokens": 48}
