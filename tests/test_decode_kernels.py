@@ -186,12 +186,12 @@ def test_native_f16_logits_stay_near_fp32(family):
     assert torch.equal(model.get_output_embeddings().weight, before) and model.dtype == torch.float32
     reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
     worst, _, _ = decode_against_module(engine, reqs, steps=6, join_at=2, leave_at=3)
-    assert 1e-6 < worst < 2e-2, f"{family}: max |logit diff| {worst:.3g}"
+    assert 2e-5 < worst < 1e-2, f"{family}: max |logit diff| {worst:.3g}"  # measured 1.6e-4 to 2.8e-3
 
 
 @needs_native
 @pytest.mark.parametrize("name,kernel,bound", [("smollm2-135m-instruct", "native", 1e-4), ("smollm2-hybrid-135m", "native", 1e-4),
-                                               ("smollm2-hybrid-135m", "native-f16", 0.25)])
+                                               ("smollm2-hybrid-135m", "native-f16", 0.1)])
 def test_native_step_on_the_real_models(name, kernel, bound):
     """The real SmolLM2 (dense llama) and its distilled hybrid (bamba): 4 rows, one joining and one
     leaving, 4 steps. fp32 weights: logits within 1e-4 and the same greedy tokens; fp16 copies: the
@@ -218,9 +218,26 @@ def test_gateway_setting_reads_hypic_decode_kernel(monkeypatch):
     from app.service.settings import Settings
 
     monkeypatch.delenv("HYPIC_DECODE_KERNEL", raising=False)
+    assert Settings(_env_file=None, torch_threads=None).decode_kernel == "native"
+    monkeypatch.setenv("HYPIC_DECODE_KERNEL", "torch")
     assert Settings(_env_file=None, torch_threads=None).decode_kernel == "torch"
     monkeypatch.setenv("HYPIC_DECODE_KERNEL", "native-f16")
     assert Settings(_env_file=None, torch_threads=None).decode_kernel == "native-f16"
     monkeypatch.setenv("HYPIC_DECODE_KERNEL", "avx9")
     with pytest.raises(ValidationError, match="decode_kernel"):
         Settings(_env_file=None, torch_threads=None)
+
+
+@needs_native
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_the_gateway_setting_reaches_the_step(kernel, monkeypatch, tmp_path):
+    """HYPIC_DECODE_KERNEL reaches the lean step the gateway's engine decodes with (the bundled model)."""
+    from pathlib import Path
+
+    from app.service.runtime import load_engine
+    from app.service.settings import Settings
+
+    tiny = Path(__file__).resolve().parents[1] / "models" / "hypic-tiny"
+    monkeypatch.setenv("HYPIC_DECODE_KERNEL", kernel)
+    engine = load_engine(Settings(model=str(tiny), index_dir=tmp_path / "index", cache_dir=tmp_path / "cache"))
+    assert engine.runner.decode_step == "lean" and engine.runner.batch.step.kernel == kernel
