@@ -2,10 +2,10 @@
 on a tiny random model (one model per family and overrides, shared), and `FakePool`, a prefill pool
 that computes entries with the engine's own runner but hands them out only when asked to wait or poll.
 
-    engine(3, "bamba", max_step_tokens=16)          # the shared bamba model, EngineConfig(seam=3, max_step_tokens=16)
-    engine(4, tokenizer=tok)                        # the shared qwen3_5 model sized to tok's vocabulary
-    engine(like=other, max_step_tokens=16)          # other's model, tokenizer, id and settings; a fresh store
-    engine(model=tiny_model("qwen3_5"))             # a model of the test's own, for a test that changes it
+    engine(3, "bamba", max_step_tokens=16)  # the shared bamba model, EngineConfig(seam=3, max_step_tokens=16)
+    engine(4, tokenizer=tok)                # the shared qwen3_5 model sized to tok's vocabulary
+    engine(like=other, max_step_tokens=16)  # other's model, tokenizer, id and settings; a fresh store
+    engine(model=tiny_model("qwen3_5"))     # a model of the test's own, for a test that changes it
 """
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ def engine(seam: int | None = None, family: str = "qwen3_5", *, model=None, toke
     model is `model`, else `like`'s, else the shared tiny model of `family` (with a tokenizer, sized to
     its vocabulary), or a new one when `decode_step` is not "module" (the lean step makes a model's
     weights views of fused copies: on the shared model that would change what every later test runs).
-    The settings are
-    `EngineConfig(seam=seam, **config)` (seam 4 when not given), or with `like` its settings, `seam`
-    and `config` replacing fields."""
+    The settings are `EngineConfig(seam=seam, **config)` (seam 4 when not given), or with `like` its
+    settings, `seam` and `config` replacing fields."""
     if like is not None:
         model = like.model if model is None else model
         tokenizer = like.tokenizer if tokenizer is None else tokenizer
