@@ -81,11 +81,13 @@ class Settings(BaseSettings):
     exact_repeats: bool = Field(True, description="Documents an earlier request had in the same order (after the system "
                                 "prompt) are computed exactly once and then reused exactly (counted in cached_tokens); "
                                 "false: they always compose.")
-    repeats: Literal["exact", "cheaper"] = Field("exact", description="With exact_repeats, documents seen before in "
-                                                 "the same order that no exact snapshot holds yet: exact (computed in "
-                                                 "context at their second sighting and kept, so the repeat answers as "
-                                                 "full prefill does) or cheaper (composed from the stored entries when "
-                                                 "the cost model puts that below the forward; no snapshot is kept).")
+    repeats: Literal["cheaper", "exact"] = Field("cheaper", description="With exact_repeats, documents seen before in "
+                                                 "the same order that no exact snapshot holds yet: cheaper (composed "
+                                                 "from the stored entries when the cost model puts that below a forward "
+                                                 "over them, so no request pays for more than the cheaper of the two; "
+                                                 "no snapshot is kept then) or exact (computed in context at their "
+                                                 "second sighting and kept, so later repeats are restored and answer as "
+                                                 "full prefill does).")
     cold_prefill: Literal["auto", "exact", "stitch"] = Field("auto", description="A request whose chunks' cache entries "
                                                              "are missing: auto (one exact forward over the prompt, as full "
                                                              "prefill, when that costs less than computing the entries and "
