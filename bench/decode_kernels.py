@@ -132,7 +132,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--set-mb", type=int, default=SET_BYTES >> 20, help="MB of fp32 weights per shape (copies)")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # the kernels' build line
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("hypic.decode_matmul").setLevel(logging.INFO)  # the kernels' build lines
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     native = decode_matmul.native()

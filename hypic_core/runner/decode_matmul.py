@@ -10,8 +10,8 @@ while they meet every row of x (3 rows at a time, 12 accumulators), AVX2 + FMA:
 - `f16`: fp16 weights (F16C conversion on load), half the bytes; lossy (the weights are rounded
   to fp16), so the decode step that uses it keeps it off by default.
 
-They are built once with the system's C++ compiler into ~/.cache/hypic/kernels/<hash>/ (a line
-is logged while it compiles) and called through ctypes on the tensors' memory; `native()` returns
+They are built once with the system's C++ compiler into ~/.cache/hypic/kernels/<hash>/ (lines
+logged at INFO say so and how long it took, about 1.5 s) and called through ctypes on the tensors' memory; `native()` returns
 None, with the reason logged once as a warning, when there is no compiler, no AVX2/FMA/F16C or
 the build fails, and the caller keeps torch's matmul. `reference` is the plain torch product the
 tests compare them with.
@@ -185,7 +185,7 @@ def build(compiler: str | None = None, directory: Path | None = None) -> NativeM
     target = (directory or cache_dir()) / key / "libhypic_decode_matmul.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        log.warning("compiling the decode matmul kernels (%s, once) into %s", os.path.basename(compiler), target.parent)
+        log.info("compiling the decode matmul kernels (%s, once) into %s", os.path.basename(compiler), target.parent)
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             src, lib = Path(tmp) / "decode_matmul.cpp", Path(tmp) / target.name
@@ -194,7 +194,7 @@ def build(compiler: str | None = None, directory: Path | None = None) -> NativeM
             if done.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
             os.replace(lib, target)  # atomic: a concurrent builder finds a whole library or none
-        log.warning("decode matmul kernels built in %.1f s", time.perf_counter() - t0)
+        log.info("decode matmul kernels built in %.1f s", time.perf_counter() - t0)
     return NativeMatmul(target)
 
 
