@@ -13,6 +13,7 @@ DEFAULT_SEAM = 8  # the reference implementation's default seam width
 COLD_PREFILL = ("stitch", "exact", "auto")  # EngineConfig.cold_prefill
 REPEATS = ("exact", "cheaper")  # EngineConfig.repeats
 DECODE_STEPS = ("module", "lean", "lean-packed")  # EngineConfig.decode_step
+DECODE_KERNELS = ("torch", "native", "native-f16")  # EngineConfig.decode_kernel
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias positive ones
 
 
@@ -140,6 +141,10 @@ class EngineConfig:
     # one-token updates; a family it does not cover keeps the module path), "lean-packed" (the same on
     # a second, oneDNN-packed copy of the weights: faster at 2-8 rows on AVX2 CPUs) or "module" (the HF modules).
     decode_step: str = "module"
+    # The lean step's matmuls: "torch" (torch's kernels), "native" (hypic_core/runner/decode_matmul.py: AVX2
+    # kernels built once with the C++ compiler, on the fp32 weights; torch's when they cannot be had) or
+    # "native-f16" (the same on an fp16 copy of the weights: half the bytes, lossy).
+    decode_kernel: str = "torch"
     # Canonical entries computed after this fixed head (token ids: BOS and the chat template's system
     # part), whose own K/V and state are then dropped; part of every entry key. () : computed alone.
     entry_prefix: tuple[int, ...] = ()
@@ -174,6 +179,8 @@ class EngineConfig:
             raise InvalidRequestError("background_tokens", f"must be >= 0, got {self.background_tokens}")
         if self.decode_step not in DECODE_STEPS:
             raise InvalidRequestError("decode_step", f"must be one of {', '.join(DECODE_STEPS)}, got {self.decode_step!r}")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise InvalidRequestError("decode_kernel", f"must be one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
         object.__setattr__(self, "entry_prefix", tuple(int(t) for t in self.entry_prefix))
         if not 0.0 <= self.speculation_cost <= 10.0:
             raise InvalidRequestError("speculation_cost", f"must be in [0, 10], got {self.speculation_cost!r}")

@@ -58,14 +58,12 @@ def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engin
     config = EngineConfig(seam=settings.seam, memory_budget_bytes=settings.cache_memory_bytes,
                           exact_budget_bytes=settings.exact_runs_bytes, exact_repeats=settings.exact_repeats,
                           repeats=settings.repeats, scheduling=settings.scheduling, cold_prefill=settings.cold_prefill,
-                          decode_step=settings.decode_step, speculation=settings.speculation)
-    engine = Engine.from_pretrained(model.path, config, store_from_settings(settings), dtype=settings.dtype, device=settings.device,
-                                    model_id=settings.served_model_name, prefill_workers=settings.prefill_workers,
-                                    prefill_backend=settings.prefill_backend, prefill_threads=settings.prefill_worker_threads,
-                                    ray_address=settings.ray_address, prefill_split_tokens=settings.prefill_split_tokens)
-    if settings.decode_kernel != "torch" and engine.runner.decode_step != "module":  # the step rebuilt on that kernel
-        engine.runner.use_decode_step(engine.runner.decode_step, kernel=settings.decode_kernel)
-    return engine
+                          decode_step=settings.decode_step, decode_kernel=settings.decode_kernel,
+                          speculation=settings.speculation)
+    return Engine.from_pretrained(model.path, config, store_from_settings(settings), dtype=settings.dtype, device=settings.device,
+                                  model_id=settings.served_model_name, prefill_workers=settings.prefill_workers,
+                                  prefill_backend=settings.prefill_backend, prefill_threads=settings.prefill_worker_threads,
+                                  ray_address=settings.ray_address, prefill_split_tokens=settings.prefill_split_tokens)
 
 
 def load_index(settings: Settings) -> VectorIndex:

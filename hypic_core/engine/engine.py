@@ -69,7 +69,7 @@ class Engine:
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.runner = ModelRunner(model, self.adapter, pad_token_id=pad or 0, entry_prefix=config.entry_prefix)
         if config.decode_step != "module":
-            self.runner.use_decode_step(config.decode_step)
+            self.runner.use_decode_step(config.decode_step, kernel=config.decode_kernel)
         self.fingerprint = model_fingerprint(model, model_id, tokenizer)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_ids = eos_ids(model, tokenizer)

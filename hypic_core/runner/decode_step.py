@@ -43,8 +43,10 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..config import DECODE_KERNELS
+
 log = logging.getLogger("hypic.decode_step")
-KERNELS = ("torch", "native", "native-f16")  # the matmul kernel a step runs (LeanDecodeStep.build)
+KERNELS = DECODE_KERNELS  # the matmul kernel a step runs (LeanDecodeStep.build)
 _COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "bamba")
 _NULL = contextlib.nullcontext()
 

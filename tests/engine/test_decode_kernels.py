@@ -26,6 +26,9 @@ from hypic_core.runner.decode_step import LeanDecodeStep, _Native
 from hypic_core.runner.verify_step import VerifyStep
 from hypic_core.testing import tiny_model
 
+import engines
+from engines import random_segments
+
 COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba")
 SHAPES = ((5, 9), (12, 30, 7), (40, 3), (8, 8, 8, 8, 4), (25, 60, 11), (2,))
 MODES = ("full", "prefix", "pic-naive", "hypic", "hypic", "full")
@@ -33,15 +36,9 @@ NATIVE = decode_matmul.native()
 needs_native = pytest.mark.skipif(NATIVE is None, reason="the native kernels cannot be built here (no compiler or no AVX2)")
 
 
-def random_segments(lengths, vocab=320, seed=0, low=2):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(tuple(torch.randint(low, vocab, (n,), generator=g).tolist()) for n in lengths)
-
-
 def engine_on(model, kernel: str, **config) -> Engine:
-    engine = Engine(model, config=EngineConfig(seam=3, **config))
-    engine.runner.use_decode_step("lean", kernel=kernel)
-    return engine
+    """An engine on `model` whose lean decode step runs `kernel` (EngineConfig.decode_kernel)."""
+    return engines.engine(seam=3, model=model, decode_step="lean", decode_kernel=kernel, **config)
 
 
 def decode_against_module(engine: Engine, requests, steps: int, join_at: int, leave_at: int):
@@ -242,7 +239,19 @@ def test_the_gateway_setting_reaches_the_step(kernel, monkeypatch, tmp_path):
     from app.service.runtime import load_engine
     from app.service.settings import Settings
 
-    tiny = Path(__file__).resolve().parents[1] / "models" / "hypic-tiny"
+    tiny = Path(__file__).resolve().parents[2] / "models" / "hypic-tiny"
     monkeypatch.setenv("HYPIC_DECODE_KERNEL", kernel)
     engine = load_engine(Settings(model=str(tiny), index_dir=tmp_path / "index", cache_dir=tmp_path / "cache"))
     assert engine.runner.decode_step == "lean" and engine.runner.batch.step.kernel == kernel
+
+
+def test_the_engine_builds_its_step_on_the_configured_kernel_and_names_a_bad_one():
+    from hypic_core.config import EngineConfig
+    from hypic_core.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="decode_kernel"):
+        EngineConfig(decode_kernel="int4")
+    for kernel in ("torch", "native"):
+        eng = engines.engine(decode_step="lean", decode_kernel=kernel)
+        assert eng.runner.decode_step == "lean" and eng.config.decode_kernel == kernel
+        assert eng.runner.batch.step.kernel == (kernel if decode_matmul.native() is not None else "torch")
