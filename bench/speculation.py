@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-step", default="lean", choices=["lean", "lean-packed"])
+    parser.add_argument("--decode-kernel", default="native", choices=["torch", "native", "native-f16"],
+                        help="the lean step's matmuls (EngineConfig.decode_kernel; the gateway's default is native)")
     parser.add_argument("--write", default=None, help="write the table into this markdown file's section")
     parser.add_argument("--note", default="", help="a line under the table (e.g. what else ran on the machine)")
     args = parser.parse_args()
@@ -111,7 +113,8 @@ def main() -> None:
     lines = ["| model | workload | streams | drafts kept | tokens / step (off / **on**) | TPOT ms (off / **on**) | "
              "aggregate tok/s (off / **on**) | same greedy tokens |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for name in args.models:
-        engine = Engine.from_pretrained(resolve(name).path, EngineConfig(seam=8, decode_step=args.decode_step))
+        config = EngineConfig(seam=8, decode_step=args.decode_step, decode_kernel=args.decode_kernel)
+        engine = Engine.from_pretrained(resolve(name).path, config)
         assert engine.runner.decode_step == args.decode_step, f"{name}: no lean decode step, nothing to speculate on"
         settings = Settings(_env_file=None, model=name)
         known = resolve(name).known
@@ -127,7 +130,8 @@ def main() -> None:
                     print(lines[-1], flush=True)
         del engine
     command = "python bench/speculation.py " + " ".join(sys.argv[1:])
-    text = "\n".join(lines) + f"\n\nCommand: `{command}`, {args.threads} threads, decode step {args.decode_step}, " \
+    text = "\n".join(lines) + f"\n\nCommand: `{command}`, {args.threads} threads, decode step {args.decode_step} on the " \
+        f"{args.decode_kernel} kernels, " \
         f"{args.questions} prompts per workload, {args.tokens} forced greedy tokens each.{(' ' + args.note) if args.note else ''}\n"
     print(text)
     if args.write:
