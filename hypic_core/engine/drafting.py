@@ -110,10 +110,15 @@ class DraftCost:
     explain (each row's recurrences stepped to the longest draft). So the result is checked too:
     `pays(B)` is false while verification steps of B rows have produced fewer tokens per second than
     plain steps of B rows (judged after `judge` of them); the engine then drafts nothing at that size
-    for `rest` steps and tries again."""
+    for `rest` steps and tries again, resting twice as long after each judgment that goes against
+    drafting in a row (at most `max_rest` steps), so a workload that never pays (nothing to copy,
+    many streams on a CPU) spends ever fewer steps finding that out again; a judgment in its favour
+    resets the rest to `rest`."""
 
-    def __init__(self, prior: float, rest: int = 32, judge: int = 8):
+    def __init__(self, prior: float, rest: int = 32, judge: int = 8, max_rest: int = 1024):
         self.prior, self.rest, self.judge = prior, rest, judge  # judged after `judge` verification steps
+        self.max_rest = max_rest
+        self._against: dict[int, int] = {}  # rows -> judgments against drafting in a row
         self._plain: dict[int, tuple[int, float]] = {}  # rows -> (plain steps timed, moving average seconds)
         self._cost: dict[int, float] = {}  # rows -> moving average price of a draft token
         self._rate: dict[int, tuple[int, float]] = {}  # rows -> (verification steps, moving average tokens per second)
@@ -136,8 +141,12 @@ class DraftCost:
         n, avg = n + 1, (rate if n == 0 else 0.9 * seen + 0.1 * rate)
         self._rate[rows] = (n, avg)
         if n >= self.judge and avg < rows / self._plain[rows][1]:  # plain steps do better at this size: rest
-            self._resting[rows] = self.rest
+            against = self._against.get(rows, 0)
+            self._resting[rows] = min(self.rest << against, self.max_rest)
+            self._against[rows] = against + 1
             self._rate.pop(rows)
+        elif n >= self.judge:
+            self._against.pop(rows, None)
 
     def ready(self, rows: int) -> bool:
         return self._plain.get(rows, (0, 0.0))[0] >= 2

@@ -90,6 +90,20 @@ def test_draft_cost_is_measured_per_batch_size_against_plain_steps():
         cost.verified(8, 9, 0.4)  # 9 tokens in 0.4 s against 8 in 0.2 s, 8 steps running: rest 32 steps, try again
     assert [cost.pays(8) for _ in range(33)] == [False] * 32 + [True]
     assert cost.pays(1)
+    for _ in range(8):
+        cost.verified(8, 9, 0.4)  # against again, straight after: rest twice as long
+    assert [cost.pays(8) for _ in range(65)] == [False] * 64 + [True]
+    fresh = DraftCost(0.3)
+    for _ in range(2):
+        fresh.plain(8, 0.2)
+    for _ in range(8):
+        fresh.verified(8, 9, 0.4)  # against: rest 32
+    assert [fresh.pays(8) for _ in range(33)] == [False] * 32 + [True]
+    for _ in range(8):
+        fresh.verified(8, 9, 0.2)  # then in favour: the next rest is the first one again, not 64
+    for _ in range(8):
+        fresh.verified(8, 9, 0.4)
+    assert [fresh.pays(8) for _ in range(33)] == [False] * 32 + [True]
 
 
 # --- the verification forward against the lean step ------------------------------------------
