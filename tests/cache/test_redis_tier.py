@@ -23,7 +23,7 @@ from app.service.runtime import store_from_settings as build_store_from_settings
 from app.service.settings import Settings
 from app.testing import LiveServer, single_torch_thread
 from helpers import RedisServer, random_segments
-from hypic_core.cache import DiskTier, MemoryTier, RedisTier, TieredSegmentStore, encode
+from hypic_core.cache import DiskTier, MemoryTier, RedisTier, TieredSegmentStore
 from hypic_core.cache.redis_tier import sign
 from hypic_core.cache.serde import _PREFIX, MAGIC
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams

@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from engines import FakePool, engine, random_segments, request
 
 

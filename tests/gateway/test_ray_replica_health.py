@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = [{"id": "varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."}]
