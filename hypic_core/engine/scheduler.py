@@ -15,9 +15,9 @@ Thread-safety: the scheduler belongs to the engine thread and holds no lock. `ad
 from any thread (the HTTP event loop, the lookup threads): it only puts the sequence in a
 thread-safe inbox, which `schedule` empties into the waiting queue at the start of each step, so
 `add` never waits for the engine, let alone for a disk or Redis read made while laying out a
-prefill. `len()`, `has_work` and `num_waiting` may also be read from any thread: they count the
-inbox before the queues, so a sequence on its way from one to the next is counted twice at worst,
-never missed.
+prefill. `len()`, `has_work` and `num_waiting` are exact on the engine thread (which is where the
+engine and the gateway's engine thread read them); read from another thread (a metrics scrape)
+they may be off, for an instant, by a sequence on its way from the inbox to the waiting queue.
 """
 
 from __future__ import annotations
@@ -86,17 +86,15 @@ class Scheduler:
         self._inbox.put(seq)
 
     def __len__(self) -> int:
-        """Sequences not finished: added, waiting or active (the inbox read first: see the module docstring)."""
-        inbox = self._inbox.qsize()
-        return inbox + len(self.waiting) + len(self.active)
+        """Sequences not finished: added, waiting or active (exact on the engine thread: module docstring)."""
+        return self._inbox.qsize() + len(self.waiting) + len(self.active)
 
     def has_work(self) -> bool:
         return len(self) > 0
 
     @property
     def num_waiting(self) -> int:
-        inbox = self._inbox.qsize()
-        return inbox + len(self.waiting)
+        return self._inbox.qsize() + len(self.waiting)
 
     @property
     def num_active(self) -> int:
