@@ -45,8 +45,9 @@ from hypic_core.engine.engine import Engine  # noqa: E402
 from hypic_core.runner.decode_step import KERNELS  # noqa: E402
 
 
-def bandwidth(threads: int, mb: int = 512, reps: int = 5) -> tuple[float, float]:
-    """(GB/s reading a `mb` MB fp32 tensor with sum, GB/s of a copy counting read + write), best of `reps`."""
+def bandwidth(mb: int = 512, reps: int = 5) -> tuple[float, float]:
+    """(GB/s reading a `mb` MB fp32 tensor with sum, GB/s of a copy counting read + write), best of `reps`,
+    on torch's current thread count."""
     x = torch.ones(mb * (1 << 20) // 4)
     y = torch.empty_like(x)
     n = x.numel() * 4
@@ -232,7 +233,7 @@ def main() -> None:
     if lean is None:
         sys.exit(f"{path.name}: the lean step does not cover this model; nothing to compare")
     wbytes = weight_bytes(engine.model)
-    bw_sum, bw_copy = bandwidth(args.threads)  # best of 5; a busy machine reads slower, so the floor is then too high
+    bw_sum, bw_copy = bandwidth()  # best of 5; a busy machine reads slower, so the floor is then too high
     floor_ms = 1e3 * wbytes / (bw_sum * 1e9)
     params = sum(p.numel() for p in engine.model.parameters()) / 1e6
     print(f"model: {path.name} ({params:.1f}M parameters, {args.dtype}), CPU, {args.threads} torch thread(s); "

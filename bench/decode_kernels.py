@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from decode import bandwidth  # noqa: E402  (bench/ is the script directory)
 from hypic_core.runner import decode_matmul  # noqa: E402
 
 SET_BYTES = 128 << 20
@@ -49,23 +50,6 @@ SHAPES = {  # name: (out, in) of the decode step's fused weights
     "mamba_out": (576, 1152),
     "lm_head": (49152, 576),
 }
-
-
-def bandwidth(mb: int = 512, reps: int = 5) -> tuple[float, float]:
-    """(GB/s reading a `mb` MB fp32 tensor with sum, GB/s of a copy counting read + write), best of `reps`,
-    on torch's current thread count."""
-    x = torch.ones(mb * (1 << 20) // 4)
-    y = torch.empty_like(x)
-    n = x.numel() * 4
-    best_sum = best_copy = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        float(x.sum())
-        best_sum = min(best_sum, time.perf_counter() - t)
-        t = time.perf_counter()
-        y.copy_(x)
-        best_copy = min(best_copy, time.perf_counter() - t)
-    return n / best_sum / 1e9, 2 * n / best_copy / 1e9
 
 
 def timed(f, n: int, per: int) -> float:
