@@ -28,6 +28,7 @@ from hypic_core.testing import tiny_model
 
 import engines
 from engines import random_segments
+from test_decode_step import batch_against_module
 
 COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba")
 SHAPES = ((5, 9), (12, 30, 7), (40, 3), (8, 8, 8, 8, 4), (25, 60, 11), (2,))
@@ -42,33 +43,13 @@ def engine_on(model, kernel: str, **config) -> Engine:
 
 
 def decode_against_module(engine: Engine, requests, steps: int, join_at: int, leave_at: int):
-    """Decode `requests` (prefilled) in the batch on its lean step, rows 4.. joining at `join_at` and row 1
-    leaving at `leave_at`; each row's logits beside its own cache advanced through the HF modules.
-    Returns (largest |logit difference|, greedy tokens that differ, rows compared); the reference's
-    greedy token is fed on."""
-    runner = engine.runner
-    pre = [engine.prefill(r) for r in requests]
-    ref_caches = [copy.deepcopy(p.cache) for p in pre]
-    caches = {i: p.cache for i, p in enumerate(pre)}
-    pos = [p.position for p in pre]
-    tokens = [int(p.logits.argmax()) for p in pre]
-    members = [0, 1, 2, 3][: len(pre)]
+    """test_decode_step's walk over joins and leaves (`batch_against_module`), summed up: (largest |logit
+    difference|, greedy tokens that differ, rows compared)."""
     worst, differ, compared = 0.0, 0, 0
-    with torch.inference_mode():
-        for step in range(steps):
-            if step == join_at:
-                members += list(range(4, len(pre)))
-            if step == leave_at:
-                members.remove(1)
-            runner.batch.sync(members, {i: caches[i] for i in members})
-            rows = runner.batch.forward([tokens[i] for i in runner.batch.keys], [pos[i] for i in runner.batch.keys])
-            for i, lg in zip(runner.batch.keys, rows):
-                ref = runner.forward([tokens[i]], pos[i], ref_caches[i], logits=True)
-                worst = max(worst, (ref - lg).abs().max().item())
-                differ += int(lg.argmax()) != int(ref.argmax())
-                tokens[i], pos[i] = int(ref.argmax()), pos[i] + 1
-                compared += 1
-        runner.batch.sync([], {})
+    for _, _, ref, lg in batch_against_module(engine, requests, steps, join_at, leave_at):
+        worst = max(worst, (ref - lg).abs().max().item())
+        differ += int(lg.argmax()) != int(ref.argmax())
+        compared += 1
     return worst, differ, compared
 
 

@@ -27,10 +27,11 @@ from test_batching import MODES, SHAPES, assert_close  # the batching tests' six
 COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba")
 
 
-def lean_against_module(engine: Engine, requests, steps: int, join_at: int, leave_at: int, atol: float = 1e-4) -> int:
-    """Decode `requests` (prefilled) in the batch with the lean step, rows 4.. joining at `join_at` and
-    row 1 leaving at `leave_at`; compare each row with its own cache advanced through the modules.
-    Returns the number of rows compared."""
+def batch_against_module(engine: Engine, requests, steps: int, join_at: int, leave_at: int):
+    """Decode `requests` (prefilled) in the batch on the engine's decode step, rows 4.. joining at `join_at`
+    and row 1 leaving at `leave_at`; yields (row, step, reference logits, batch logits) for each row each
+    step, the reference being the row's own cache advanced through the HF modules. The reference's greedy
+    token is fed on; the batch is emptied at the end."""
     runner = engine.runner
     pre = [engine.prefill(r) for r in requests]
     ref_caches = [copy.deepcopy(p.cache) for p in pre]
@@ -38,7 +39,6 @@ def lean_against_module(engine: Engine, requests, steps: int, join_at: int, leav
     pos = [p.position for p in pre]
     tokens = [int(p.logits.argmax()) for p in pre]
     members = [0, 1, 2, 3][: len(pre)]
-    compared = 0
     with torch.inference_mode():
         for step in range(steps):
             if step == join_at:
@@ -49,11 +49,19 @@ def lean_against_module(engine: Engine, requests, steps: int, join_at: int, leav
             rows = runner.batch.forward([tokens[i] for i in runner.batch.keys], [pos[i] for i in runner.batch.keys])
             for i, lg in zip(runner.batch.keys, rows):
                 ref = runner.forward([tokens[i]], pos[i], ref_caches[i], logits=True)
-                assert_close(f"seq {i} step {step}", ref, lg, atol)
-                assert int(lg.argmax()) == int(ref.argmax()), f"seq {i} step {step}: greedy token differs"
+                yield i, step, ref, lg
                 tokens[i], pos[i] = int(ref.argmax()), pos[i] + 1
-                compared += 1
         runner.batch.sync([], {})
+
+
+def lean_against_module(engine: Engine, requests, steps: int, join_at: int, leave_at: int, atol: float = 1e-4) -> int:
+    """`batch_against_module` with the lean step: every row's logits within `atol` of the modules' and the
+    same greedy token. Returns the number of rows compared."""
+    compared = 0
+    for i, step, ref, lg in batch_against_module(engine, requests, steps, join_at, leave_at):
+        assert_close(f"seq {i} step {step}", ref, lg, atol)
+        assert int(lg.argmax()) == int(ref.argmax()), f"seq {i} step {step}: greedy token differs"
+        compared += 1
     return compared
 
 
