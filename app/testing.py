@@ -22,10 +22,20 @@ import httpx
 import uvicorn
 
 
+# Fixed ports a local Ray instance binds once it starts, inside the kernel's ephemeral range the
+# OS hands out below (Ray's dashboard agent listens on 52365 even with the dashboard off). A test
+# that picked one of them before `ray.init` lost it to Ray and Serve's proxy failed to bind.
+_TAKEN_LATER = frozenset({52365})
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now. Call it after starting anything that binds ports of its own."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _TAKEN_LATER:
+            return port
 
 
 @contextlib.contextmanager

@@ -30,12 +30,12 @@ def test_a_replica_whose_model_failed_to_load_is_replaced(tmp_path):
     config = (model / "config.json").read_text()
     (model / "config.json").write_text("{ not json")
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
-    port = free_port()
     settings = Settings(_env_file=None, model=str(model), index_dir=tmp_path / "index", corpus_path=tmp_path / "corpus.jsonl",
                         embedder="hashing", cache_dir=None, guard_enabled=False, torch_threads=1, ray_replicas=1,
-                        ray_replica_cpus=0, ray_health_check_s=2, host="127.0.0.1", port=port, log_level="warning")
+                        ray_replica_cpus=0, ray_health_check_s=2, host="127.0.0.1", log_level="warning")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config={"worker_register_timeout_seconds": 300},
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
+    port = free_port()  # after ray.init: Ray binds fixed ports of its own as it starts
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve._run(build_application(settings), name=APP_NAME, route_prefix="/", _blocking=False)

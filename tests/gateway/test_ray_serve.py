@@ -206,17 +206,17 @@ def served(tmp_path_factory, redis_server):
 
     root = tmp_path_factory.mktemp("ray-serve")
     (root / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
-    port = free_port()
     # No disk tier: a hit shows the memory tier of the replica that served the request, or the
     # Redis tier every replica shares.
     settings = Settings(_env_file=None, index_dir=root / "index", corpus_path=root / "corpus.jsonl", embedder="hashing",
                         cache_dir=None, redis_url=redis_server.url, cache_secret="a test deployment's cache secret", guard_enabled=False,
                         torch_threads=1, ray_replicas=2, ray_replica_cpus=0,
-                        ray_load_bound=1, max_running=1, max_queue=8, host="127.0.0.1", port=port, log_level="warning",
+                        ray_load_bound=1, max_running=1, max_queue=8, log_level="warning",
                         repeats="exact")  # a repeat in the same order is kept as a snapshot (the /query check below)
     # A worker process gets 5 min to start (Ray's default: 60 s), for a busy CI machine.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config={"worker_register_timeout_seconds": 300},
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
+    port = free_port()  # after ray.init: Ray binds fixed ports of its own as it starts
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_application(settings), name=APP_NAME, route_prefix="/")
