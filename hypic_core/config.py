@@ -150,6 +150,9 @@ class EngineConfig:
     entry_prefix: tuple[int, ...] = ()
     # A segment's seam head is max(seam, ceil(seam_fraction * its length)) tokens (at most all of it).
     seam_fraction: float = 0.0
+    # Stitched bodies' keys are multiplied by this (a temperature of 1 / reuse_key_scale on every later
+    # query's logits over reused tokens, as APE does for parallel-encoded context); 1.0: as computed.
+    reuse_key_scale: float = 1.0
     # Speculative decoding (hypic_core/engine/drafting.py, runner/verify_step.py): prompt-lookup drafts of up
     # to `speculation_max_draft` tokens from n-grams of up to `speculation_ngram` tokens, verified in the
     # decode forward. Runs where the lean decode step runs; a request's `speculation` overrides.
@@ -192,6 +195,8 @@ class EngineConfig:
                                       f"got {self.speculation_min_ngram}")
         if not 0.0 <= self.seam_fraction <= 1.0:  # NaN fails too
             raise InvalidRequestError("seam_fraction", f"must be in [0, 1], got {self.seam_fraction!r}")
+        if not 0.25 <= self.reuse_key_scale <= 4.0:  # NaN fails too
+            raise InvalidRequestError("reuse_key_scale", f"must be in [0.25, 4], got {self.reuse_key_scale!r}")
 
     def head_width(self, seam: int, length: int) -> int:
         """The seam width a segment of `length` tokens gets under the fixed width `seam` and `seam_fraction`:

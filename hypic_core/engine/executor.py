@@ -124,7 +124,7 @@ class Executor:
             head = max(1, min(len(request.question), budget - seams))
             context = request.context[progress.exact:]
             logits = self.runner.stitch(progress.cache, context, progress.entries[progress.exact:], request.question[:head],
-                                        progress.transition, start=progress.start)
+                                        progress.transition, start=progress.start, key_scale=self.config.reuse_key_scale)
             seq.num_computed_tokens = progress.stitch_end + head
             stats.computed_tokens += seams + head
             budget -= seams + head

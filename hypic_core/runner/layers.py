@@ -20,6 +20,12 @@ KV = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]  # (keys, values)
 LinearRows = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (conv, state) per linear layer
 
 
+def scaled(keys: torch.Tensor, key_scale: float) -> torch.Tensor:
+    """`keys` x `key_scale` (the same tensor at 1.0). A query's logit on a key is linear in it, so this
+    is a temperature of 1 / key_scale on the logits of these keys alone (rotary embedding commutes)."""
+    return keys if key_scale == 1.0 else keys * key_scale
+
+
 class AttentionLayers:
     """The full-attention layers of one model. Tensors are [B, H_kv, L, D] unless noted."""
 
@@ -45,9 +51,10 @@ class AttentionLayers:
         for i, k, v in zip(self.indices, keys, values):
             cache.update(k, v, i)
 
-    def append_body(self, cache, entry: SegmentEntry, offset: int) -> None:
-        """Append `entry`'s body K/V, keys rotated from local positions to the segment's `offset`."""
-        self.append(cache, [self.adapter.rotate_keys(k, offset)[None] for k in entry.keys],
+    def append_body(self, cache, entry: SegmentEntry, offset: int, key_scale: float = 1.0) -> None:
+        """Append `entry`'s body K/V, keys rotated from local positions to the segment's `offset` and
+        multiplied by `key_scale` (every later query's logits on them scaled alike)."""
+        self.append(cache, [scaled(self.adapter.rotate_keys(k, offset), key_scale)[None] for k in entry.keys],
                     [v[None] for v in entry.values])
 
     def slice(self, cache, row: int, start: int, end: int) -> KV:

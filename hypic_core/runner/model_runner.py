@@ -20,7 +20,7 @@ from ..algebra.entry import SegmentEntry
 from ..algebra.operators import LinearOperator
 from ..cache.exact_runs import ExactSnapshot
 from .batch import DecodeBatch
-from .layers import AttentionLayers, LinearLayers, LinearRows
+from .layers import AttentionLayers, LinearLayers, LinearRows, scaled
 
 
 @dataclass
@@ -232,15 +232,16 @@ class ModelRunner:
 
     # --- stitching --------------------------------------------------------------------------
     def stitch(self, cache, context: Sequence[tuple[int, ...]], entries: Sequence[SegmentEntry],
-               question: tuple[int, ...], transition: bool = True, start: int = 0) -> torch.Tensor:
+               question: tuple[int, ...], transition: bool = True, start: int = 0, key_scale: float = 1.0) -> torch.Tensor:
         """Stitched prefill of `context` (with their entries) then `question` on `cache`, which is
-        empty (`start` 0) or holds an exactly computed prefix of `start` tokens.
+        empty (`start` 0) or holds an exactly computed prefix of `start` tokens. The bodies' keys are
+        multiplied by `key_scale` (`EngineConfig.reuse_key_scale`); seam heads and the question are not.
 
         Returns the first-token logits. Uses the fused path (one forward for every seam head
         and the question) when the adapter supports it, else `stitch_sequential`.
         """
         if not self.adapter.supports_fused_stitch:
-            return self.stitch_sequential(cache, context, entries, question, transition, start)
+            return self.stitch_sequential(cache, context, entries, question, transition, start, key_scale)
         adapter = self.adapter
         run_ids: list[int] = []
         run_pos: list[int] = []
@@ -258,7 +259,7 @@ class ModelRunner:
             if has_body:
                 body_pos.append(torch.arange(offset + w, offset + len(seg)))
                 for j in range(len(self.attention)):
-                    body_keys[j].append(adapter.rotate_keys(entry.keys[j], offset))
+                    body_keys[j].append(scaled(adapter.rotate_keys(entry.keys[j], offset), key_scale))
                     body_values[j].append(entry.values[j])
             offset += len(seg)
         spans.append(StitchSpan(len(run_ids), len(run_ids) + len(question)))
@@ -279,17 +280,19 @@ class ModelRunner:
         adapter.finish_stitch(cache, cap)
         return out.logits[0, -1].float()
 
-    def stitch_sequential(self, cache, context, entries, question, transition: bool = True, start: int = 0) -> torch.Tensor:
+    def stitch_sequential(self, cache, context, entries, question, transition: bool = True, start: int = 0,
+                          key_scale: float = 1.0) -> torch.Tensor:
         """Reference stitch: each seam head through all layers, then its body appended; then the question."""
         offset = start
         for seg, entry in zip(context, entries):
             if entry.seam:
                 self.forward(seg[: entry.seam], offset, cache)
-            self.append_body(cache, entry, offset, transition)
+            self.append_body(cache, entry, offset, transition, key_scale)
             offset += len(seg)
         return self.forward(question, offset, cache, logits=True)
 
-    def append_body(self, cache: DynamicCache, entry: SegmentEntry, offset: int, transition: bool = True) -> None:
+    def append_body(self, cache: DynamicCache, entry: SegmentEntry, offset: int, transition: bool = True,
+                    key_scale: float = 1.0) -> None:
         """Append `entry`'s body after its (already run) seam head, the segment starting at `offset`.
 
         Attention layers get the body K/V rotated from local positions to offset + seam..;
@@ -298,7 +301,7 @@ class ModelRunner:
         """
         if entry.body_length == 0:
             return
-        self.attention.append_body(cache, entry, offset)  # creates the layers in lazily built caches
+        self.attention.append_body(cache, entry, offset, key_scale)  # creates the layers in lazily built caches
         self.linear.append_body(cache, entry, transition)
 
     # --- exact prefixes (`prefix` mode) -------------------------------------------------------
