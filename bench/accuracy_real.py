@@ -12,8 +12,9 @@ full's answer (up to --max-tokens tokens), teacher-forced, so a config is judged
 answer and not on its first token alone. 95% confidence intervals: Wilson for proportions, t-free normal for means.
 
 Configurations beyond the plain seams (`--variants`, the attention-side ladder of issue 49), each
-`SEAM[/FRACTION][+p][@RULE]`: hypic with the seam head max(SEAM, ceil(FRACTION * chunk length))
-(`EngineConfig.seam_fraction`), with `+p` every entry computed after the prompt's fixed head
+`SEAM[/FRACTION][~SCALE][+p][@RULE]`: hypic with the seam head max(SEAM, ceil(FRACTION * chunk length))
+(`EngineConfig.seam_fraction`), with `~S` (rung 4) the reused bodies' keys multiplied by S
+(`EngineConfig.reuse_key_scale`: a temperature of 1/S on the logits over reused tokens), with `+p` every entry computed after the prompt's fixed head
 (`EngineConfig.entry_prefix`: the chat template's system part and the user turn's opening, what
 precedes the first document in every prompt), and with `@R` (rung 3, selective recompute) a
 budget of R x the reused tokens spent widening seam heads, nearest the question first
@@ -23,7 +24,7 @@ loaded model. Every config is also paired per question against `full` (answers l
 accuracy difference with a paired 95% interval) and against `hypic s=8` (first-token KL difference).
 
 Run:  .venv/bin/python bench/accuracy_real.py --model smollm2-135m-instruct
-      [--n 84] [--seams 0 2 4 8 16 32] [--naive-seams 8] [--variants 8+p 8/0.15 8@0.1 8@gold] [--max-tokens 32] [--tag real-smollm2]
+      [--n 84] [--seams 0 2 4 8 16 32] [--naive-seams 8] [--variants 8+p 8/0.15 8~0.9 8@0.1 8@gold] [--max-tokens 32] [--tag real-smollm2]
 
 `--set short` asks data/short_qa/'s 61 questions instead (six ~80-token documents each, in the
 prompter's retrieval order, the best next to the question; `--order shuffled` for a random order).
@@ -63,17 +64,25 @@ from retrieval.index import SearchHit  # noqa: E402
 
 
 def configs(seams: list[int], naive_seams: list[int], prefix: bool = True,
-            variants: list[str] = ()) -> list[tuple[str, str, int, float, bool, str]]:
-    """(label, mode, seam, seam fraction, entry prefix, recompute rule) of every configuration, `full` first."""
-    out = [("full", "full", 0, 0.0, False, "")] + ([("prefix", "prefix", 0, 0.0, False, "")] if prefix else [])
-    out += [(f"pic-naive s={s}", "pic-naive", s, 0.0, False, "") for s in naive_seams]
-    out += [(f"hypic s={s}", "hypic", s, 0.0, False, "") for s in seams]
+            variants: list[str] = ()) -> list[tuple[str, str, int, float, bool, str, float]]:
+    """(label, mode, seam, seam fraction, entry prefix, recompute rule, key scale) of every configuration, `full` first."""
+    out = [("full", "full", 0, *PLAIN)] + ([("prefix", "prefix", 0, *PLAIN)] if prefix else [])
+    out += [(f"pic-naive s={s}", "pic-naive", s, *PLAIN) for s in naive_seams]
+    out += [(f"hypic s={s}", "hypic", s, *PLAIN) for s in seams]
     out += [variant(v) for v in variants]
     return out
 
 
-def variant(spec: str) -> tuple[str, str, int, float, bool, str]:
-    """`SEAM[/FRACTION][+p][@RULE]` -> a hypic config (see the module docstring)."""
+PLAIN = (0.0, False, "", 1.0)  # no seam fraction, no entry prefix, no recompute rule, keys as computed
+
+
+def is_plain(levers) -> bool:
+    """Whether a stored config's levers (what follows label, mode, seam; older runs stored fewer) are all off."""
+    return all(a == b for a, b in zip(levers, PLAIN))
+
+
+def variant(spec: str) -> tuple[str, str, int, float, bool, str, float]:
+    """`SEAM[/FRACTION][~SCALE][+p][@RULE]` -> a hypic config (see the module docstring)."""
     spec, at, rule = spec.partition("@")
     if at and rule != "gold":
         try:
@@ -85,11 +94,14 @@ def variant(spec: str) -> tuple[str, str, int, float, bool, str]:
     body, plus, flag = spec.partition("+")
     if plus and flag != "p":
         raise SystemExit(f"variant {spec!r}: only '+p' (entry prefix) may follow the seam")
+    body, tilde, key_scale = body.partition("~")
+    scale = float(key_scale) if tilde else 1.0
     seam, _, frac = body.partition("/")
     fraction = float(frac) if frac else 0.0
-    label = (f"hypic s={int(seam)}" + (f" f={fraction:g}" if fraction else "") + (" +prefix" if plus else "")
+    label = (f"hypic s={int(seam)}" + (f" f={fraction:g}" if fraction else "") + (f" k={scale:g}" if tilde else "")
+             + (" +prefix" if plus else "")
              + ("" if not at else " gold whole (oracle)" if rule == "gold" else f" r={float(rule):g}"))
-    return label, "hypic", int(seam), fraction, bool(plus), rule
+    return label, "hypic", int(seam), fraction, bool(plus), rule, scale
 
 
 def install_recompute(engine: Engine, rule: str) -> dict:
@@ -183,16 +195,17 @@ def evaluate(args) -> dict:
     layout = settings.prompt_layout(engine.tokenizer, model.known.prompt if model.known else None)
     prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
     head = entry_prefix(prompter)
-    engines = {(0.0, False, ""): engine}  # (seam fraction, entry prefix, rule) -> an engine over the same model
-    recompute = {}  # rule -> what install_recompute returned
-    for _, _, _, fraction, prefixed, rule in configs([], [], False, args.variants or []):
-        if (fraction, prefixed, rule) not in engines:
-            engines[(fraction, prefixed, rule)] = Engine(
+    engines = {PLAIN: engine}  # (seam fraction, entry prefix, rule, key scale) -> an engine over the same model
+    recompute = {}  # levers -> what install_recompute returned
+    for _, _, _, *levers in configs([], [], False, args.variants or []):
+        fraction, prefixed, rule, scale = levers = tuple(levers)
+        if levers not in engines:
+            engines[levers] = Engine(
                 engine.model, engine.tokenizer, EngineConfig(seam=8, memory_budget_bytes=budget, seam_fraction=fraction,
-                                                             entry_prefix=head if prefixed else ()),
+                                                             entry_prefix=head if prefixed else (), reuse_key_scale=scale),
                 model_id=settings.served_model_name)
             if rule:
-                recompute[(fraction, prefixed, rule)] = install_recompute(engines[(fraction, prefixed, rule)], rule)
+                recompute[levers] = install_recompute(engines[levers], rule)
     pairs = questions(args)
     cfgs = configs(args.seams, args.seams if args.naive_seams is None else args.naive_seams, not args.no_prefix,
                    args.variants or [])
@@ -218,8 +231,8 @@ def evaluate(args) -> dict:
         for state in recompute.values():
             state["gold"] = docs[gold]
         full = None
-        for label, mode, seam, fraction, prefixed, rule in cfgs:
-            engine = engines[(fraction, prefixed, rule)]
+        for label, mode, seam, *levers in cfgs:
+            engine = engines[tuple(levers)]
             request = GenerationRequest(segs, mode=mode, seam=seam, sampling=SamplingParams(max_tokens=args.max_tokens))
             pre = engine.prefill(request)
             forked = copy.deepcopy(pre.cache)
@@ -318,7 +331,7 @@ def _ws_cell(rows: list[dict], full_ws: list) -> str:
 def paired_lines(results: dict) -> list[str]:
     """hypic minus pic-naive per question at every seam both ran (the same prompts, so the paired
     difference is far tighter than the two rows' intervals): what composing the linear states adds."""
-    labels = {(mode, seam): label for label, mode, seam, *variant in results["configs"] if not any(variant)}
+    labels = {(mode, seam): label for label, mode, seam, *levers in results["configs"] if is_plain(levers)}
     seams = sorted(s for (m, s) in labels if m == "hypic" and ("pic-naive", s) in labels)
     if not seams:
         return []
@@ -384,7 +397,7 @@ def merge(results: dict, path: str, label: str) -> None:
             raise SystemExit(f"{path}: full answers {r['id']} differently; its rows are not this run's")
         picked.append(old["rows"][label][i])
     spec = next(c for c in old["configs"] if c[0] == label)
-    results["configs"].insert(1, [*spec, *[0.0, False, ""][len(spec) - 3:]])
+    results["configs"].insert(1, [*spec, *PLAIN[len(spec) - 3:]])
     results["rows"][label] = picked
     for k in ("family", "linear_layers", "attention_layers", "dtype"):
         results.setdefault(k, old.get(k))
