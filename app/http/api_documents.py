@@ -122,6 +122,8 @@ async def add_documents(request: Request, id: str | None = Query(None, descripti
         raise _locked(rt, exc) from None
     except RetrievalError as exc:
         raise APIError.invalid("body", str(exc)) from None
+    if summary.chunks and rt.guard is not None:
+        rt.guard.new_corpus()  # check the next requests densely: they may read the new documents
     return {"documents": summary.documents, "chunks": summary.chunks, "replaced": summary.replaced,
             "document_ids": [d.document_id for d in documents], "seconds": round(summary.seconds, 3), "collection": collection}
 

@@ -1,7 +1,10 @@
 """The online accuracy guard: shadow checks of approximate reuse against full prefill, and the
 policy that widens the seam or falls back to exact reuse when agreement drops.
 
-A sampled request is queued (bounded; a full queue drops its oldest check) once admitted. The
+A sampled request is queued (bounded; a full queue drops its oldest check) once admitted: every
+admitted request while the guard is *dense* (its first `dense_checks` checks after start, after
+documents are added, and after each widening: so it can judge a new corpus or a new seam within
+the first few dozen requests), else a `sample_rate` share of them. The
 engine thread starts one queued check at a time, and only while the engine holds no
 request: a check is requests like any other, at the lowest priority, stepped by the same
 `Engine.step()` as served ones: the request's segments in `full` and in each approximate
@@ -92,11 +95,16 @@ class GuardConfig:
     min_agreement: float = 0.9  # rolling top-1 agreement below this trips the guard
     max_seam: int = 64
     queue_size: int = 64  # checks waiting for an idle engine
+    # Checks queued from every admitted request (not a sample) after start, after documents are added and
+    # after each widening, before `sample_rate` applies again; 0: always sampled.
+    dense_checks: int = 20
 
     def __post_init__(self) -> None:
         for name in ("sample_rate", "greedy_sample", "min_agreement"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"guard {name} must be in [0, 1], got {getattr(self, name)!r}")
+        if self.dense_checks < 0:
+            raise ValueError(f"guard dense_checks must be >= 0, got {self.dense_checks}")
         for name in ("greedy_tokens", "window", "min_checks", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"guard {name} must be >= 1, got {getattr(self, name)!r}")
@@ -109,7 +117,8 @@ class GuardConfig:
     def from_settings(cls, settings) -> "GuardConfig":
         return cls(settings.guard_enabled, settings.guard_sample_rate, settings.guard_greedy_sample,
                    settings.guard_greedy_tokens, settings.guard_window, settings.guard_min_checks,
-                   settings.guard_min_agreement, settings.guard_max_seam, settings.guard_queue_size)
+                   settings.guard_min_agreement, settings.guard_max_seam, settings.guard_queue_size,
+                   settings.guard_dense_checks)
 
 
 @dataclass(frozen=True)
@@ -358,6 +367,7 @@ class Guard:
         self._submit = submit
         self._in_flight: _InFlight | None = None
         self._checks = self._dropped = self._errors = 0
+        self._dense = config.dense_checks  # checks still queued from every request (not sampled)
         self._metrics = _GuardMetrics(registry, model)
         self._metrics.serving(self.policy.state, base)
 
@@ -374,8 +384,15 @@ class Guard:
         with self._lock:
             return self.policy.serving
 
+    def new_corpus(self) -> None:
+        """Documents were added: check the next `dense_checks` requests, so what reuse costs on them
+        is judged within the first few dozen requests instead of after hundreds."""
+        with self._lock:
+            self._dense = self.config.dense_checks
+
     def offer(self, request: GenerationRequest) -> bool:
-        """Maybe queue a shadow check of an admitted `request` (sampled at `sample_rate`); True if queued.
+        """Maybe queue a shadow check of an admitted `request` (every one while dense, else sampled at
+        `sample_rate`); True if queued.
 
         It checks the configurations the guard answers for: the base and, when approximate and
         different, the one default-mode requests get now; not a configuration a request named
@@ -390,7 +407,11 @@ class Guard:
             return False
         with self._lock:
             choices = tuple(c for c in dict.fromkeys((self.policy.base, self.policy.serving)) if c.mode not in EXACT_MODES)
-            if not choices or self._rng.random() >= self.config.sample_rate:
+            if not choices:
+                return False
+            if self._dense > 0:
+                self._dense -= 1
+            elif self._rng.random() >= self.config.sample_rate:
                 return False
             greedy = self._rng.random() < self.config.greedy_sample
             if len(self._queue) >= self.config.queue_size:
@@ -413,7 +434,7 @@ class Guard:
             return {"enabled": self.config.enabled, "state": p.state.value, **p.serving.as_dict(),
                     "base": p.base.as_dict(), "agreement": _round(base.top1_agreement),
                     "greedy_agreement": _round(base.greedy_agreement), "window_checks": len(base),
-                    "checks": self._checks, "pending": len(self._queue), "dropped": self._dropped, "errors": self._errors,
+                    "checks": self._checks, "dense_left": self._dense, "pending": len(self._queue), "dropped": self._dropped, "errors": self._errors,
                     "windows": windows, "last_action": p.last_action.as_dict() if p.last_action else None}
 
     # --- engine thread -------------------------------------------------------------------
@@ -479,6 +500,8 @@ class Guard:
                 action = self.policy.record(result)
                 self._metrics.observe(result, self.policy.window(result.choice))
                 if action is not None:
+                    if action.action == "widen":
+                        self._dense = self.config.dense_checks  # the wider seam's window starts empty
                     self._metrics.serving(action.state, action.choice)
                     log.warning(f"accuracy guard: {action.action}", extra={
                         "model": self.model, "guard_action": action.action, "guard_state": action.state.value,

@@ -150,6 +150,8 @@ class Settings(BaseSettings):
     guard_min_agreement: float = Field(0.9, ge=0.0, le=1.0, description="Rolling top-1 agreement below which the guard acts.")
     guard_max_seam: int = Field(64, ge=0, description="Widest seam the guard widens to before it switches to prefix.")
     guard_queue_size: int = Field(64, ge=1, description="Checks waiting for an idle engine; a full queue drops its oldest.")
+    guard_dense_checks: int = Field(20, ge=0, description="Checks taken from every request (not sampled) after start, after "
+                                    "documents are added and after each widening, before guard_sample_rate applies; 0: always sampled.")
     max_new_tokens: int = Field(1024, ge=1, description="Upper bound on max_tokens of any request.")
 
     # admission and limits

@@ -179,10 +179,30 @@ def test_offer_samples_picks_configurations_and_drops_the_oldest(poor_engine):
     health = guard.health()
     assert health["pending"] == 2 and health["dropped"] == 1 and health["state"] == "ok" and health["checks"] == 0
     assert registry.get_sample_value("hypic_guard_dropped_checks_total", {"model": "tiny"}) == 1
-    never = Guard(GuardConfig(sample_rate=0.0), poor_engine, "tiny", HYPIC8, CollectorRegistry())
+    never = Guard(GuardConfig(sample_rate=0.0, dense_checks=0), poor_engine, "tiny", HYPIC8, CollectorRegistry())
     assert not never.offer(GenerationRequest(segments)) and not never.pending()
     exact = Guard(GuardConfig(sample_rate=1.0), poor_engine, "tiny", Choice(Mode.PREFIX, 8), CollectorRegistry())
     assert not exact.offer(GenerationRequest(segments, Mode.PREFIX))  # nothing approximate to compare
+
+
+def test_dense_checks_after_start_new_documents_and_a_widening(poor_engine):
+    """Every request is checked (not sampled) for `dense_checks` checks after start, after new
+    documents and after each widening, so the guard judges within the first few dozen requests."""
+    guard = Guard(GuardConfig(sample_rate=0.0, dense_checks=3, window=4, min_checks=2, queue_size=64), poor_engine, "tiny",
+                  HYPIC8, CollectorRegistry(), rng=random.Random(0))
+    segments = ((5, 6, 7), (10, 11), (8, 9))
+
+    def offers(n):
+        return [guard.offer(GenerationRequest(segments)) for _ in range(n)]
+
+    assert not guard.offer(GenerationRequest(segments[1:]))  # never checked: does not spend the dense phase
+    assert offers(5) == [True] * 3 + [False] * 2 and guard.health()["dense_left"] == 0
+    guard.new_corpus()
+    assert guard.health()["dense_left"] == 3 and offers(4) == [True] * 3 + [False]
+    guard._record([CheckResult(HYPIC8, 1.0, False)])
+    guard._record([CheckResult(HYPIC8, 1.0, False)])  # min_checks poor results: the seam doubles
+    assert guard.policy.state is GuardState.WIDENED and guard.health()["dense_left"] == 3
+    assert offers(4) == [True] * 3 + [False]
 
 
 # --- in a gateway -----------------------------------------------------------------------------
@@ -392,6 +412,22 @@ def test_exact_opt_out(endless_engine, tmp_path, monkeypatch):
         assert httpx.post(f"{live.url}/v1/chat/completions", json=chat, timeout=30).status_code == 200
         assert spy.seqs[-1].stats.mode == "prefix"
         assert complete(live.url, 0).status_code == 200 and spy.seqs[-1].stats.mode == "hypic"  # the default
+
+
+def test_added_documents_start_a_dense_phase(endless_engine, tmp_path):
+    with serve(endless_engine, tmp_path, guard_sample_rate=0.0, guard_dense_checks=2) as live:
+        live.wait_ready()
+        for i in range(3):
+            assert complete(live.url, i).status_code == 200
+        wait_checks(live.url, 2)
+        g = guard_health(live.url)
+        assert g["dense_left"] == 0 and g["checks"] == 2  # the third request was not sampled (rate 0)
+        r = httpx.post(f"{live.url}/documents?id=new", content="Seinaim is based in Jasteirk.",
+                       headers={"content-type": "text/plain", "x-requested-with": "test"}, timeout=30)
+        assert r.status_code == 201 and r.json()["chunks"] >= 1
+        assert guard_health(live.url)["dense_left"] == 2
+        assert complete(live.url, 3).status_code == 200
+        assert wait_checks(live.url, 3)["dense_left"] == 1
 
 
 def test_health_guard_is_null_until_loaded(tmp_path):
