@@ -417,8 +417,9 @@ def main() -> None:
                         help="seams for pic-naive (default: --seams). On a dense model pic-naive equals hypic at every "
                              "seam (no linear layers to compose), so one is enough as a check.")
     parser.add_argument("--variants", nargs="*", default=None,
-                        help="hypic configs SEAM[/FRACTION][+p]: a seam fraction of each chunk beside the fixed width, "
-                             "+p: entries computed after the prompt's fixed head (see the module docstring)")
+                        help="hypic configs SEAM[/FRACTION][~SCALE][+p][@RULE]: a seam fraction of each chunk beside the "
+                             "fixed width, ~: the reused keys x SCALE, +p: entries computed after the prompt's fixed head, "
+                             "@: a recompute budget or 'gold' (see the module docstring)")
     parser.add_argument("--merge", nargs=2, action="append", default=[], metavar=("JSON", "LABEL"),
                         help="with --join: add config LABEL's rows from an earlier run's raw rows on the same prompts "
                              "(checked: full's answers identical)")

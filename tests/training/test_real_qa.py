@@ -218,3 +218,16 @@ def test_accuracy_variants_parse_every_lever_and_older_configs_read_as_plain():
     assert not bench.is_plain([0.0, False, "", 0.9]) and not bench.is_plain([0.15, False, ""])
     with pytest.raises(SystemExit, match="only"):
         bench.variant("8+q")
+
+
+def test_key_scale_scan_pairs_every_scale_with_scale_one():
+    from helpers import ROOT, load_script
+    bench = load_script("bench_key_scale_scan", ROOT / "bench" / "key_scale_scan.py")
+
+    result = {"model": "m", "set": "short", "n": 3, "seam": 8, "kl": {"1.0": [0.1, 0.2, 0.3], "0.9": [0.05, 0.25, 0.1]},
+              "top1": {"1.0": 3, "0.9": 2}}
+    lines = bench.table(result)
+    assert lines[3].startswith("| 0.9 | 0.1333") and "| -0.0667 (+-" in lines[3] and lines[3].endswith("| 2/3 | 2/3 |")
+    assert lines[4].startswith("| 1 | 0.2000") and lines[4].endswith("|  |  | 3/3 |")
+    short = list(bench.contexts("short", 2))
+    assert len(short) == 2 and all(len(chunks) == 6 for _, chunks in short)
