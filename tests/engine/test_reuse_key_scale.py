@@ -76,3 +76,19 @@ def test_engine_applies_the_scale_to_stitched_requests_only(family):
 def test_out_of_range_scale_is_refused_by_name(bad):
     with pytest.raises(InvalidRequestError, match="reuse_key_scale"):
         EngineConfig(reuse_key_scale=bad)
+
+
+def test_gateway_setting_reaches_the_engine(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from app.service.runtime import load_engine
+    from app.service.settings import Settings
+
+    tiny = Path(__file__).resolve().parents[2] / "models" / "hypic-tiny"
+    monkeypatch.setenv("HYPIC_REUSE_KEY_SCALE", "0.9")
+    assert load_engine(Settings(model=str(tiny), index_dir=tmp_path / "index", cache_dir=None)).config.reuse_key_scale == 0.9
+    monkeypatch.setenv("HYPIC_REUSE_KEY_SCALE", "0")
+    with pytest.raises(ValidationError, match="reuse_key_scale"):
+        Settings()
