@@ -10,6 +10,8 @@ questions it is lower, and top-1 agreement; progress to stderr.
 
 Run:  .venv/bin/python bench/key_scale_scan.py --model smollm2-hybrid-135m --set short --n 30 \\
           --scales 0.8 0.9 0.95 1.0 1.1 [--json out.json]
+      .venv/bin/python bench/key_scale_scan.py --plot docs/accuracy_vs_key_scale.png --from A.json B.json ...
+      (one line per JSON: mean first-token KL against the scale, each relative to its scale 1.0)
 """
 
 from __future__ import annotations
@@ -96,6 +98,29 @@ def table(result: dict) -> list[str]:
     return lines
 
 
+def plot(paths: list[Path], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for path in paths:
+        result = json.loads(path.read_text())
+        kls = {float(s): statistics.fmean(v) for s, v in result["kl"].items()}
+        ref = kls.get(1.0, 1.0)
+        xs = sorted(kls)
+        ax.plot(xs, [kls[x] / ref for x in xs], marker="o",
+                label=f"{result['model']}, {result['set']} set ({result['n']} q; KL at 1.0: {ref:.3f})")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("reused keys' scale k (temperature 1/k on their logits)")
+    ax.set_ylabel("first-token KL from full / KL at k = 1")
+    ax.set_title("Rung 4: hypic seam 8, first-token KL against the key scale")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-hybrid-135m")
@@ -104,7 +129,13 @@ def main() -> None:
     ap.add_argument("--scales", type=float, nargs="+", default=[0.85, 0.9, 0.95, 1.0, 1.1])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, help="also write the per-question KLs here")
+    ap.add_argument("--plot", type=Path, help="plot the scans of --from (JSON files of --json) here instead of scanning")
+    ap.add_argument("--from", dest="sources", type=Path, nargs="+", default=[])
     args = ap.parse_args()
+    if args.plot:
+        if not args.sources:
+            ap.error("--plot needs --from JSON files")
+        return plot(args.sources, args.plot)
     torch.set_num_threads(args.threads)
     result = scan(args.model, args.set, args.n, args.scales)
     print("\n".join(table(result)))

@@ -231,3 +231,14 @@ def test_key_scale_scan_pairs_every_scale_with_scale_one():
     assert lines[4].startswith("| 1 | 0.2000") and lines[4].endswith("|  |  | 3/3 |")
     short = list(bench.contexts("short", 2))
     assert len(short) == 2 and all(len(chunks) == 6 for _, chunks in short)
+
+
+def test_key_scale_scan_plots_saved_scans(tmp_path):
+    from helpers import ROOT, load_script
+    bench = load_script("bench_key_scale_scan", ROOT / "bench" / "key_scale_scan.py")
+
+    scan = tmp_path / "scan.json"
+    scan.write_text(json.dumps({"model": "m", "set": "short", "n": 2, "seam": 8, "kl": {"1.0": [0.1, 0.2], "0.9": [0.05, 0.1]},
+                                "top1": {"1.0": 2, "0.9": 2}}))
+    bench.plot([scan], tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
