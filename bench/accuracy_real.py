@@ -14,7 +14,9 @@ answer and not on its first token alone. 95% confidence intervals: Wilson for pr
 Configurations beyond the plain seams (`--variants`, the attention-side ladder of issue 49), each
 `SEAM[/FRACTION][~SCALE][+p][@RULE]`: hypic with the seam head max(SEAM, ceil(FRACTION * chunk length))
 (`EngineConfig.seam_fraction`), with `~S` (rung 4) the reused bodies' keys multiplied by S
-(`EngineConfig.reuse_key_scale`: a temperature of 1/S on the logits over reused tokens), with `+p` every entry computed after the prompt's fixed head
+(`EngineConfig.reuse_key_scale`: a temperature of 1/S on the logits over reused tokens; `~Sq`: for
+the prompt's own tokens only, a prototype here: the bodies' keys are set back to 1x once the
+prefill ends, so the answer's tokens read them as computed), with `+p` every entry computed after the prompt's fixed head
 (`EngineConfig.entry_prefix`: the chat template's system part and the user turn's opening, what
 precedes the first document in every prompt), and with `@R` (rung 3, selective recompute) a
 budget of R x the reused tokens spent widening seam heads, nearest the question first
@@ -64,8 +66,9 @@ from retrieval.index import SearchHit  # noqa: E402
 
 
 def configs(seams: list[int], naive_seams: list[int], prefix: bool = True,
-            variants: list[str] = ()) -> list[tuple[str, str, int, float, bool, str, float]]:
-    """(label, mode, seam, seam fraction, entry prefix, recompute rule, key scale) of every configuration, `full` first."""
+            variants: list[str] = ()) -> list[tuple[str, str, int, float, bool, str, float, str]]:
+    """(label, mode, seam, seam fraction, entry prefix, recompute rule, key scale, its scope) of every configuration,
+    `full` first."""
     out = [("full", "full", 0, *PLAIN)] + ([("prefix", "prefix", 0, *PLAIN)] if prefix else [])
     out += [(f"pic-naive s={s}", "pic-naive", s, *PLAIN) for s in naive_seams]
     out += [(f"hypic s={s}", "hypic", s, *PLAIN) for s in seams]
@@ -73,7 +76,7 @@ def configs(seams: list[int], naive_seams: list[int], prefix: bool = True,
     return out
 
 
-PLAIN = (0.0, False, "", 1.0)  # no seam fraction, no entry prefix, no recompute rule, keys as computed
+PLAIN = (0.0, False, "", 1.0, "")  # no seam fraction, entry prefix or recompute rule; keys as computed, for every token
 
 
 def is_plain(levers) -> bool:
@@ -81,8 +84,8 @@ def is_plain(levers) -> bool:
     return all(a == b for a, b in zip(levers, PLAIN))
 
 
-def variant(spec: str) -> tuple[str, str, int, float, bool, str, float]:
-    """`SEAM[/FRACTION][~SCALE][+p][@RULE]` -> a hypic config (see the module docstring)."""
+def variant(spec: str) -> tuple[str, str, int, float, bool, str, float, str]:
+    """`SEAM[/FRACTION][~SCALE[q]][+p][@RULE]` -> a hypic config (see the module docstring)."""
     spec, at, rule = spec.partition("@")
     if at and rule != "gold":
         try:
@@ -95,13 +98,14 @@ def variant(spec: str) -> tuple[str, str, int, float, bool, str, float]:
     if plus and flag != "p":
         raise SystemExit(f"variant {spec!r}: only '+p' (entry prefix) may follow the seam")
     body, tilde, key_scale = body.partition("~")
-    scale = float(key_scale) if tilde else 1.0
+    scope = "prompt" if key_scale.endswith("q") else ""
+    scale = float(key_scale.removesuffix("q")) if tilde else 1.0
     seam, _, frac = body.partition("/")
     fraction = float(frac) if frac else 0.0
-    label = (f"hypic s={int(seam)}" + (f" f={fraction:g}" if fraction else "") + (f" k={scale:g}" if tilde else "")
+    label = (f"hypic s={int(seam)}" + (f" f={fraction:g}" if fraction else "") + (f" k={scale:g}" if tilde else "") + (" (prompt only)" if scope else "")
              + (" +prefix" if plus else "")
              + ("" if not at else " gold whole (oracle)" if rule == "gold" else f" r={float(rule):g}"))
-    return label, "hypic", int(seam), fraction, bool(plus), rule, scale
+    return label, "hypic", int(seam), fraction, bool(plus), rule, scale, scope
 
 
 def install_recompute(engine: Engine, rule: str) -> dict:
@@ -127,6 +131,24 @@ def install_recompute(engine: Engine, rule: str) -> dict:
 
     context.head = head
     return state
+
+
+def unscale_bodies(engine: Engine, pre, request: GenerationRequest) -> None:
+    """Rung 4 for the prompt only (`~Sq`, a prototype): set the stitched bodies' keys of a finished prefill
+    back to 1x, so the answer's tokens read them as computed. The fused stitch lays the bodies out right
+    after the exact run (the prompt's exact prefix, and its first document under an entry prefix), before
+    the seam heads and the question; checked against the bodies' lengths."""
+    assert engine.adapter.supports_fused_stitch, "the bodies' columns are the fused stitch's layout"
+    exact = request.exact_prefix + (1 if engine.config.entry_prefix else 0)
+    a = sum(map(len, request.segments[:exact]))
+    b = pre.stats.prompt_tokens - pre.stats.seam_tokens - len(request.question)
+    seam = engine.config.seam if request.seam is None else request.seam
+    bodies = sum(max(0, len(s) - engine.config.head_width(seam, len(s))) for s in request.context[exact:])
+    assert b - a == bodies, f"the bodies are not columns [{a}, {b}): {bodies} body tokens"
+    keys, _ = engine.runner.attention.kv(pre.cache)
+    with torch.inference_mode():  # the cache's tensors are inference tensors
+        for k in keys:
+            k[:, :, a:b] /= engine.config.reuse_key_scale
 
 
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
@@ -198,7 +220,7 @@ def evaluate(args) -> dict:
     engines = {PLAIN: engine}  # (seam fraction, entry prefix, rule, key scale) -> an engine over the same model
     recompute = {}  # levers -> what install_recompute returned
     for _, _, _, *levers in configs([], [], False, args.variants or []):
-        fraction, prefixed, rule, scale = levers = tuple(levers)
+        fraction, prefixed, rule, scale, _ = levers = tuple(levers)
         if levers not in engines:
             engines[levers] = Engine(
                 engine.model, engine.tokenizer, EngineConfig(seam=8, memory_budget_bytes=budget, seam_fraction=fraction,
@@ -235,6 +257,8 @@ def evaluate(args) -> dict:
             engine = engines[tuple(levers)]
             request = GenerationRequest(segs, mode=mode, seam=seam, sampling=SamplingParams(max_tokens=args.max_tokens))
             pre = engine.prefill(request)
+            if levers[4] == "prompt":
+                unscale_bodies(engine, pre, request)
             forked = copy.deepcopy(pre.cache)
             events = list(engine.generate(request, prefilled=pre))
             raw = "".join(e.text for e in events)

@@ -92,3 +92,23 @@ def test_gateway_setting_reaches_the_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("HYPIC_REUSE_KEY_SCALE", "0")
     with pytest.raises(ValidationError, match="reuse_key_scale"):
         Settings()
+
+
+def test_benchmark_prototype_unscales_exactly_the_bodies():
+    """bench/accuracy_real.py's `~Sq` prototype sets the bodies' keys back to 1x after the prefill: its
+    column range (after the exact run, before the seam heads and the question) must be the bodies'."""
+    from helpers import ROOT, load_script
+
+    bench = load_script("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
+    base = engines.engine(8, "llama")  # attention in every layer: the later layers' keys read the earlier ones'
+    scaled = engines.engine(like=base, reuse_key_scale=0.5)
+    segs = random_segments((14, 40, 3, 23, 31, 6), seed=9)  # system prompt (exact), four documents, question
+    request = GenerationRequest(tuple(segs), mode="hypic", exact_prefix=1, sampling=SamplingParams(max_tokens=1))
+    for warmth in ("cold", "warm"):
+        plain, pre = base.prefill(request), scaled.prefill(request)
+        bench.unscale_bodies(scaled, pre, request)  # asserts its columns hold the bodies' token count
+        a, b = 14, 14 + 40 + 23 + 31 - 3 * 8  # after the system prompt; the 3-token document is all seam head
+        pairs = list(zip(base.runner.attention.kv(plain.cache)[0], scaled.runner.attention.kv(pre.cache)[0]))
+        assert all(maxdiff(k_plain[:, :, :b], k_back[:, :, :b]) <= 1e-6 for k_plain, k_back in pairs), warmth
+        # seam heads and question were computed reading 0.5x keys (from the second attention layer on)
+        assert max(maxdiff(k_plain[:, :, b:], k_back[:, :, b:]) for k_plain, k_back in pairs) > 1e-6

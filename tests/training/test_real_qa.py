@@ -211,11 +211,13 @@ def test_accuracy_variants_parse_every_lever_and_older_configs_read_as_plain():
     from helpers import ROOT, load_script
     bench = load_script("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
 
-    assert bench.variant("8/0.15~0.9+p@0.1") == ("hypic s=8 f=0.15 k=0.9 +prefix r=0.1", "hypic", 8, 0.15, True, "0.1", 0.9)
-    assert bench.variant("8~1.1") == ("hypic s=8 k=1.1", "hypic", 8, 0.0, False, "", 1.1)
+    assert bench.variant("8/0.15~0.9+p@0.1") == ("hypic s=8 f=0.15 k=0.9 +prefix r=0.1", "hypic", 8, 0.15, True, "0.1", 0.9, "")
+    assert bench.variant("8~1.1") == ("hypic s=8 k=1.1", "hypic", 8, 0.0, False, "", 1.1, "")
+    assert bench.variant("8~0.9q") == ("hypic s=8 k=0.9 (prompt only)", "hypic", 8, 0.0, False, "", 0.9, "prompt")
     assert bench.variant("16") == ("hypic s=16", "hypic", 16, *bench.PLAIN)
     assert bench.is_plain([]) and bench.is_plain([0.0, False, ""]) and bench.is_plain(list(bench.PLAIN))
     assert not bench.is_plain([0.0, False, "", 0.9]) and not bench.is_plain([0.15, False, ""])
+    assert not bench.is_plain([0.0, False, "", 1.0, "prompt"])
     with pytest.raises(SystemExit, match="only"):
         bench.variant("8+q")
 
