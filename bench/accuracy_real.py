@@ -14,9 +14,9 @@ answer and not on its first token alone. 95% confidence intervals: Wilson for pr
 Configurations beyond the plain seams (`--variants`, the attention-side ladder of issue 49), each
 `SEAM[/FRACTION][~SCALE][+p][@RULE]`: hypic with the seam head max(SEAM, ceil(FRACTION * chunk length))
 (`EngineConfig.seam_fraction`), with `~S` (rung 4) the reused bodies' keys multiplied by S
-(`EngineConfig.reuse_key_scale`: a temperature of 1/S on the logits over reused tokens; `~Sq`: for
-the prompt's own tokens only, a prototype here: the bodies' keys are set back to 1x once the
-prefill ends, so the answer's tokens read them as computed), with `+p` every entry computed after the prompt's fixed head
+(`EngineConfig.reuse_key_scale`: a temperature of 1/S on the logits over reused tokens, read by
+every later token: `reuse_key_scope` "all"; `~Sq`: by the prompt's own tokens only, scope "prompt":
+the bodies' keys are set back to 1x once the prefill ends, so the answer reads them as computed), with `+p` every entry computed after the prompt's fixed head
 (`EngineConfig.entry_prefix`: the chat template's system part and the user turn's opening, what
 precedes the first document in every prompt), and with `@R` (rung 3, selective recompute) a
 budget of R x the reused tokens spent widening seam heads, nearest the question first
@@ -133,24 +133,6 @@ def install_recompute(engine: Engine, rule: str) -> dict:
     return state
 
 
-def unscale_bodies(engine: Engine, pre, request: GenerationRequest) -> None:
-    """Rung 4 for the prompt only (`~Sq`, a prototype): set the stitched bodies' keys of a finished prefill
-    back to 1x, so the answer's tokens read them as computed. The fused stitch lays the bodies out right
-    after the exact run (the prompt's exact prefix, and its first document under an entry prefix), before
-    the seam heads and the question; checked against the bodies' lengths."""
-    assert engine.adapter.supports_fused_stitch, "the bodies' columns are the fused stitch's layout"
-    exact = request.exact_prefix + (1 if engine.config.entry_prefix else 0)
-    a = sum(map(len, request.segments[:exact]))
-    b = pre.stats.prompt_tokens - pre.stats.seam_tokens - len(request.question)
-    seam = engine.config.seam if request.seam is None else request.seam
-    bodies = sum(max(0, len(s) - engine.config.head_width(seam, len(s))) for s in request.context[exact:])
-    assert b - a == bodies, f"the bodies are not columns [{a}, {b}): {bodies} body tokens"
-    keys, _ = engine.runner.attention.kv(pre.cache)
-    with torch.inference_mode():  # the cache's tensors are inference tensors
-        for k in keys:
-            k[:, :, a:b] /= engine.config.reuse_key_scale
-
-
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     p = torch.log_softmax(p_logits.float(), -1)
     return max(0.0, float(torch.sum(p.exp() * (p - torch.log_softmax(q_logits.float(), -1)))))
@@ -220,11 +202,12 @@ def evaluate(args) -> dict:
     engines = {PLAIN: engine}  # (seam fraction, entry prefix, rule, key scale) -> an engine over the same model
     recompute = {}  # levers -> what install_recompute returned
     for _, _, _, *levers in configs([], [], False, args.variants or []):
-        fraction, prefixed, rule, scale, _ = levers = tuple(levers)
+        fraction, prefixed, rule, scale, scope = levers = tuple(levers)
         if levers not in engines:
             engines[levers] = Engine(
                 engine.model, engine.tokenizer, EngineConfig(seam=8, memory_budget_bytes=budget, seam_fraction=fraction,
-                                                             entry_prefix=head if prefixed else (), reuse_key_scale=scale),
+                                                             entry_prefix=head if prefixed else (), reuse_key_scale=scale,
+                                                             reuse_key_scope=scope or "all"),
                 model_id=settings.served_model_name)
             if rule:
                 recompute[levers] = install_recompute(engines[levers], rule)
@@ -257,8 +240,6 @@ def evaluate(args) -> dict:
             engine = engines[tuple(levers)]
             request = GenerationRequest(segs, mode=mode, seam=seam, sampling=SamplingParams(max_tokens=args.max_tokens))
             pre = engine.prefill(request)
-            if levers[4] == "prompt":
-                unscale_bodies(engine, pre, request)
             forked = copy.deepcopy(pre.cache)
             events = list(engine.generate(request, prefilled=pre))
             raw = "".join(e.text for e in events)

@@ -14,6 +14,7 @@ COLD_PREFILL = ("stitch", "exact", "auto")  # EngineConfig.cold_prefill
 REPEATS = ("exact", "cheaper")  # EngineConfig.repeats
 DECODE_STEPS = ("module", "lean", "lean-packed")  # EngineConfig.decode_step
 DECODE_KERNELS = ("torch", "native", "native-f16")  # EngineConfig.decode_kernel
+REUSE_KEY_SCOPES = ("prompt", "all")  # EngineConfig.reuse_key_scope
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias positive ones
 
 
@@ -153,6 +154,9 @@ class EngineConfig:
     # Stitched bodies' keys are multiplied by this (a temperature of 1 / reuse_key_scale on every later
     # query's logits over reused tokens, as APE does for parallel-encoded context); 1.0: as computed.
     reuse_key_scale: float = 1.0
+    # Which tokens read the scaled keys: "prompt" (the stitch and the rest of the prompt; the keys are set
+    # back to 1x before the first answer token, so the answer reads them as computed) or "all".
+    reuse_key_scope: str = "prompt"
     # Speculative decoding (hypic_core/engine/drafting.py, runner/verify_step.py): prompt-lookup drafts of up
     # to `speculation_max_draft` tokens from n-grams of up to `speculation_ngram` tokens, verified in the
     # decode forward. Runs where the lean decode step runs; a request's `speculation` overrides.
@@ -195,6 +199,8 @@ class EngineConfig:
                                       f"got {self.speculation_min_ngram}")
         if not 0.0 <= self.seam_fraction <= 1.0:  # NaN fails too
             raise InvalidRequestError("seam_fraction", f"must be in [0, 1], got {self.seam_fraction!r}")
+        if self.reuse_key_scope not in REUSE_KEY_SCOPES:
+            raise InvalidRequestError("reuse_key_scope", f"must be one of {', '.join(REUSE_KEY_SCOPES)}, got {self.reuse_key_scope!r}")
         if not 0.25 <= self.reuse_key_scale <= 4.0:  # NaN fails too
             raise InvalidRequestError("reuse_key_scale", f"must be in [0.25, 4], got {self.reuse_key_scale!r}")
 

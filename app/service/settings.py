@@ -91,6 +91,8 @@ class Settings(BaseSettings):
     reuse_key_scale: float = Field(1.0, ge=0.25, le=4.0, description="Stitched documents' reused keys are multiplied by "
                                    "this: a temperature of 1/scale on every later token's attention logits over reused "
                                    "tokens (docs/accuracy.md, rung 4); 1.0: as computed.")
+    reuse_key_scope: Literal["prompt", "all"] = Field("prompt", description="Which tokens read the scaled keys: prompt "
+                                                       "(the prompt's own; set back to 1x before the answer) or all.")
     cold_prefill: Literal["auto", "exact", "stitch"] = Field("auto", description="A request whose chunks' cache entries "
                                                              "are missing: auto (one exact forward over the prompt, as full "
                                                              "prefill, when that costs less than computing the entries and "

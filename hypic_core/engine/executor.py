@@ -123,15 +123,19 @@ class Executor:
             seams = stats.seam_tokens
             head = max(1, min(len(request.question), budget - seams))
             context = request.context[progress.exact:]
-            logits = self.runner.stitch(progress.cache, context, progress.entries[progress.exact:], request.question[:head],
-                                        progress.transition, start=progress.start, key_scale=self.config.reuse_key_scale)
+            entries = progress.entries[progress.exact:]
+            scale = self.config.reuse_key_scale
+            logits = self.runner.stitch(progress.cache, context, entries, request.question[:head], progress.transition,
+                                        start=progress.start, key_scale=scale)
+            if scale != 1.0 and self.config.reuse_key_scope == "prompt":
+                progress.rescale = self.runner.body_columns(context, entries, progress.start)
             seq.num_computed_tokens = progress.stitch_end + head
             stats.computed_tokens += seams + head
             budget -= seams + head
             if head < len(request.question):
                 progress.runs.append(Run(request.question[head:], seq.num_computed_tokens))
             else:
-                progress.logits = logits
+                self._prefilled(progress, logits)
             _add_ms(stats, "stitch", time.perf_counter() - t)
             self._runs(seq, budget)
 
@@ -157,11 +161,19 @@ class Executor:
                     if progress.snapshot_due and not any(r.boundary for r in progress.runs):
                         self.cache.keep_exact_run(progress)
             if last:
-                progress.logits = logits
+                self._prefilled(progress, logits)
                 if progress.deferred:  # its first token is due: what it left missing becomes background work
                     self.cache.defer(progress)
             _add_ms(stats, progress.timing, time.perf_counter() - t)
         return budget
+
+    def _prefilled(self, progress, logits: torch.Tensor) -> None:
+        """The prompt is in the cache: keep its first-token logits, and set the bodies' keys the stitch
+        scaled for the prompt alone back to 1x, so the answer reads them as computed."""
+        if progress.rescale:
+            self.runner.attention.scale_keys(progress.cache, progress.rescale, 1.0 / self.config.reuse_key_scale)
+            progress.rescale = []
+        progress.logits = logits
 
     def _start_decoding(self, seq: Sequence) -> torch.Tensor:
         """Prefill done: the sequence decodes from the next step; returns its first-token logits."""

@@ -122,6 +122,8 @@ class PrefillProgress:
     timing: str = "stitch"  # the name runs' time is counted under in `PrefillStats.timings_ms`
     transition: bool = True  # the stitch advances linear states by the bodies' transitions (hypic), or not
     deferred: list = field(default_factory=list)  # (key, segment, seam) of entries to compute after the first token
+    # cache columns whose keys the stitch scaled, set back to 1x when the prefill ends (reuse_key_scope "prompt")
+    rescale: list[tuple[int, int]] = field(default_factory=list)
     logits: torch.Tensor | None = None
 
     def stitch_due(self, cursor: int) -> bool:

@@ -57,6 +57,13 @@ class AttentionLayers:
         self.append(cache, [scaled(self.adapter.rotate_keys(k, offset), key_scale)[None] for k in entry.keys],
                     [v[None] for v in entry.values])
 
+    def scale_keys(self, cache, spans: Sequence[tuple[int, int]], factor: float) -> None:
+        """Multiply the keys of columns [a, b) of every span, in every attention layer, by `factor` (in place)."""
+        with torch.inference_mode():
+            for keys in self.kv(cache)[0]:
+                for a, b in spans:
+                    keys[:, :, a:b] *= factor
+
     def slice(self, cache, row: int, start: int, end: int) -> KV:
         """Copies of row `row`'s columns [start, end), [H_kv, end - start, D] per layer."""
         keys, values = self.kv(cache)

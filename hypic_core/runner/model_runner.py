@@ -280,6 +280,20 @@ class ModelRunner:
         adapter.finish_stitch(cache, cap)
         return out.logits[0, -1].float()
 
+    def body_columns(self, context: Sequence[tuple[int, ...]], entries: Sequence[SegmentEntry], start: int = 0) -> list[tuple[int, int]]:
+        """The cache columns [a, b) that `stitch` fills with the entries' bodies (their keys are the
+        scaled ones): after the exact prefix of `start` tokens, all the bodies in one run on the fused
+        path; on the sequential path each body after its own seam head."""
+        lengths = [len(seg) - entry.seam for seg, entry in zip(context, entries) if entry.body_length > 0]
+        if self.adapter.supports_fused_stitch:
+            return [(start, start + sum(lengths))] if lengths else []
+        spans, offset = [], start
+        for seg, entry in zip(context, entries):
+            if entry.body_length > 0:
+                spans.append((offset + entry.seam, offset + len(seg)))
+            offset += len(seg)
+        return spans
+
     def stitch_sequential(self, cache, context, entries, question, transition: bool = True, start: int = 0,
                           key_scale: float = 1.0) -> torch.Tensor:
         """Reference stitch: each seam head through all layers, then its body appended; then the question."""

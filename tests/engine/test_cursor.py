@@ -17,9 +17,9 @@ def fed_at(eng, log):
         log.append(("forward", start, len(ids)))
         return forward(ids, start, cache, logits=logits)
 
-    def spy_stitch(cache, context, entries, question, transition, start=0):
+    def spy_stitch(cache, context, entries, question, transition, start=0, **kw):
         log.append(("stitch", start, sum(len(s) for s in context) + len(question)))
-        return stitch(cache, context, entries, question, transition, start=start)
+        return stitch(cache, context, entries, question, transition, start=start, **kw)
 
     eng.runner.forward, eng.runner.stitch = spy_forward, spy_stitch
 

@@ -76,6 +76,8 @@ def test_engine_applies_the_scale_to_stitched_requests_only(family):
 def test_out_of_range_scale_is_refused_by_name(bad):
     with pytest.raises(InvalidRequestError, match="reuse_key_scale"):
         EngineConfig(reuse_key_scale=bad)
+    with pytest.raises(InvalidRequestError, match="reuse_key_scope"):
+        EngineConfig(reuse_key_scope="answer")
 
 
 def test_gateway_setting_reaches_the_engine(tmp_path, monkeypatch):
@@ -88,27 +90,69 @@ def test_gateway_setting_reaches_the_engine(tmp_path, monkeypatch):
 
     tiny = Path(__file__).resolve().parents[2] / "models" / "hypic-tiny"
     monkeypatch.setenv("HYPIC_REUSE_KEY_SCALE", "0.9")
-    assert load_engine(Settings(model=str(tiny), index_dir=tmp_path / "index", cache_dir=None)).config.reuse_key_scale == 0.9
+    monkeypatch.setenv("HYPIC_REUSE_KEY_SCOPE", "all")
+    config = load_engine(Settings(model=str(tiny), index_dir=tmp_path / "index", cache_dir=None)).config
+    assert (config.reuse_key_scale, config.reuse_key_scope) == (0.9, "all")
     monkeypatch.setenv("HYPIC_REUSE_KEY_SCALE", "0")
     with pytest.raises(ValidationError, match="reuse_key_scale"):
         Settings()
 
 
-def test_benchmark_prototype_unscales_exactly_the_bodies():
-    """bench/accuracy_real.py's `~Sq` prototype sets the bodies' keys back to 1x after the prefill: its
-    column range (after the exact run, before the seam heads and the question) must be the bodies'."""
-    from helpers import ROOT, load_script
-
-    bench = load_script("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
+def test_prompt_scope_sets_the_bodies_back_before_the_answer():
+    """reuse_key_scope "prompt": the stitch and the rest of the prompt read the scaled keys; once the prefill
+    ends the bodies' keys are the unscaled engine's again (so the answer reads them as computed), and the
+    seam heads and question keep what they computed. Scope "all" keeps them scaled."""
     base = engines.engine(8, "llama")  # attention in every layer: the later layers' keys read the earlier ones'
-    scaled = engines.engine(like=base, reuse_key_scale=0.5)
+    prompt = engines.engine(like=base, reuse_key_scale=0.5)
+    always = engines.engine(like=base, reuse_key_scale=0.5, reuse_key_scope="all")
     segs = random_segments((14, 40, 3, 23, 31, 6), seed=9)  # system prompt (exact), four documents, question
     request = GenerationRequest(tuple(segs), mode="hypic", exact_prefix=1, sampling=SamplingParams(max_tokens=1))
+    b = 14 + 40 + 23 + 31 - 3 * 8  # after the system prompt, the bodies (the 3-token document is all seam head)
     for warmth in ("cold", "warm"):
-        plain, pre = base.prefill(request), scaled.prefill(request)
-        bench.unscale_bodies(scaled, pre, request)  # asserts its columns hold the bodies' token count
-        a, b = 14, 14 + 40 + 23 + 31 - 3 * 8  # after the system prompt; the 3-token document is all seam head
-        pairs = list(zip(base.runner.attention.kv(plain.cache)[0], scaled.runner.attention.kv(pre.cache)[0]))
-        assert all(maxdiff(k_plain[:, :, :b], k_back[:, :, :b]) <= 1e-6 for k_plain, k_back in pairs), warmth
-        # seam heads and question were computed reading 0.5x keys (from the second attention layer on)
-        assert max(maxdiff(k_plain[:, :, b:], k_back[:, :, b:]) for k_plain, k_back in pairs) > 1e-6
+        plain, pre, kept = base.prefill(request), prompt.prefill(request), always.prefill(request)
+        assert maxdiff(pre.logits, kept.logits) == 0.0 and maxdiff(plain.logits, pre.logits) > 1e-4, warmth
+        pairs = list(zip(base.runner.attention.kv(plain.cache)[0], prompt.runner.attention.kv(pre.cache)[0],
+                         always.runner.attention.kv(kept.cache)[0]))
+        assert all(maxdiff(k0[:, :, :b], k1[:, :, :b]) <= 1e-6 for k0, k1, _ in pairs), warmth
+        assert all(maxdiff(k1[:, :, b:], k2[:, :, b:]) == 0.0 for _, k1, k2 in pairs)  # seam heads, question: as read
+        assert all(maxdiff(k0[:, :, 14:b] * 0.5, k2[:, :, 14:b]) <= 1e-6 for k0, _, k2 in pairs)
+        assert max(maxdiff(k0[:, :, b:], k1[:, :, b:]) for k0, k1, _ in pairs) > 1e-6
+
+
+def test_body_columns_on_the_sequential_path(monkeypatch):
+    """Where the adapter has no fused stitch, each body sits after its own seam head; setting those
+    columns back to 1x gives the unscaled sequential stitch's keys."""
+    engine = engines.engine(8, "llama")
+    segs = random_segments((12, 40, 2, 17, 3, 33, 7), seed=5)
+    context, question = segs[:-1], segs[-1]
+    entries, _ = engine.segment_entries(context, 3)
+    runner = engine.runner
+    monkeypatch.setattr(type(engine.adapter), "supports_fused_stitch", property(lambda self: False))
+    spans = runner.body_columns(context, entries)
+    assert spans == [(3, 12), (15, 52), (57, 71), (77, 107)]
+    with torch.inference_mode():
+        plain, scaled = runner.new_cache(), runner.new_cache()
+        runner.stitch(plain, context, entries, question)
+        runner.stitch(scaled, context, entries, question, key_scale=0.5)
+    runner.attention.scale_keys(scaled, spans, 2.0)
+    columns = [c for a, b in spans for c in range(a, b)]
+    for k0, k1 in zip(runner.attention.kv(plain)[0], runner.attention.kv(scaled)[0]):
+        assert maxdiff(k0[:, :, columns], k1[:, :, columns]) <= 1e-6
+
+
+def test_prompt_scope_with_a_chunked_prefill_answers_as_at_once():
+    """The question split over steps (a small step budget) reads the scaled bodies throughout, and the
+    keys come back to 1x only when its last run ends: the same logits, step for step, as at once."""
+    whole = engines.engine(8, "llama", reuse_key_scale=0.5)
+    chunked = engines.engine(like=whole, max_step_tokens=16)
+    segs = random_segments((14, 40, 23, 31, 37), seed=11)  # a 37-token question: three runs after the stitch
+    outs = []
+    for engine in (whole, chunked):
+        seq = engine.add_request(engines.request(segs, max_tokens=4), collect=True)
+        while not seq.finished:
+            engine.step()
+        outs.append(seq.outbox)
+        steps = seq.stats.prefill_steps
+    assert steps >= 3, "the chunked prefill was spread over steps"
+    assert [o.token_id for o in outs[0]] == [o.token_id for o in outs[1]]
+    assert outs[0][0].logits is not None and maxdiff(outs[0][0].logits, outs[1][0].logits) <= 1e-4
