@@ -108,6 +108,8 @@ def main() -> None:
                         help="the lean step's matmuls (EngineConfig.decode_kernel; the gateway's default is native)")
     parser.add_argument("--write", default=None, help="write the table into this markdown file's section")
     parser.add_argument("--note", default="", help="a line under the table (e.g. what else ran on the machine)")
+    parser.add_argument("--tag", default="speculation", help="the section of --write (another tag: a section beside it)")
+    parser.add_argument("--title", default="Speculative decoding (prompt-lookup drafts)", help="the section's heading")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lines = ["| model | workload | streams | drafts kept | tokens / step (off / **on**) | TPOT ms (off / **on**) | "
@@ -135,10 +137,11 @@ def main() -> None:
         f"{args.questions} prompts per workload, {args.tokens} forced greedy tokens each.{(' ' + args.note) if args.note else ''}\n"
     print(text)
     if args.write:
-        section = ("<!-- speculation:begin -->\n## Speculative decoding (prompt-lookup drafts)\n\n"
+        heading = "##" if args.tag == "speculation" else "###"
+        section = (f"<!-- {args.tag}:begin -->\n{heading} {args.title}\n\n"
                    "Acceptance, tokens per decode step and time per output token with speculation off and on "
-                   "(bench/speculation.py; greedy outputs compared).\n\n" + text + "<!-- speculation:end -->")
-        write_section(Path(args.write), section, "speculation")
+                   f"(bench/speculation.py; greedy outputs compared).\n\n{text}<!-- {args.tag}:end -->")
+        write_section(Path(args.write), section, args.tag)
 
 
 if __name__ == "__main__":
