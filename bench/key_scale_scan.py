@@ -85,7 +85,7 @@ def scan(name: str, which: str, n: int, scales: list[float], seam: int = 8) -> d
 def table(result: dict) -> list[str]:
     kls = {float(s): v for s, v in result["kl"].items()}
     ref = kls.get(1.0)
-    lines = [f"{result['model']}, {result['set']} set, {result['n']} questions, hypic seam {result['seam']}:",
+    lines = [f"{result['model']}, {result['set']} set, {result['n']} questions, hypic seam {result['seam']}:", "",
              "| key scale | first-token KL (+-95%) | KL - scale 1.0 (+-95%) | lower on | top-1 agree |", "|---:|---|---|---:|---:|"]
     for s, v in sorted(kls.items()):
         m, half = mean_ci(v)

@@ -229,8 +229,8 @@ def test_key_scale_scan_pairs_every_scale_with_scale_one():
     result = {"model": "m", "set": "short", "n": 3, "seam": 8, "kl": {"1.0": [0.1, 0.2, 0.3], "0.9": [0.05, 0.25, 0.1]},
               "top1": {"1.0": 3, "0.9": 2}}
     lines = bench.table(result)
-    assert lines[3].startswith("| 0.9 | 0.1333") and "| -0.0667 (+-" in lines[3] and lines[3].endswith("| 2/3 | 2/3 |")
-    assert lines[4].startswith("| 1 | 0.2000") and lines[4].endswith("|  |  | 3/3 |")
+    assert lines[4].startswith("| 0.9 | 0.1333") and "| -0.0667 (+-" in lines[4] and lines[4].endswith("| 2/3 | 2/3 |")
+    assert lines[5].startswith("| 1 | 0.2000") and lines[5].endswith("|  |  | 3/3 |")
     short = list(bench.contexts("short", 2))
     assert len(short) == 2 and all(len(chunks) == 6 for _, chunks in short)
 
