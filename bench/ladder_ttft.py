@@ -54,8 +54,9 @@ def measure(model: torch.nn.Module, args) -> dict[str, dict]:
     engines = {}
     budgeted = set()
     for spec in args.configs:
-        label, _, seam, fraction, prefixed, rule, scale = variant(spec)
+        label, _, seam, fraction, prefixed, rule, scale, scope = variant(spec)
         engine = Engine(model, config=EngineConfig(seam=seam, seam_fraction=fraction, reuse_key_scale=scale,
+                                                   reuse_key_scope=scope or "all",
                                                    entry_prefix=system if prefixed else ()))
         if rule == "gold":
             raise SystemExit(f"{spec}: the gold oracle needs a question set; time a budget (@R) instead")
