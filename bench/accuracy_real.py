@@ -108,6 +108,14 @@ def variant(spec: str) -> tuple[str, str, int, float, bool, str, float, str]:
     return label, "hypic", int(seam), fraction, bool(plus), rule, scale, scope
 
 
+def lever_config(levers, entry_prefix: tuple[int, ...], **fields) -> EngineConfig:
+    """The engine settings of a config's levers (what follows its label, mode and seam): `entry_prefix`
+    where it asks for one, `fields` (seam, budgets) as given. The recompute rule is the caller's."""
+    fraction, prefixed, _, scale, scope = levers
+    return EngineConfig(seam_fraction=fraction, entry_prefix=entry_prefix if prefixed else (), reuse_key_scale=scale,
+                        reuse_key_scope=scope or "all", **fields)
+
+
 def install_recompute(engine: Engine, rule: str) -> dict:
     """Rung 3 on `engine` (a prototype, for measuring before anything is wired): each stitched segment's
     seam head from `head_widths` at budget ratio `rule`, or with `rule` "gold" the segment the returned
@@ -202,13 +210,11 @@ def evaluate(args) -> dict:
     engines = {PLAIN: engine}  # (seam fraction, entry prefix, rule, key scale) -> an engine over the same model
     recompute = {}  # levers -> what install_recompute returned
     for _, _, _, *levers in configs([], [], False, args.variants or []):
-        fraction, prefixed, rule, scale, scope = levers = tuple(levers)
+        levers = tuple(levers)
+        rule = levers[2]
         if levers not in engines:
-            engines[levers] = Engine(
-                engine.model, engine.tokenizer, EngineConfig(seam=8, memory_budget_bytes=budget, seam_fraction=fraction,
-                                                             entry_prefix=head if prefixed else (), reuse_key_scale=scale,
-                                                             reuse_key_scope=scope or "all"),
-                model_id=settings.served_model_name)
+            engines[levers] = Engine(engine.model, engine.tokenizer, lever_config(levers, head, seam=8, memory_budget_bytes=budget),
+                                     model_id=settings.served_model_name)
             if rule:
                 recompute[levers] = install_recompute(engines[levers], rule)
     pairs = questions(args)

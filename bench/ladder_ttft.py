@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from hypic_core.config import EngineConfig  # noqa: E402
 from hypic_core.engine.engine import Engine  # noqa: E402
 
-from accuracy_real import install_recompute, variant  # noqa: E402
+from accuracy_real import install_recompute, lever_config, variant  # noqa: E402
 from families import real_model  # noqa: E402
 from ttft import ttft, ttft_out, workload  # noqa: E402
 
@@ -54,10 +54,9 @@ def measure(model: torch.nn.Module, args) -> dict[str, dict]:
     engines = {}
     budgeted = set()
     for spec in args.configs:
-        label, _, seam, fraction, prefixed, rule, scale, scope = variant(spec)
-        engine = Engine(model, config=EngineConfig(seam=seam, seam_fraction=fraction, reuse_key_scale=scale,
-                                                   reuse_key_scope=scope or "all",
-                                                   entry_prefix=system if prefixed else ()))
+        label, _, seam, *levers = variant(spec)
+        rule = levers[2]
+        engine = Engine(model, config=lever_config(levers, system, seam=seam))
         if rule == "gold":
             raise SystemExit(f"{spec}: the gold oracle needs a question set; time a budget (@R) instead")
         if rule:

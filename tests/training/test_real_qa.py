@@ -220,6 +220,13 @@ def test_accuracy_variants_parse_every_lever_and_older_configs_read_as_plain():
     assert not bench.is_plain([0.0, False, "", 1.0, "prompt"])
     with pytest.raises(SystemExit, match="only"):
         bench.variant("8+q")
+    config = bench.lever_config(bench.variant("8/0.15~0.9q+p@0.1")[3:], (1, 2), seam=8)
+    assert (config.seam, config.seam_fraction, config.entry_prefix, config.reuse_key_scale, config.reuse_key_scope) == \
+        (8, 0.15, (1, 2), 0.9, "prompt")
+    plain = bench.lever_config(bench.variant("16")[3:], (1, 2), seam=16)
+    assert (plain.entry_prefix, plain.reuse_key_scale, plain.reuse_key_scope) == ((), 1.0, "all")
+    ladder = load_script("bench_ladder_ttft", ROOT / "bench" / "ladder_ttft.py")  # builds its engines the same way
+    assert callable(ladder.measure) and ladder.lever_config.__doc__ == bench.lever_config.__doc__
 
 
 def test_key_scale_scan_pairs_every_scale_with_scale_one():
