@@ -441,8 +441,11 @@ CORPUS = [
 
 def gateway(root, tokenizer, redis_url: str):
     """(app, store): a gateway over the tiny engine whose store is built from its settings, as `hypic serve`
-    builds it (host memory, a disk tier beside its index, Redis at `redis_url`)."""
-    return stores.gateway(root, tokenizer, CORPUS, redis_url=redis_url, cache_secret=SECRET)
+    builds it (host memory, a disk tier beside its index, Redis at `redis_url`). No accuracy guard: two
+    gateways here run in one process, and a stitch patches functions of transformers' modeling module,
+    which every engine in the process shares; one gateway's idle shadow check would run its patched
+    forward while the other serves (a gateway process serves one engine: this is the tests' setup only)."""
+    return stores.gateway(root, tokenizer, CORPUS, redis_url=redis_url, cache_secret=SECRET, guard_enabled=False)
 
 
 def test_a_gateway_starts_and_answers_with_redis_down(tiny_tokenizer, tmp_path, caplog):
