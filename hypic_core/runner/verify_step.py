@@ -7,12 +7,15 @@ what plain decoding would have left, and nothing after it may survive:
 
 - **attention**: row r's new keys and values are written at columns lengths[r].. and read under a
   causal mask; keeping a prefix is setting `lengths[r]` (later columns are hidden and overwritten).
-- **linear layers** cannot be un-applied, so the recurrence is advanced one token at a time with
-  the lean step's closed-form update and every row's state is kept after every token (T states
-  per layer); `commit` copies the state after the row's last kept token into its buffer. The conv
-  state after token t is the last K inputs up to t, read off the concatenation of the old conv
-  state and the new inputs. Keeping per-token states (instead of snapshotting and re-running the
-  kept tokens) costs memory (T x the state per row, for one forward) but no second forward.
+- **linear layers** cannot be un-applied, so the forward leaves their state buffers as they were
+  and `commit` writes the state after the row's last kept token. Mamba2 (SSD) needs no per-token
+  state for that: the state after any token t is the old state decayed plus a weighted sum of
+  the new tokens' x_t B_t^T, so the outputs come from one [T, T] product per head and `commit`
+  forms only the one state each row keeps (`_SSDStates`). Gated DeltaNet's delta rule has no such
+  short form; it is stepped token by token with the lean step's update and keeps the state after
+  every token (`_TokenStates`, T states per layer, for one forward). The conv state after token t
+  is the last K inputs up to t, read off the concatenation of the old conv state and the new
+  inputs. Neither keeps a snapshot to re-run the kept tokens from: no second forward.
 
 The expensive part, every weight matrix, runs once on the flat list of real tokens (no padding).
 Attention runs row by row over each row's own live columns (a batched, padded product cost more
@@ -42,7 +45,42 @@ class Verified:
     logits: torch.Tensor
     counts: list[int]  # n_r: tokens fed to row r
     conv: list[torch.Tensor]  # per linear layer: [B, C, K + T], old conv state then the new inputs
-    states: list[list[torch.Tensor]]  # per linear layer: T states [B, ...], the state after each token
+    states: list["_TokenStates | _SSDStates"]  # per linear layer: the state after any token, `.at(index)`
+
+
+class _TokenStates:
+    """A recurrence stepped token by token: every state kept, `at` picks one per row."""
+
+    def __init__(self, states: list[torch.Tensor]):
+        self.states = states  # T states [B, ...]: the state after each token
+
+    def at(self, index: torch.Tensor) -> torch.Tensor:
+        """Row r's state after its token index[r]: [B, ...]."""
+        return torch.stack(self.states)[index, torch.arange(index.shape[0])]
+
+
+class _SSDStates:
+    """Mamba2's state after any of a verification's tokens, in closed form from the state before them.
+
+    S0 [B, H, P, N] is the rows' state buffer as the forward found it (a view: `commit` reads it
+    before writing the kept state over it); dt [B, H, T] the effective step sizes, cum their
+    running sum times A (the log decay), x [B, H, T, P] and Bh [B, H, T, N] fp32."""
+
+    def __init__(self, S0: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, x: torch.Tensor, Bg: torch.Tensor, per_group: int):
+        self.S0 = S0
+        self.dt = dt.float().transpose(1, 2)  # [B, H, T]
+        self.cum = torch.cumsum(self.dt * A[:, None], dim=-1)  # [B, H, T]
+        self.x = x.float().permute(0, 2, 1, 3)  # [B, H, T, P]
+        self.Bh = Bg.float().repeat_interleave(per_group, dim=2)  # [B, T, H, N]
+
+    def at(self, index: torch.Tensor) -> torch.Tensor:
+        """S_k = exp(c_k) S0 + sum_{s<=k} exp(c_k - c_s) dt_s x_s B_s^T at k = index[r] per row: [B, H, P, N]."""
+        B, H, T = self.cum.shape
+        end = self.cum.gather(2, index.view(B, 1, 1).expand(B, H, 1))  # [B, H, 1]: c_k
+        upto = torch.arange(T, device=index.device)[None, :] <= index[:, None]  # [B, T]
+        weight = ((end - self.cum).exp() * self.dt).masked_fill(~upto[:, None, :], 0.0)  # [B, H, T]
+        added = torch.matmul((self.x * weight[..., None]).transpose(-1, -2), self.Bh.transpose(1, 2))  # [B, H, P, N]
+        return (self.S0.float() * end.exp()[..., None] + added).to(self.S0.dtype)
 
 
 class _Layout:
@@ -58,12 +96,21 @@ class _Layout:
         lengths_t = torch.tensor(list(lengths), dtype=torch.long, device=device)
         self.cols = lengths_t[:, None] + steps[None, :]  # [B, T]: the column each token writes
         self._causal: dict[int, torch.Tensor] = {}
+        self._lower: dict[int, torch.Tensor] = {}
+        self.rows = torch.arange(self.b, device=device)[:, None].expand(self.b, self.t).reshape(-1)[self.flat]  # row of each real token
+        self.cols_flat = self.cols.reshape(-1)[self.flat]  # column each real token writes
 
     def causal(self, n: int, dtype) -> torch.Tensor:
         """[n, n] additive mask: token t of a row's new tokens sees the new tokens up to itself."""
         if n not in self._causal:
             self._causal[n] = torch.full((n, n), float("-inf"), dtype=dtype).triu_(1)
         return self._causal[n]
+
+    def lower(self, n: int) -> torch.Tensor:
+        """[n, n] bool: token t sees tokens s <= t."""
+        if n not in self._lower:
+            self._lower[n] = torch.ones(n, n, dtype=torch.bool).tril_()
+        return self._lower[n]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Flat [N, ...] -> padded [B, T, ...] (zeros where a row has no token)."""
@@ -126,14 +173,12 @@ class VerifyStep:
         if any(not 1 <= k <= n for k, n in zip(kept, verified.counts)) or b != len(batch.keys):
             raise ValueError(f"kept {list(kept)} must be within 1..{verified.counts} per row")
         index = torch.tensor([k - 1 for k in kept], dtype=torch.long)
-        rows = torch.arange(b)
         for p, (conv, states) in enumerate(zip(verified.conv, verified.states)):
             width = batch._conv[p].shape[-1]
             starts = index + 1
             picked = torch.stack([conv[r, :, int(starts[r]):int(starts[r]) + width] for r in range(b)])
             batch._conv[p][:b] = picked.to(batch._conv[p].dtype)
-            stacked = torch.stack(states)  # [T, B, ...]
-            batch._state[p][:b] = stacked[index, rows].to(batch._state[p].dtype)
+            batch._state[p][:b] = states.at(index).to(batch._state[p].dtype)
         batch.lengths = [n + k for n, k in zip(batch.lengths, kept)]
         batch._point(max(batch.lengths))
 
@@ -152,10 +197,8 @@ class VerifyStep:
         if cos is not None:
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         kb, vb = batch._k[att.j], batch._v[att.j]
-        rows = torch.arange(lay.b, device=x.device)[:, None].expand(lay.b, lay.t).reshape(-1)[lay.flat]
-        cols = lay.cols.reshape(-1)[lay.flat]
-        kb[rows, :, cols] = k
-        vb[rows, :, cols] = v
+        kb[lay.rows, :, lay.cols_flat] = k
+        vb[lay.rows, :, lay.cols_flat] = v
         # Row by row, each over its own live columns as they lie in the buffers: no padding to the longest
         # row or the longest draft (with long contexts that padding cost more than the draft saved), no copy.
         G, outs, at = H // Hkv, [], 0
@@ -190,26 +233,27 @@ class VerifyStep:
         return F.silu(out).transpose(1, 2)
 
     def _mamba2(self, m, x, batch, lay: _Layout, conv_out: list, states_out: list) -> torch.Tensor:
+        """The SSD recurrence over each row's T new tokens in closed form, not token by token: with
+        c_t = sum_{s<=t} dt_s a (the log decay), the state after token t is
+        S_t = exp(c_t) S_0 + sum_{s<=t} exp(c_t - c_s) dt_s x_s B_s^T, so every output
+        y_t = C_t S_t + D x_t is one [T, T] product per head plus S_0's share, and no per-token state
+        is formed here: `_SSDStates` forms the one state a row keeps when `commit` asks for it."""
         B, T, H, P, G, N = lay.b, lay.t, m.H, m.P, m.G, m.N
         dtype = x.dtype
         gate, xbc, dt = _mm(x, m.w, m.b).split([m.I, m.C, H], dim=-1)
         xbc = self._conv(batch, m.p, lay, lay.pad(xbc), m.conv_w, m.conv_b, conv_out)  # [B, T, C]
         hs, Bm, Cm = xbc.split([m.I, G * N, G * N], dim=-1)
         dt = F.softplus(lay.pad(dt) + m.dt_bias.to(dt.dtype))  # [B, T, H]
-        dA = torch.exp(dt.float() * m.A)
-        hs = hs.reshape(B, T, H, P)
-        Bh = Bm.reshape(B, T, G, 1, N).expand(B, T, G, H // G, N).reshape(B, T, H, 1, N)
-        Ch = Cm.reshape(B, T, G, 1, N).expand(B, T, G, H // G, N).reshape(B, T, H, N, 1)
-        state = batch._state[m.p][:B]  # the lean step's arithmetic: fp32 from a state of any dtype, kept in its dtype
-        states, ys = [], []
-        for t in range(T):
-            dBx = (dt[:, t, :, None, None] * Bh[:, t]) * hs[:, t, ..., None]  # [B, H, P, N]
-            new = state.float() * dA[:, t, :, None, None] + dBx
-            state = new.to(state.dtype)
-            states.append(state)
-            ys.append(torch.matmul(new.to(Ch.dtype), Ch[:, t])[..., 0] + hs[:, t] * m.D[:, None])  # [B, H, P]
-        states_out.append(states)
-        y = lay.unpad(torch.stack(ys, dim=1)).reshape(-1, H * P).float() * F.silu(gate.float())
+        ssd = _SSDStates(batch._state[m.p][:B], dt, m.A, hs.reshape(B, T, H, P), Bm.reshape(B, T, G, N), H // G)
+        Ch = Cm.reshape(B, T, G, N).float().permute(0, 2, 1, 3).repeat_interleave(H // G, dim=1)  # [B, H, T, N]
+        Bh = ssd.Bh.permute(0, 2, 1, 3)  # [B, H, T, N]
+        decay = (ssd.cum[..., :, None] - ssd.cum[..., None, :]).masked_fill_(~lay.lower(T), float("-inf")).exp_()  # [B, H, t, s]
+        mix = torch.matmul(Ch, Bh.transpose(-1, -2)) * decay * ssd.dt[..., None, :]  # [B, H, t, s]: C_t.B_s exp(c_t - c_s) dt_s
+        y = torch.matmul(mix, ssd.x)  # [B, H, T, P]
+        y = y + torch.matmul(Ch, ssd.S0.float().transpose(-1, -2)) * ssd.cum.exp()[..., None]  # S_0's share: exp(c_t) C_t S_0
+        y = y.to(dtype) + hs.reshape(B, T, H, P).permute(0, 2, 1, 3) * m.D[:, None, None]
+        states_out.append(ssd)
+        y = lay.unpad(y.permute(0, 2, 1, 3)).reshape(-1, H * P).float() * F.silu(gate.float())
         yg = y.view(y.shape[0], G, -1)
         yg = yg * torch.rsqrt(yg.pow(2).mean(-1, keepdim=True) + m.norm_eps)
         y = m.norm_w * yg.view(y.shape[0], -1).to(dtype)
@@ -238,7 +282,7 @@ class VerifyStep:
             S = S + k[:, t, ..., None] * delta[:, :, None, :]
             states.append(S)
             outs.append(torch.matmul(q[:, t, :, None, :], S)[:, :, 0])  # [B, Hv, dv]
-        states_out.append(states)
+        states_out.append(_TokenStates(states))
         o = lay.unpad(torch.stack(outs, dim=1)).to(dtype).float()  # [N, Hv, dv]
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + m.norm_eps)
         o = (m.norm_w * o.to(dtype)) * F.silu(z.view(-1, Hv, dv).float())
