@@ -33,25 +33,56 @@ def stitch_conv(cap: Capture, spans: list[StitchSpan], conv_fn: Callable, conv_k
 
     The mixer passes [conv state | run tokens] (K + n_run columns); only the run tokens' outputs
     return. `conv_kernel(layer_pos)` is the layer's kernel width K.
+
+    A span's context is made of inputs only (never of conv outputs), so every context is known
+    before any convolution: the inputs a context can hold (the conv state, the run tokens, the bodies'
+    conv tails) are put side by side once, and one gather lays the spans out as [context | span |
+    context | span ...], each span after its own K columns, for ONE convolution (a depthwise causal
+    conv of width K reads K - 1 columns back, never past its span's context); the spans' columns are
+    then picked. The layout is plain index arithmetic, worked out once per stitch.
     """
     n_run = spans[-1].end if spans else 0
+    layouts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]] = {}
+
+    def layout(K: int, n_ctx: int, lp: int):
+        """(gather index into [conv state | run | tails | a zero column], output columns, final context
+        index, tails' widths). A context shorter than K (the sequence's start) is padded with the zero
+        column, as the conv's own padding would."""
+        widths = [span.entry.conv_tails[lp].shape[-1] if span.entry is not None else 0 for span in spans]
+        key = (K, n_ctx, *widths)
+        if key not in layouts:
+            hist = list(range(n_ctx))[-K:]  # source columns of the context, oldest first
+            tail_at = n_ctx + n_run
+            laid: list[int] = []
+            keep: list[int] = []
+            for span, width in zip(spans, widths):
+                if span.end > span.start:
+                    cols = list(range(n_ctx + span.start, n_ctx + span.end))
+                    laid += [-1] * (K - len(hist)) + hist
+                    keep += range(len(laid), len(laid) + len(cols))
+                    laid += cols
+                    hist = (hist + cols)[-K:]
+                if width:
+                    hist = (hist + list(range(tail_at, tail_at + width)))[-K:]
+                    tail_at += width
+            zero = tail_at
+            laid = [zero if c < 0 else c for c in laid]
+            layouts[key] = (torch.tensor(laid), torch.tensor(keep), torch.tensor(hist), widths)
+        return layouts[key]
 
     def conv_wrapper(hidden_states, *args, **kwargs):
         lp = len(cap.conv_inputs)
         K = conv_kernel(lp)
-        x = hidden_states[..., hidden_states.shape[-1] - n_run :]
-        ctx = hidden_states[..., : hidden_states.shape[-1] - n_run][..., -K:]
-        outs = []
-        for span in spans:
-            piece = x[..., span.start : span.end]
-            if span.end > span.start:
-                full = torch.cat([ctx, piece], dim=-1)
-                outs.append(conv_fn(full, *args, **kwargs)[..., -piece.shape[-1] :])
-                ctx = full[..., -K:]
-            if span.entry is not None:
-                ctx = torch.cat([ctx, span.entry.conv_tails[lp].to(ctx.dtype)[None]], dim=-1)[..., -K:]
-        cap.conv_inputs.append(ctx[0].clone())
-        return torch.cat(outs, dim=-1)
+        n_ctx = min(K, hidden_states.shape[-1] - n_run)
+        laid, keep, hist, widths = layout(K, n_ctx, lp)
+        source = hidden_states[..., hidden_states.shape[-1] - n_run - n_ctx:]
+        tails = [span.entry.conv_tails[lp].to(source.dtype)[None] for span, w in zip(spans, widths) if w]
+        source = torch.cat([source, *tails, source.new_zeros(*source.shape[:-1], 1)], dim=-1)
+        cap.conv_inputs.append(source[0].index_select(-1, hist.to(source.device)))
+        if not len(keep):
+            return hidden_states[..., :0]
+        out = conv_fn(source.index_select(-1, laid.to(source.device)), *args, **kwargs)
+        return out.index_select(-1, keep.to(out.device))
 
     return conv_wrapper
 

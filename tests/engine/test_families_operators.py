@@ -64,6 +64,30 @@ def test_mamba2_operator_exact_for_fast_decay_groups_and_dt_limit():
     assert not torch.allclose(unclamped.transition, op.transition)
 
 
+@pytest.mark.parametrize("L", [1, 3, 8, 20, 64])
+@pytest.mark.parametrize("start", ["zero", "state"])
+def test_mamba2_short_span_block_equals_the_chunked_scan(L, start):
+    """`ssd_span` (one closed-form block, what a stitch runs for a seam head) gives the layer's chunked
+    scan's output and final state, from a zero or a carried state, with D, groups and a dt clamp; its
+    final state equals the plain sequential scan's."""
+    from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
+
+    scan = getattr(mamba2_chunk_scan, "__wrapped__", mamba2_chunk_scan)
+    A, dt_bias = mamba2_params(h=4, slow=False, seed=2)
+    x, dt, B = mamba2_span(L, g=2, seed=5)
+    C = torch.randn(1, L, 2, 16, generator=torch.Generator().manual_seed(9))
+    D = torch.randn(4, generator=torch.Generator().manual_seed(11))
+    s0 = torch.randn(1, 4, 32, 16) if start == "state" else None
+    limit = (0.05, 3.0)
+    y_ref, s_ref = scan(x, dt, A, B, C, 16, D=D, dt_bias=dt_bias, initial_states=s0, dt_softplus=True,
+                        dt_limit=limit, return_final_states=True)
+    y, s = mamba2.ssd_span(x, dt, A, B, C, D=D, dt_bias=dt_bias, initial_states=s0, dt_softplus=True, dt_limit=limit)
+    assert y.shape == y_ref.shape and s.shape == s_ref.shape
+    assert_close(f"output L={L}", y_ref, y, 1e-5)
+    assert_close(f"state L={L}", s_ref, s, 1e-5)
+    assert_close(f"naive L={L}", mamba2.naive_scan(x, dt, A, B, dt_bias, True, limit, initial_state=s0), s, 1e-5)
+
+
 def kda_span(L, h=4, dk=16, dv=16, seed=0, slow=True):
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(1, L, h, dk, generator=gen)
