@@ -281,6 +281,10 @@ class ModelAdapter(ABC):
         """Move keys rotated at positions p to positions p + delta (`KeyRotation.move`)."""
         return self.rotation.move(keys, delta)
 
+    def key_mover(self, deltas: torch.Tensor):
+        """f(keys) moving column i of keys [..., L, D] by deltas[i] (`KeyRotation.mover`)."""
+        return self.rotation.mover(deltas)
+
     def rope_at(self, keys_unrotated: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Reference: position-free keys rotated at absolute `positions` (`KeyRotation.at`)."""
         return self.rotation.at(keys_unrotated, positions)

@@ -45,6 +45,16 @@ class KeyRotation:
             return keys
         return self._rotate(keys, float(delta) * self.inv_freq, 1.0)
 
+    def mover(self, deltas: torch.Tensor):
+        """`move` for keys whose columns move by different amounts, the angles worked out once:
+        returns f(keys [..., L, head_dim]) -> keys with column i moved by deltas[i] ([L] ints).
+        A stitch moves every cached body by its own offset; one mover serves all its layers, so each
+        layer rotates the bodies' keys in one pass. Column for column the same arithmetic as `move`."""
+        if self.inv_freq is None or not bool((deltas != 0).any()):
+            return lambda keys: keys
+        cos, sin = self._tables(deltas.to(torch.float64)[:, None] * self.inv_freq[None, :], 1.0)
+        return lambda keys: self._apply(keys, cos.to(keys.device), sin.to(keys.device))
+
     def at(self, keys_unrotated: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Reference: rotate position-free keys [..., L, D] at absolute `positions` [L] (tests)."""
         if self.inv_freq is None:
@@ -54,8 +64,17 @@ class KeyRotation:
 
     def _rotate(self, keys: torch.Tensor, angles: torch.Tensor, scale: float) -> torch.Tensor:
         """Rotate the rotary dims of `keys` by `angles` ([d/2] or [L, d/2], rotate-half layout), times `scale`."""
-        cos = (torch.cat([angles.cos(), angles.cos()], -1) * scale).to(keys.device, torch.float32)
-        sin = (torch.cat([angles.sin(), angles.sin()], -1) * scale).to(keys.device, torch.float32)
+        cos, sin = self._tables(angles, scale)
+        return self._apply(keys, cos.to(keys.device), sin.to(keys.device))
+
+    @staticmethod
+    def _tables(angles: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos and sin of float64 `angles` [..., d/2], laid out rotate-half ([..., d]), times `scale`."""
+        cos = (torch.cat([angles.cos(), angles.cos()], -1) * scale).to(torch.float32)
+        sin = (torch.cat([angles.sin(), angles.sin()], -1) * scale).to(torch.float32)
+        return cos, sin
+
+    def _apply(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         d, half = self.dim, self.dim // 2
         rot = keys[..., :d].to(torch.float32)
         rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)

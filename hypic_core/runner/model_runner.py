@@ -247,8 +247,8 @@ class ModelRunner:
         run_pos: list[int] = []
         spans: list[StitchSpan] = []
         body_pos: list[torch.Tensor] = []
-        body_keys: list[list[torch.Tensor]] = [[] for _ in range(len(self.attention))]
-        body_values: list[list[torch.Tensor]] = [[] for _ in range(len(self.attention))]
+        bodies: list[SegmentEntry] = []
+        moves: list[torch.Tensor] = []  # per body column: how far its key moves (the body's segment offset)
         offset = start
         for seg, entry in zip(context, entries):
             w = entry.seam
@@ -258,16 +258,17 @@ class ModelRunner:
             run_pos += range(offset, offset + w)
             if has_body:
                 body_pos.append(torch.arange(offset + w, offset + len(seg)))
-                for j in range(len(self.attention)):
-                    body_keys[j].append(scaled(adapter.rotate_keys(entry.keys[j], offset), key_scale))
-                    body_values[j].append(entry.values[j])
+                bodies.append(entry)
+                moves.append(torch.full((entry.body_length,), offset, dtype=torch.long))
             offset += len(seg)
         spans.append(StitchSpan(len(run_ids), len(run_ids) + len(question)))
         run_ids += question
         run_pos += range(offset, offset + len(question))
-        if body_pos:
-            self.attention.append(cache, [torch.cat(ks, dim=1)[None] for ks in body_keys],
-                                  [torch.cat(vs, dim=1)[None] for vs in body_values])
+        if bodies:  # every body's keys moved to its offset, per layer in one pass (the angles worked out once)
+            move = adapter.key_mover(torch.cat(moves))
+            self.attention.append(
+                cache, [scaled(move(torch.cat([e.keys[j] for e in bodies], dim=1)), key_scale)[None] for j in range(len(self.attention))],
+                [torch.cat([e.values[j] for e in bodies], dim=1)[None] for j in range(len(self.attention))])
         if start == 0:
             self.linear.zero_start(cache)  # else the prefix left its states in the cache
         qpos = torch.tensor(run_pos)

@@ -47,3 +47,18 @@ def test_rope_reference_matches_rotation_of_rotated_keys():
     at_3 = adapter.rope_at(keys, torch.full((5,), 3))
     at_10 = adapter.rope_at(keys, torch.full((5,), 10))
     assert (adapter.rotate_keys(at_3, 7) - at_10).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama", "bamba", "granitemoehybrid"])
+def test_one_mover_for_several_bodies_equals_moving_each(family):
+    """A stitch moves its bodies' keys, concatenated, with one mover (angles worked out once); column for
+    column this is bit for bit what moving each body by its own offset gives (NoPE: nothing moves)."""
+    adapter = adapter_for(tiny_model(family))
+    gen = torch.Generator().manual_seed(3)
+    bodies = [torch.randn(2, n, 16, generator=gen) for n in (5, 1, 12)]
+    offsets = [0, 40, 1500]
+    moves = torch.cat([torch.full((b.shape[1],), o) for b, o in zip(bodies, offsets)])
+    together = adapter.key_mover(moves)(torch.cat(bodies, dim=1))
+    assert torch.equal(together, torch.cat([adapter.rotate_keys(b, o) for b, o in zip(bodies, offsets)], dim=1))
+    if adapter.rotary_dim:
+        assert not torch.equal(together, torch.cat(bodies, dim=1))
