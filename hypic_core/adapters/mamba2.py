@@ -93,7 +93,8 @@ class Mamba2Adapter(ModelAdapter):
     def _stitch_patches(self, cap: Capture, spans: list[StitchSpan], transition: bool) -> dict[tuple[Any, str], Callable]:
         """Run the SSD scan span by span inside one layer call, applying each body's operator in between
         (T is one scalar per head, so a body costs one multiply-add of the state). A span of at most
-        SHORT_SPAN tokens (every seam head, most questions) runs as one closed-form block (`ssd_span`),
+        SHORT_SPAN tokens (every seam head, most questions) runs as one closed-form block (`SSDRun.block`,
+        what the spans share prepared once per layer),
         a longer one through the layer's chunked scan, whose ~80 small ops per call made a warm
         stitch on the bundled hybrid ~11% slower. (All spans at once, one block-diagonal product per
         head, measured no faster than span by span: what is left per span is a few ops.)
@@ -112,11 +113,12 @@ class Mamba2Adapter(ModelAdapter):
             state = (hidden_states.new_zeros(b, h, p, B.shape[-1], dtype=torch.float32) if initial_states is None
                      else initial_states.float())
             outs = []
+            run = None
             for span in spans:
                 lo, hi = span.start, span.end
                 if 0 < hi - lo <= SHORT_SPAN:  # a seam head or a short question: one closed-form block
-                    out, state = ssd_span(hidden_states[:, lo:hi], dt[:, lo:hi], A, B[:, lo:hi], C[:, lo:hi], D=D,
-                                          dt_bias=dt_bias, initial_states=state, dt_softplus=dt_softplus, dt_limit=dt_limit)
+                    run = run or SSDRun(hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
+                    out, state = run.block(lo, hi, state)
                     outs.append(out)
                 elif hi > lo:
                     out, state = scan_fn(hidden_states[:, lo:hi], dt[:, lo:hi], A, B[:, lo:hi], C[:, lo:hi],
@@ -125,7 +127,7 @@ class Mamba2Adapter(ModelAdapter):
                                          return_final_states=True, **kwargs)
                     outs.append(out)
                 state = advance_body(state, span, lp, transition)
-            out = torch.cat(outs, dim=1)
+            out = torch.cat(outs, dim=1)  # contiguous: callers view() it
             return (out, state) if return_final_states else out
 
         return {(mod, "causal_conv1d_fn"): stitch_conv(cap, spans, self.kernels.fallback("causal_conv1d_fn"), self.conv_kernel),
@@ -198,29 +200,46 @@ def ssd_span(x, dt, A, B, C, D=None, dt_bias=None, initial_states=None, dt_softp
     weighted contraction. This is the kernel's own arithmetic for a span that fits one chunk, without
     its chunking, padding and inter-chunk pass; meant for L up to a few dozen tokens (the [L, L]
     decays are differences of running sums, which stay exact enough that short).
-    Reference: the layer's `mamba2_chunk_scan` (tests/engine/test_stitch.py).
+    Reference: the layer's `mamba2_chunk_scan` (tests/engine/test_families_operators.py).
     """
-    b, L, H, P = x.shape
-    per_group = H // B.shape[2]
-    step = effective_dt(dt, dt_bias, dt_softplus, dt_limit).transpose(1, 2)  # [b, H, L]
-    cum = torch.cumsum(step * A.float()[:, None], dim=-1)  # [b, H, L]
-    xdt = x.float().transpose(1, 2) * step[..., None]  # [b, H, L, P]
-    Bh = B.float().repeat_interleave(per_group, dim=2).transpose(1, 2)  # [b, H, L, N]
-    Ch = C.float().repeat_interleave(per_group, dim=2).transpose(1, 2)
-    lower = torch.ones(L, L, dtype=torch.bool, device=x.device).tril_()
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [b, H, t, s]; no in-place op:
-    # a stitch also runs under autograd (training on what hypic serves)
-    y = torch.matmul(torch.matmul(Ch, Bh.transpose(-1, -2)) * decay, xdt)  # [b, H, L, P]
-    final = torch.matmul((xdt * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2), Bh)  # [b, H, P, N]
-    if initial_states is not None:
-        S0 = initial_states.float()
-        if torch.is_grad_enabled():  # the mixer copies the final state into the cache tensor this may be: keep our own
-            S0 = S0.clone()
-        y = y + torch.matmul(Ch, S0.transpose(-1, -2)) * cum.exp()[..., None]
-        final = final + S0 * cum[..., -1:].exp()[..., None]
-    if D is not None:
-        y = y + x.float().transpose(1, 2) * D.float()[:, None, None]
-    return y.transpose(1, 2).contiguous(), final
+    y, final = SSDRun(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit).block(0, x.shape[1], initial_states)
+    return y.contiguous(), final
+
+
+class SSDRun:
+    """A fused stitch's run through one Mamba2 layer: what every span shares (step sizes, x dt, B and C
+    per head, D x) worked out once for the whole run, then `block(lo, hi, state)` per span (`ssd_span`'s
+    arithmetic on tokens [lo, hi))."""
+
+    def __init__(self, x, dt, A, B, C, D=None, dt_bias=None, dt_softplus: bool = False, dt_limit=(0.0, float("inf"))):
+        per_group = x.shape[2] // B.shape[2]
+        self.step = effective_dt(dt, dt_bias, dt_softplus, dt_limit).transpose(1, 2)  # [b, H, R]
+        self.log_decay = self.step * A.float()[:, None]  # [b, H, R]
+        xf = x.float().transpose(1, 2)  # [b, H, R, P]
+        self.xdt = xf * self.step[..., None]
+        self.xD = None if D is None else xf * D.float()[:, None, None]
+        self.Bh = B.float().repeat_interleave(per_group, dim=2).transpose(1, 2)  # [b, H, R, N]
+        self.Ch = C.float().repeat_interleave(per_group, dim=2).transpose(1, 2)
+
+    def block(self, lo: int, hi: int, initial_states=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output [b, hi - lo, H, P], a view; state after token hi - 1 [b, H, P, N]) from `initial_states` (None: zero)."""
+        L = hi - lo
+        cum = torch.cumsum(self.log_decay[..., lo:hi], dim=-1)  # [b, H, L]
+        xdt, Bh, Ch = self.xdt[:, :, lo:hi], self.Bh[:, :, lo:hi], self.Ch[:, :, lo:hi]
+        lower = torch.ones(L, L, dtype=torch.bool, device=xdt.device).tril_()
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [b, H, t, s]; no in-place op:
+        # a stitch also runs under autograd (training on what hypic serves)
+        y = torch.matmul(torch.matmul(Ch, Bh.transpose(-1, -2)) * decay, xdt)  # [b, H, L, P]
+        final = torch.matmul((xdt * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2), Bh)  # [b, H, P, N]
+        if initial_states is not None:
+            S0 = initial_states.float()
+            if torch.is_grad_enabled():  # the mixer copies the final state into the cache tensor this may be: keep our own
+                S0 = S0.clone()
+            y = y + torch.matmul(Ch, S0.transpose(-1, -2)) * cum.exp()[..., None]
+            final = final + S0 * cum[..., -1:].exp()[..., None]
+        if self.xD is not None:
+            y = y + self.xD[:, :, lo:hi]
+        return y.transpose(1, 2), final
 
 
 def naive_scan(x, dt, A, B, dt_bias=None, dt_softplus: bool = True, dt_limit=(0.0, float("inf")),
@@ -240,4 +259,4 @@ def naive_scan(x, dt, A, B, dt_bias=None, dt_softplus: bool = True, dt_limit=(0.
     return S
 
 
-__all__ = ["Mamba2Adapter", "effective_dt", "naive_scan", "ssd_span"]
+__all__ = ["Mamba2Adapter", "SSDRun", "effective_dt", "naive_scan", "ssd_span"]
