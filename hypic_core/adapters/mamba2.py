@@ -197,9 +197,9 @@ def ssd_span(x, dt, A, B, C, D=None, dt_bias=None, initial_states=None, dt_softp
         S_t = exp(c_t) S_0 + sum_{s<=t} exp(c_t - c_s) dt_s x_s B_s^T,     y_t = C_t S_t + D x_t
 
     so the outputs are one [L, L] product per head plus S_0's share, and the final state one
-    weighted contraction. This is the kernel's own arithmetic for a span that fits one chunk, without
-    its chunking, padding and inter-chunk pass; meant for L up to a few dozen tokens (the [L, L]
-    decays are differences of running sums, which stay exact enough that short).
+    weighted contraction. This is the kernel's own arithmetic for a span that fits one chunk (the
+    decays c_t - c_s as segment sums, as the kernel takes them), without its chunking, padding and
+    inter-chunk pass; meant for L up to a few dozen tokens ([L, L] per head).
     Reference: the layer's `mamba2_chunk_scan` (tests/engine/test_families_operators.py).
     """
     y, final = SSDRun(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit).block(0, x.shape[1], initial_states)
@@ -224,13 +224,17 @@ class SSDRun:
     def block(self, lo: int, hi: int, initial_states=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(output [b, hi - lo, H, P], a view; state after token hi - 1 [b, H, P, N]) from `initial_states` (None: zero)."""
         L = hi - lo
-        cum = torch.cumsum(self.log_decay[..., lo:hi], dim=-1)  # [b, H, L]
+        a = self.log_decay[..., lo:hi]  # [b, H, L]
+        cum = torch.cumsum(a, dim=-1)  # c_t
         xdt, Bh, Ch = self.xdt[:, :, lo:hi], self.Bh[:, :, lo:hi], self.Ch[:, :, lo:hi]
-        lower = torch.ones(L, L, dtype=torch.bool, device=xdt.device).tril_()
-        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [b, H, t, s]; no in-place op:
-        # a stitch also runs under autograd (training on what hypic serves)
-        y = torch.matmul(torch.matmul(Ch, Bh.transpose(-1, -2)) * decay, xdt)  # [b, H, L, P]
-        final = torch.matmul((xdt * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2), Bh)  # [b, H, P, N]
+        # c_t - c_s as a sum over (s, t] (the kernel's segment sum), not a difference of running sums,
+        # which loses digits once the decay has run far; -inf above the diagonal. No in-place op on
+        # what autograd keeps: a stitch also runs under autograd (training on what hypic serves).
+        strict = torch.ones(L, L, dtype=torch.bool, device=a.device).tril_(-1)  # [r, s]: r > s
+        seg = a[..., :, None].expand(*a.shape, L).masked_fill(~strict, 0.0).cumsum(dim=-2)  # [b, H, t, s]
+        seg = seg.masked_fill(~(strict | torch.eye(L, dtype=torch.bool, device=a.device)), float("-inf"))
+        y = torch.matmul(torch.matmul(Ch, Bh.transpose(-1, -2)) * seg.exp(), xdt)  # [b, H, L, P]
+        final = torch.matmul((xdt * seg[..., -1, :].exp()[..., None]).transpose(-1, -2), Bh)  # [b, H, P, N]
         if initial_states is not None:
             S0 = initial_states.float()
             if torch.is_grad_enabled():  # the mixer copies the final state into the cache tensor this may be: keep our own
