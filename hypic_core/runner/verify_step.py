@@ -76,6 +76,7 @@ class _SSDStates:
     def at(self, index: torch.Tensor) -> torch.Tensor:
         """S_k = exp(c_k) S0 + sum_{s<=k} exp(c_k - c_s) dt_s x_s B_s^T at k = index[r] per row: [B, H, P, N]."""
         B, H, T = self.cum.shape
+        index = index.to(self.cum.device)
         end = self.cum.gather(2, index.view(B, 1, 1).expand(B, H, 1))  # [B, H, 1]: c_k
         upto = torch.arange(T, device=index.device)[None, :] <= index[:, None]  # [B, T]
         weight = ((end - self.cum).exp() * self.dt).masked_fill(~upto[:, None, :], 0.0)  # [B, H, T]
@@ -109,7 +110,7 @@ class _Layout:
     def lower(self, n: int) -> torch.Tensor:
         """[n, n] bool: token t sees tokens s <= t."""
         if n not in self._lower:
-            self._lower[n] = torch.ones(n, n, dtype=torch.bool).tril_()
+            self._lower[n] = torch.ones(n, n, dtype=torch.bool, device=self.cols.device).tril_()
         return self._lower[n]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
