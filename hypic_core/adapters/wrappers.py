@@ -42,7 +42,7 @@ def stitch_conv(cap: Capture, spans: list[StitchSpan], conv_fn: Callable, conv_k
     then picked. The layout is plain index arithmetic, worked out once per stitch.
     """
     n_run = spans[-1].end if spans else 0
-    layouts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]] = {}
+    layouts: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]] = {}
 
     def layout(K: int, n_ctx: int, lp: int):
         """(gather index into [conv state | run | tails | a zero column], output columns, final context
@@ -67,7 +67,8 @@ def stitch_conv(cap: Capture, spans: list[StitchSpan], conv_fn: Callable, conv_k
                     tail_at += width
             zero = tail_at
             laid = [zero if c < 0 else c for c in laid]
-            layouts[key] = (torch.tensor(laid), torch.tensor(keep), torch.tensor(hist), widths)
+            laid_t, keep_t, hist_t = (torch.tensor(c, dtype=torch.long) for c in (laid, keep, hist))  # long even when empty
+            layouts[key] = (laid_t, keep_t, hist_t, widths)
         return layouts[key]
 
     def conv_wrapper(hidden_states, *args, **kwargs):
