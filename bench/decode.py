@@ -12,9 +12,11 @@ kind (torch.profiler record_function ranges: module hooks on the HF path, the st
 on the lean one); "other" is what no range covers (embedding, rotary, masks, cache objects, the
 Python between modules). Sampling (argmax of the logits) is timed apart.
 
-With `--kernel native [native-f16]`, one more path per kernel: the lean step on that matmul kernel
-(LeanDecodeStep.build(kernel=...): runner/decode_matmul.py's AVX2 kernels), in the same lockstep; its
-logits' largest difference from the lean step's at the first timed step is printed beside it.
+With `--kernel native [native-f16]`, one more path per kernel: the lean step on that kernel
+(LeanDecodeStep.build(kernel=...): runner/decode_matmul.py's AVX2 matmuls, and its native ops for the
+norms, attention, Mamba2 and the MLP's gate), in the same lockstep; `native-matmuls` is the native
+matmuls with those other ops left in torch. Each path's logits' largest difference from the lean
+step's at the first timed step is printed beside it.
 
 With `--compile`, a fourth path runs the lean step `torch.compile`d (LeanDecodeStep.compile; every
 `--streams` size compiled before the timed steps, the compile time printed).
@@ -195,8 +197,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--split", action="store_true", help="also split one profiled run per path by layer kind")
     ap.add_argument("--packed", action="store_true", help="also run decode_step lean-packed (oneDNN-packed weights)")
-    ap.add_argument("--kernel", nargs="+", default=[], choices=[k for k in KERNELS if k != "torch"],
-                    help="also run the lean step on these matmul kernels (runner/decode_matmul.py)")
+    ap.add_argument("--kernel", nargs="+", default=[], choices=[*(k for k in KERNELS if k != "torch"), "native-matmuls"],
+                    help="also run the lean step on these kernels (runner/decode_matmul.py); native-matmuls: the "
+                         "native matmuls with the step's other ops in torch (as before they had native ops)")
     ap.add_argument("--compile", action="store_true", help="also run the lean step torch.compile'd (LeanDecodeStep.compile, "
                     "every --streams size compiled before timing)")
     ap.add_argument("--compile-options", default="{}", help="inductor options for --compile, JSON "
@@ -217,9 +220,12 @@ def main() -> None:
                for kind in kinds}
     for k in args.kernel:
         engines[f"lean+{k}"] = e = Engine.from_pretrained(path, EngineConfig(max_running=max(args.streams)), dtype=dtype)
-        e.runner.use_decode_step("lean", kernel=k)
-        if e.runner.batch.step.kernel != k:
-            sys.exit(f"kernel {k} is not available here (see the warning above)")
+        kernel = "native" if k == "native-matmuls" else k
+        e.runner.use_decode_step("lean", kernel=kernel)
+        if e.runner.batch.step.kernel != kernel:
+            sys.exit(f"kernel {kernel} is not available here (see the warning above)")
+        if k == "native-matmuls":
+            e.runner.batch.step.ops = None
     compile_seconds = None
     if args.compile:
         engines["lean-compiled"] = Engine.from_pretrained(

@@ -22,7 +22,12 @@ bamba. Not covered: olmo_hybrid (post-norms), granitemoehybrid, nemotron_h, zamb
 The matmuls run torch's kernels (`kernel="torch"`: mm on the transposed weights, or oneDNN's packed copy
 with `packed`) or the native AVX2 kernels of runner/decode_matmul.py (`kernel="native"`: the fp32
 weights kept [out, in], streamed at close to the machine's bandwidth from one to eight rows;
-"native-f16": an fp16 copy of them, half the bytes, lossy). docs/benchmarks.md measures each.
+"native-f16": an fp16 copy of them, half the bytes, lossy). With a native kernel on an fp32 model the
+rest of the step runs native too (`_native`): each residual add with the norm after it, the MLP's
+silu(gate) * up, an attention layer's rotary + K/V write + attention over each row's own columns
+(flash-decoding blocks; no mask), and a Mamba2 mixer's conv shift, state update and gated group norm,
+one call each; the torch code stays as their reference (tests/engine/test_decode_ops.py).
+docs/benchmarks.md measures each.
 
 `LeanDecodeStep.compile` runs the same step as a few `torch.compile`d blocks (inductor); measured
 in bench/decode.py `--compile`, it bought too little on this CPU for the gateway to compile
@@ -164,6 +169,10 @@ class _Norm:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * self.one_plus).to(x.dtype) if self.centred else self.weight * h.to(x.dtype)
 
+    def add_native(self, ops, h: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
+        """h += d in place (fp32 rows), then this norm of h, in one native call."""
+        return ops.add_rmsnorm(h, d, self.one_plus if self.centred else self.weight, self.eps)
+
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of x [B, N, D] on its first cos.shape[-1] dims; cos/sin [B, 1, rot]."""
@@ -236,6 +245,14 @@ class _Attention:
         q, k, v, gate = self.project(x, s.cos, s.sin)
         return self.output(self.attend(q, k, v, batch, s), gate)
 
+    def native(self, x: torch.Tensor, batch, s: _Step, ops, lens: torch.Tensor) -> torch.Tensor:
+        """As `__call__`, the rotary, the K/V write and the attention in one native call (each row to its
+        own length: no mask). `s.cos` / `s.sin` are [B, rot] here."""
+        q, k, v, gate = self.project(x, None, None)
+        out = ops.attend(q.contiguous(), k.contiguous(), v.contiguous(), batch._k[self.j], batch._v[self.j], lens,
+                         self.scale, s.cos, s.sin)
+        return self.output(out, gate)
+
 
 def _conv_step(conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Shift x [B, C] into the conv state rows `conv` [B, C, K] (in place); return silu(depthwise conv) [B, C]."""
@@ -253,6 +270,10 @@ class _Recurrent:
 
     def __call__(self, x: torch.Tensor, batch, s: _Step) -> torch.Tensor:
         return self.core(x, batch._conv[self.p][:s.b], batch._state[self.p][:s.b])
+
+    def native(self, x: torch.Tensor, batch, s: _Step, ops, lens: torch.Tensor) -> torch.Tensor:
+        """The mixer with its native ops where it has them (this base: none, `__call__`)."""
+        return self(x, batch, s)
 
     def dummy_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero conv and state rows of `b` sequences, shaped and typed as a batch keeps them (fp32 state)."""
@@ -304,6 +325,13 @@ class _Mamba2(_Recurrent):
         yg = yg * torch.rsqrt(yg.pow(2).mean(-1, keepdim=True) + self.norm_eps)
         y = self.norm_w * yg.view(B, -1).to(dtype)
         return _mm(y.to(dtype), self.o_w, self.o_b)
+
+    def native(self, x: torch.Tensor, batch, s: _Step, ops, lens: torch.Tensor) -> torch.Tensor:
+        """As `core`, everything between in_proj and out_proj in one native call."""
+        y = ops.mamba2(_mm(x, self.w, self.b), batch._conv[self.p][:s.b], self.conv_w, self.conv_b, self.dt_bias,
+                       self.A, self.D, batch._state[self.p][:s.b], self.norm_w, self.norm_eps, self.H, self.P, self.G,
+                       self.N)
+        return _mm(y, self.o_w, self.o_b)
 
 
 class _GatedDeltaNet(_Recurrent):
@@ -394,6 +422,11 @@ class _MLP:
         gate, up = _mm(x, self.w, self.b).split([self.n, self.n], dim=-1)
         return _mm(F.silu(gate) * up, self.d_w, self.d_b)
 
+    def native(self, x: torch.Tensor, ops) -> torch.Tensor:
+        if self.module is not None:
+            return self(x)
+        return _mm(ops.silu_mul(_mm(x, self.w, self.b)), self.d_w, self.d_b)
+
 
 class LeanDecodeStep:
     """`step(batch, token_ids, positions) -> logits [B, vocab] (fp32)`: one decode forward on a
@@ -410,6 +443,9 @@ class LeanDecodeStep:
         fuse = _fuse_native(native, half=kernel == "native-f16") if kernel != "torch" else _fuse_packed if packed else _fuse
         self.packed = packed and kernel == "torch"
         self.kernel = kernel
+        # The native kernels run the rest of the step too (norms, attention, Mamba2, the MLP's gate) on an
+        # fp32 model; `ops = None` keeps those in torch (the reference they are tested against).
+        self.ops = native if kernel != "torch" and model.dtype == torch.float32 else None
         base = model.base_model
         self.model = model
         self.rotary = getattr(base, "rotary_emb", None)
@@ -470,7 +506,8 @@ class LeanDecodeStep:
         s.width = max(batch.lengths) + 1
         s.same = batch.lengths[0] if min(batch.lengths) == s.width - 1 else None
         s.rows = s.cols = s.bias = s.cos = s.sin = None
-        if s.same is None:  # rows of different lengths: each writes its own column, reads through a mask
+        native = self.ops is not None and self.blocks is None
+        if s.same is None and not native:  # rows of different lengths: each writes its own column, reads through a mask
             s.cols = torch.tensor(batch.lengths, dtype=torch.long, device=dev)
             s.rows = torch.arange(b, device=dev)
             hide = torch.arange(s.width, device=dev)[None, :] > s.cols[:, None]
@@ -484,6 +521,8 @@ class LeanDecodeStep:
                 s.cos, s.sin = cos.view(b, 1, -1), sin.view(b, 1, -1)
         if self.blocks is not None:
             return self._blocks(h, batch, s)
+        if native:
+            return self._native(h, batch, s)
         for norm1, mixer, kind, norm2, mlp in self.layers:
             with self._range(kind):
                 h = h + mixer(norm1(h), batch, s)
@@ -491,6 +530,21 @@ class LeanDecodeStep:
                 h = h + mlp(norm2(h))
         with self._range("lm_head"):
             return _mm(self.final_norm(h), self.lm_w, self.lm_b).float()
+
+    def _native(self, h: torch.Tensor, batch, s: _Step) -> torch.Tensor:
+        """The layers on the native ops: each residual add fused with the norm after it, attention and
+        Mamba2 mixers in one call each (the step's other mixers and MoE MLPs as in `__call__`)."""
+        ops, d = self.ops, None
+        lens = torch.tensor([n + 1 for n in batch.lengths], dtype=torch.long)
+        if s.cos is not None:
+            s.cos, s.sin = s.cos.reshape(s.b, -1).contiguous(), s.sin.reshape(s.b, -1).contiguous()
+        for norm1, mixer, kind, norm2, mlp in self.layers:
+            with self._range(kind):
+                d = mixer.native(norm1.add_native(ops, h, d), batch, s, ops, lens)
+            with self._range("mlp"):
+                d = mlp.native(norm2.add_native(ops, h, d), ops)
+        with self._range("lm_head"):
+            return _mm(self.final_norm.add_native(ops, h, d), self.lm_w, self.lm_b).float()
 
     # --- compiled ------------------------------------------------------------------------------
     def compile_reason(self) -> str | None:

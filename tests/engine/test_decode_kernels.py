@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 
@@ -115,10 +116,28 @@ def test_native_step_equals_module_path(family):
     step = engine.runner.batch.step
     assert step.kernel == "native" and isinstance(step.lm_w, _Native) and step.lm_w.w.dtype == torch.float32
     assert model.get_output_embeddings().weight.data_ptr() == step.lm_w.w.data_ptr()
+    calls = collections.Counter()
+    step.ops = CountingOps(step.ops, calls)  # the step's other ops run native too (tests/engine/test_decode_ops.py)
     reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
     worst, differ, compared = decode_against_module(engine, reqs, steps=6, join_at=2, leave_at=3)
     assert compared == 4 + 4 + 6 + 5 + 5 + 5
     assert worst <= 1e-4 and differ == 0, f"{family}: max |logit diff| {worst:.3g}, {differ} greedy tokens differ"
+    assert calls["add_rmsnorm"] and calls["attend"] and (calls["mamba2"] or family != "bamba")
+
+
+class CountingOps:
+    """The native ops, each call counted by name."""
+
+    def __init__(self, ops, calls: collections.Counter):
+        self.ops, self.calls = ops, calls
+
+    def __getattr__(self, name):
+        fn = getattr(self.ops, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
 
 
 @needs_native

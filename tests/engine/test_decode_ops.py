@@ -1,0 +1,105 @@
+"""The native decode step's other ops (hypic_core/runner/decode_matmul.py) against plain torch references.
+
+With `kernel="native"` the lean step runs its norms, the MLP's gate, each attention layer (rotary, the
+K/V write, the attention itself) and each Mamba2 mixer between its projections as native calls. Each
+is checked here on its own against the torch code it replaces (the lean step's torch ops, or the
+plain formula), on shapes with tails: rows of different lengths, lengths across the kernel's blocks
+of 128 columns, head sizes off its fast paths, grouped heads, partial rotary. The whole step on them
+is checked against the module path in test_decode_kernels.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hypic_core.runner import decode_matmul
+from hypic_core.runner.decode_step import _Mamba2, _Norm, _rope
+from hypic_core.testing import tiny_model
+
+NATIVE = decode_matmul.native()
+pytestmark = pytest.mark.skipif(NATIVE is None, reason="the native kernels cannot be built here (no compiler or no AVX2)")
+
+
+@pytest.mark.parametrize("rows,n", [(1, 576), (3, 64), (2, 13)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_add_rmsnorm_equals_the_norm(rows, n, residual):
+    g = torch.Generator().manual_seed(rows * n)
+    h, d, w = torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g), torch.randn(n, generator=g)
+    norm = torch.nn.RMSNorm(n, eps=1e-5)
+    norm.weight.data.copy_(w)
+    want_h = h + d if residual else h.clone()
+    got = NATIVE.add_rmsnorm(h, d if residual else None, w, 1e-5)
+    assert torch.equal(h, want_h)  # the residual added in place
+    torch.testing.assert_close(got, _Norm(norm)(want_h), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1536), (4, 20)])
+def test_silu_mul_equals_silu_times_up(rows, n):
+    gu = torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(n)) * 4
+    gate, up = gu.split([n, n], dim=-1)
+    torch.testing.assert_close(NATIVE.silu_mul(gu), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
+
+def attend_reference(q, k, v, kb, vb, lens, scale, cos=None, sin=None):
+    """The lean step's torch attention, row by row: rotate, write the column, softmax(q K^T) V over the row's columns."""
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    if cos is not None:
+        q, k = _rope(q, cos[:, None], sin[:, None]), _rope(k, cos[:, None], sin[:, None])
+    out = []
+    for b in range(B):
+        n = int(lens[b])
+        kb[b, :, n - 1], vb[b, :, n - 1] = k[b], v[b]
+        keys, values = kb[b, :, :n], vb[b, :, :n]
+        scores = torch.matmul(q[b].view(Hkv, H // Hkv, D), keys.transpose(-1, -2)) * scale
+        out.append(torch.matmul(torch.softmax(scores, dim=-1), values).reshape(H * D))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 24), (2, 1, 12)])
+@pytest.mark.parametrize("rot", [None, "full", "half"])
+def test_attend_equals_the_reference(H, Hkv, D, rot):
+    g = torch.Generator().manual_seed(H * D)
+    lens = torch.tensor([1, 127, 128, 129, 300], dtype=torch.long)  # across the kernel's 128-column blocks
+    B, cols = len(lens), 320
+    q, k, v = torch.randn(B, H, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+    kb, vb = torch.randn(B, Hkv, cols, D, generator=g), torch.randn(B, Hkv, cols, D, generator=g)
+    cos = sin = None
+    if rot is not None:
+        width = D if rot == "full" else D // 2
+        angle = torch.rand(B, width // 2, generator=g) * 6.3
+        cos, sin = torch.cat([angle.cos()] * 2, dim=-1), torch.cat([angle.sin()] * 2, dim=-1)
+    kb_ref, vb_ref, q_before = kb.clone(), vb.clone(), q.clone()
+    want = attend_reference(q, k, v, kb_ref, vb_ref, lens, D ** -0.5, cos, sin)
+    got = NATIVE.attend(q, k, v, kb, vb, lens, D ** -0.5, cos, sin)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(kb, kb_ref, atol=1e-6, rtol=1e-6)  # the new (rotated) key written in place
+    assert torch.equal(vb, vb_ref) and torch.equal(q, q_before)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_mamba2_equals_the_torch_update(rows, groups):
+    """Between in_proj and out_proj: the conv shift, the state update and the gated group norm, against the lean
+    step's torch code (`_Mamba2.core`) from the same conv and state rows, over several tokens."""
+    model = tiny_model("bamba", mamba_n_groups=groups)
+    layer = next(layer.mamba for layer in model.model.layers if getattr(layer, "mamba", None) is not None)
+    mixer = _Mamba2(layer, 0)
+    conv_t, state_t = mixer.dummy_rows(rows)
+    g = torch.Generator().manual_seed(rows)
+    conv_t.normal_(generator=g)
+    state_t.normal_(generator=g)
+    conv_n, state_n = conv_t.clone(), state_t.clone()
+    with torch.inference_mode():
+        for _ in range(4):
+            x = torch.randn(rows, model.config.hidden_size, generator=g)
+            want = mixer.core(x, conv_t, state_t)
+            zx = torch.mm(x, mixer.w) if mixer.b is None else torch.addmm(mixer.b, x, mixer.w)
+            y = NATIVE.mamba2(zx, conv_n, mixer.conv_w, mixer.conv_b, mixer.dt_bias, mixer.A, mixer.D, state_n,
+                              mixer.norm_w, mixer.norm_eps, mixer.H, mixer.P, mixer.G, mixer.N)
+            got = torch.mm(y, mixer.o_w) if mixer.o_b is None else torch.addmm(mixer.o_b, y, mixer.o_w)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(conv_n, conv_t, atol=0, rtol=0)
+            torch.testing.assert_close(state_n, state_t, atol=1e-5, rtol=1e-4)
