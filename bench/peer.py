@@ -32,7 +32,9 @@ Cells: every `--streams` value x every `--max-tokens` value, each on its own req
 sent at once (llama-server started with `-np S --cont-batching`, S x `--ctx` of context; the
 gateway batches them as it always does, HYPIC_MAX_RUNNING 8). Every llama.cpp row runs its own
 server; one gateway serves the gateway rows, with HYPIC_EXACT_REPEATS=false so that a prompt one
-row sent is no exact repeat for the next (each composes its documents from the chunk entries). Each group goes to every backend in
+row sent is no exact repeat for the next (each composes its documents from the chunk entries), and
+HYPIC_GUARD_ENABLED=false (the accuracy guard's shadow checks run while the gateway is idle, which
+here is while another backend is measured). Each group goes to every backend in
 turn, the order rotated per group, so a drifting machine load hits them alike.
 
 Reported per row: TTFT p50 / p95, TPOT p50 (after the first token), the whole answer p50 (request
@@ -496,7 +498,10 @@ async def amain(args: argparse.Namespace) -> dict:
             one = argparse.Namespace(**{**vars(args), "max_tokens": max(args.max_tokens)})  # as serve.py reads it
             mine = [b for b in backends if not b.llama]
             if mine:
-                env = {"HYPIC_DECODE_STEP": args.decode_step, "HYPIC_COLD_PREFILL": "stitch", "HYPIC_EXACT_REPEATS": "false"}
+                # The accuracy guard off: its shadow checks (a full prefill each, every request in its dense
+                # phase) run while the gateway is idle, i.e. while the next backend's request is measured.
+                env = {"HYPIC_DECODE_STEP": args.decode_step, "HYPIC_COLD_PREFILL": "stitch", "HYPIC_EXACT_REPEATS": "false",
+                       "HYPIC_GUARD_ENABLED": "false"}
                 gateways = [Gateway(one, "gateway", extra_env=env)]
                 base = await gateways[0].start(http)
                 client = serve.Client(base, http, await serve.served_model(http, base), one)
