@@ -13,7 +13,7 @@ hybrid's Mamba2 in_proj 3474x576 and out_proj 576x1152, and the tied lm_head 491
 - fbgemm's dynamic int8 linear (`torch.ops.quantized.linear_dynamic`, per-channel int8 weights,
   activations quantized per call),
 - the native AVX2/FMA kernels of hypic_core/runner/decode_matmul.py on [out, in]: fp32 (`native f32`)
-  and fp16 weights (`native f16`), built once with the C++ compiler (skipped when none is found).
+  fp16 weights (`native f16`) and per-row int8 weights (`native i8`), built once with the C++ compiler (skipped when none is found).
 Every kernel's output is checked against the fp32 product (max abs error printed). Printed as
 microseconds per weight, the fp32 bytes that would stream per second ("fp32-equivalent GB/s") and
 the bytes the kernel really reads per second, beside the machine's bandwidth measured at the same
@@ -74,6 +74,7 @@ class Weights:
             torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(out, dtype=torch.long), 0, torch.qint8), None)
             for w in self.ws]
         self.wh = [w.half() for w in self.ws] if native else []
+        self.wi8 = [decode_matmul.quantize_int8(w) for w in self.ws] if native else []
         self.packed: dict[int, list] = {}
 
     def packed_for(self, rows: int) -> list:
@@ -104,6 +105,7 @@ def kernels(W: Weights, x: torch.Tensor, native) -> dict[str, tuple]:
     if native is not None:
         out["native f32"] = (lambda: [native.linear(x, w) for w in W.ws], 4)
         out["native f16"] = (lambda: [native.linear(x, w) for w in W.wh], 2)
+        out["native i8"] = (lambda: [native.linear(x, q, None, s) for q, s in W.wi8], 1)
     return out
 
 

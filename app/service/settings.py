@@ -104,7 +104,7 @@ class Settings(BaseSettings):
                                                    "and bamba models, others keep module), lean-packed (the same on a second, "
                                                    "oneDNN-packed copy of the weights: faster with several streams on "
                                                    "AVX2 CPUs) or module (the transformers modules, the reference).")
-    decode_kernel: Literal["native", "torch", "native-f16"] = Field("native", description="The lean decode step's "
+    decode_kernel: Literal["native", "torch", "native-f16", "native-i8"] = Field("native", description="The lean decode step's "
                                                                      "matmuls: native (AVX2 kernels built once with "
                                                                      "the C++ compiler, on the fp32 weights: exact, "
                                                                      "faster than torch's at 1-8 streams on AVX2 CPUs; "
@@ -112,7 +112,10 @@ class Settings(BaseSettings):
                                                                      "fp32 on the CPU, torch's run and a warning says "
                                                                      "why), torch (torch's kernels) or native-f16 (the "
                                                                      "native kernels on an fp16 copy of the weights: "
-                                                                     "half the bytes, logits no longer exact).")
+                                                                     "half the bytes, logits no longer exact) or "
+                                                                     "native-i8 (on a per-row int8 copy: a quarter of "
+                                                                     "the bytes, lossier; docs/accuracy.md measures "
+                                                                     "both).")
     speculation: bool = Field(True, description="Speculative decoding: each running answer drafts its next tokens from "
                               "its own prompt (n-gram lookup) and the decode forward verifies them, so text copied from "
                               "the documents comes several tokens a step; greedy answers are unchanged. Runs with "

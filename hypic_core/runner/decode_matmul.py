@@ -9,6 +9,8 @@ while they meet every row of x (3 rows at a time, 12 accumulators), AVX2 + FMA:
 - `f32`: fp32 weights. Exact up to summation order (sums of 8 lanes, then a horizontal sum).
 - `f16`: fp16 weights (F16C conversion on load), half the bytes; lossy (the weights are rounded
   to fp16), so the decode step that uses it keeps it off by default.
+- `i8`: int8 weights with one fp32 scale per output row (`quantize_int8`: symmetric, max |w| -> 127),
+  a quarter of the bytes; lossier still, off by default.
 
 The same library holds the decode step's other fp32 ops (`add_rmsnorm`, `silu_mul`, `attend`, `mamba2`:
 the residual add with its norm, the MLP's gate, one attention layer, one Mamba2 mixer between its
@@ -49,6 +51,10 @@ static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 static inline float load1(const float* p) { return *p; }
 static inline float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
+static inline __m256 load8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+static inline float load1(const int8_t* p) { return (float)*p; }
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -58,10 +64,10 @@ static inline float hsum(__m256 v) {
 }
 
 // y[r, o + b * stride] for r < RB, b < OB: dot products of RB rows of x with OB rows of w (length n),
-// the rows of w `stride` apart.
+// the rows of w `stride` apart, each times its row's scale (int8 weights; null: 1) plus its bias.
 template <int RB, int OB, typename W>
 static inline void block(const float* x, long ldx, const W* w, long n, float* y, long ldy, long o, long stride,
-                         const float* bias) {
+                         const float* bias, const float* scales) {
     __m256 acc[RB][OB];
     for (int r = 0; r < RB; r++)
         for (int b = 0; b < OB; b++) acc[r][b] = _mm256_setzero_ps();
@@ -79,31 +85,32 @@ static inline void block(const float* x, long ldx, const W* w, long n, float* y,
             const long ob = o + b * stride;
             float s = hsum(acc[r][b]);
             for (long t = k; t < n; t++) s += x[r * ldx + t] * load1(w + ob * n + t);
-            y[r * ldy + ob] = s + (bias ? bias[ob] : 0.0f);
+            y[r * ldy + ob] = (scales ? s * scales[ob] : s) + (bias ? bias[ob] : 0.0f);
         }
 }
 
 // Every row of x (3 at a time: 12 accumulators) against the OB rows of w at o, o + stride, ...
 template <int OB, typename W>
 static inline void rows(const float* x, long R, long n, const W* w, float* y, long ldy, long o, long stride,
-                        const float* bias) {
+                        const float* bias, const float* scales) {
     long r = 0;
-    for (; r + 3 <= R; r += 3) block<3, OB>(x + r * n, n, w, n, y + r * ldy, ldy, o, stride, bias);
-    if (R - r == 2) block<2, OB>(x + r * n, n, w, n, y + r * ldy, ldy, o, stride, bias);
-    if (R - r == 1) block<1, OB>(x + r * n, n, w, n, y + r * ldy, ldy, o, stride, bias);
+    for (; r + 3 <= R; r += 3) block<3, OB>(x + r * n, n, w, n, y + r * ldy, ldy, o, stride, bias, scales);
+    if (R - r == 2) block<2, OB>(x + r * n, n, w, n, y + r * ldy, ldy, o, stride, bias, scales);
+    if (R - r == 1) block<1, OB>(x + r * n, n, w, n, y + r * ldy, ldy, o, stride, bias, scales);
 }
 
 // Each thread takes a contiguous range of w's rows and reads it as 4 sequential streams, one per
 // quarter of the range (row j of every quarter together): 4 long streams keep more memory requests in
 // flight than one, and than 4 adjacent rows (short streams of a few KB) did.
 template <typename W>
-static void linear(const float* x, const W* w, const float* bias, float* y, long R, long n, long out, int threads) {
+static void linear(const float* x, const W* w, const float* bias, float* y, long R, long n, long out, int threads,
+                   const float* scales = nullptr) {
     #pragma omp parallel num_threads(threads)
     {
         const long nt = omp_get_num_threads(), t = omp_get_thread_num();
         const long t0 = out * t / nt, t1 = out * (t + 1) / nt, q = (t1 - t0) / 4;
-        for (long j = 0; j < q; j++) rows<4>(x, R, n, w, y, out, t0 + j, q, bias);
-        for (long o = t0 + 4 * q; o < t1; o++) rows<1>(x, R, n, w, y, out, o, 1, bias);
+        for (long j = 0; j < q; j++) rows<4>(x, R, n, w, y, out, t0 + j, q, bias, scales);
+        for (long o = t0 + 4 * q; o < t1; o++) rows<1>(x, R, n, w, y, out, o, 1, bias, scales);
     }
 }
 
@@ -391,6 +398,10 @@ void hypic_linear_f32(const float* x, const float* w, const float* bias, float* 
 void hypic_linear_f16(const float* x, const uint16_t* w, const float* bias, float* y, long R, long n, long out, int threads) {
     linear(x, w, bias, y, R, n, out, threads);
 }
+void hypic_linear_i8(const float* x, const int8_t* w, const float* scales, const float* bias, float* y, long R, long n,
+                     long out, int threads) {
+    linear(x, w, bias, y, R, n, out, threads, scales);
+}
 }
 """
 
@@ -425,6 +436,7 @@ class NativeMatmul:
         for name in ("hypic_linear_f32", "hypic_linear_f16"):
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = args, None
+        self.lib.hypic_linear_i8.argtypes, self.lib.hypic_linear_i8.restype = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int], None
         self._fns = {torch.float32: self.lib.hypic_linear_f32, torch.float16: self.lib.hypic_linear_f16}
         P, L, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
         for name, argtypes in (("hypic_add_rmsnorm", [P, P, P, F, P, L, L]), ("hypic_silu_mul", [P, P, L, L]),
@@ -433,18 +445,27 @@ class NativeMatmul:
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = argtypes, None
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+               scales: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T * scales (+ bias): W fp32 or fp16, or int8 with its rows' fp32 `scales` [out]."""
         R, n = x.shape
         out = w.shape[0]
-        if (x.dtype != torch.float32 or w.dtype not in self._fns or w.shape[1] != n or x.device.type != "cpu"
-                or not (w.is_contiguous() and x.is_contiguous())):
-            raise ValueError(f"linear needs contiguous fp32 x [R, {w.shape[1]}] and fp32/fp16 W [out, in] on the CPU; "
-                             f"got x {x.dtype} {tuple(x.shape)}, W {w.dtype} {tuple(w.shape)}")
+        if (x.dtype != torch.float32 or (w.dtype not in self._fns and w.dtype != torch.int8) or w.shape[1] != n
+                or x.device.type != "cpu" or not (w.is_contiguous() and x.is_contiguous())):
+            raise ValueError(f"linear needs contiguous fp32 x [R, {w.shape[1]}] and fp32/fp16/int8 W [out, in] on the "
+                             f"CPU; got x {x.dtype} {tuple(x.shape)}, W {w.dtype} {tuple(w.shape)}")
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out,) or not bias.is_contiguous()):
             raise ValueError(f"bias must be contiguous fp32 [{out}], got {bias.dtype} {tuple(bias.shape)}")
+        if (w.dtype == torch.int8) != (scales is not None) or (scales is not None and (
+                scales.dtype != torch.float32 or scales.shape != (out,) or not scales.is_contiguous())):
+            raise ValueError(f"int8 weights need their rows' contiguous fp32 scales [{out}] (and only they take scales)")
         y = torch.empty(R, out, dtype=torch.float32)
-        self._fns[w.dtype](x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                           R, n, out, torch.get_num_threads())
+        b = bias.data_ptr() if bias is not None else None
+        if scales is not None:
+            self.lib.hypic_linear_i8(x.data_ptr(), w.data_ptr(), scales.data_ptr(), b, y.data_ptr(), R, n, out,
+                                     torch.get_num_threads())
+        else:
+            self._fns[w.dtype](x.data_ptr(), w.data_ptr(), b, y.data_ptr(), R, n, out, torch.get_num_threads())
         return y
 
 
@@ -495,9 +516,19 @@ class NativeMatmul:
         return out
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The plain torch product the kernels compute: x @ W.float()^T (+ bias), fp32."""
-    return torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of W [out, in]: (q int8 [out, in], scales fp32 [out]) with W ~ q * scales[:, None],
+    each row's largest |w| at 127."""
+    w = w.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous(), scales.contiguous()
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+              scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain torch product the kernels compute: x @ (W.float() * scales[:, None])^T (+ bias), fp32."""
+    w = w.float() if scales is None else w.float() * scales[:, None]
+    return torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
 
 
 _lock = threading.Lock()

@@ -22,7 +22,8 @@ bamba. Not covered: olmo_hybrid (post-norms), granitemoehybrid, nemotron_h, zamb
 The matmuls run torch's kernels (`kernel="torch"`: mm on the transposed weights, or oneDNN's packed copy
 with `packed`) or the native AVX2 kernels of runner/decode_matmul.py (`kernel="native"`: the fp32
 weights kept [out, in], streamed at close to the machine's bandwidth from one to eight rows;
-"native-f16": an fp16 copy of them, half the bytes, lossy). With a native kernel on an fp32 model the
+"native-f16": an fp16 copy of them, half the bytes, lossy; "native-i8": a per-row int8 copy, a quarter
+of the bytes, lossier). With a native kernel on an fp32 model the
 rest of the step runs native too (`_native`): each residual add with the norm after it, the MLP's
 silu(gate) * up, an attention layer's rotary + K/V write + attention over each row's own columns
 (flash-decoding blocks; no mask), and a Mamba2 mixer's conv shift, state update and gated group norm,
@@ -111,12 +112,13 @@ def _fuse_packed(linears: Sequence[torch.nn.Linear]) -> tuple[_Packed, torch.Ten
 
 class _Native:
     """A weight for the native kernels (runner/decode_matmul.py): `w` [out, in] contiguous, fp32 (the
-    modules' own rows, as `_fuse(transposed=False)` leaves them) or fp16 (a second copy, half the bytes)."""
+    modules' own rows, as `_fuse(transposed=False)` leaves them), fp16 (a second copy, half the bytes) or
+    int8 with its rows' fp32 `scales` (a second copy, a quarter of the bytes)."""
 
-    __slots__ = ("w", "kernel")
+    __slots__ = ("w", "kernel", "scales")
 
-    def __init__(self, w: torch.Tensor, kernel):
-        self.w, self.kernel = w, kernel
+    def __init__(self, w: torch.Tensor, kernel, scales: torch.Tensor | None = None):
+        self.w, self.kernel, self.scales = w, kernel, scales
 
 
 # Rows up to which an fp32 `_Native` weight runs the native kernel; more rows (a verification forward of
@@ -124,12 +126,17 @@ class _Native:
 NATIVE_ROWS = 16
 
 
-def _fuse_native(kernel, half: bool):
-    """A `fuse` for the native kernels: fp32 on the modules' own [out, in] rows, or (`half`) on an fp16
-    copy of them."""
+def _fuse_native(kernel, precision: str = "f32"):
+    """A `fuse` for the native kernels: fp32 on the modules' own [out, in] rows ("f32"), or on an fp16
+    ("f16") or per-row int8 ("i8") copy of them."""
+    from .decode_matmul import quantize_int8
+
     def fuse(linears: Sequence[torch.nn.Linear]) -> tuple[_Native, torch.Tensor | None]:
         weight, bias = _fuse(linears, transposed=False)
-        return _Native(weight.half() if half else weight, kernel), bias
+        if precision == "i8":
+            q, scales = quantize_int8(weight)
+            return _Native(q, kernel, scales), bias
+        return _Native(weight.half() if precision == "f16" else weight, kernel), bias
     return fuse
 
 
@@ -139,7 +146,7 @@ def _mm(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     if isinstance(weight, _Native):
         if weight.w.dtype == torch.float32 and x.shape[0] > NATIVE_ROWS:
             return F.linear(x, weight.w, bias)
-        return weight.kernel.linear(x.contiguous(), weight.w, bias)
+        return weight.kernel.linear(x.contiguous(), weight.w, bias, weight.scales)
     if isinstance(weight, _Packed):
         if x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.packed, bias, "none", [], "")
@@ -440,7 +447,8 @@ class LeanDecodeStep:
             raise ValueError(f"decode kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         if kernel != "torch" and native is None:
             raise ValueError(f"decode kernel {kernel!r} needs the native kernels (decode_matmul.native())")
-        fuse = _fuse_native(native, half=kernel == "native-f16") if kernel != "torch" else _fuse_packed if packed else _fuse
+        precision = {"native-f16": "f16", "native-i8": "i8"}.get(kernel, "f32")
+        fuse = _fuse_native(native, precision) if kernel != "torch" else _fuse_packed if packed else _fuse
         self.packed = packed and kernel == "torch"
         self.kernel = kernel
         # The native kernels run the rest of the step too (norms, attention, Mamba2, the MLP's gate) on an
@@ -475,8 +483,8 @@ class LeanDecodeStep:
         """The step for `model`, or None when its family is not covered (`uncovered_reason`). `packed`:
         a second copy of the weights packed for oneDNN, used from two rows on (faster at 2-8 rows on this
         CPU), when oneDNN is there. `kernel` (KERNELS): "torch" (torch's matmuls), "native" (the AVX2
-        kernels of runner/decode_matmul.py on the fp32 weights; `packed` then has nothing to do) or
-        "native-f16" (the same on an fp16 copy of the weights: lossy). A native kernel runs an fp32 model
+        kernels of runner/decode_matmul.py on the fp32 weights; `packed` then has nothing to do),
+        "native-f16" (the same on an fp16 copy of the weights: lossy) or "native-i8" (on a per-row int8 copy). A native kernel runs an fp32 model
         on the CPU where the kernels could be built; elsewhere the step keeps "torch" and logs why."""
         if uncovered_reason(model):
             return None

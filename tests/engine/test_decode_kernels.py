@@ -6,7 +6,7 @@
   step for step with rows joining and leaving, on every family the lean step covers and on the
   real SmolLM2 and its hybrid; the verification forward of speculative decoding runs the same
   kernel and still equals the step fed one token at a time.
-- `kernel="native-f16"` (lossy): the logit error against fp32 is bounded.
+- `kernel="native-f16"` and `"native-i8"` (lossy): the logit error against fp32 is bounded.
 - No compiler: the step keeps torch's matmuls and a warning says why.
 - The gateway setting HYPIC_DECODE_KERNEL.
 """
@@ -69,6 +69,20 @@ def test_kernels_equal_the_reference(out, n, rows):
             ref = decode_matmul.reference(x, weight, bias)
             err = (got - ref).abs().max().item()
             assert got.shape == (rows, out) and err < 1e-4, f"{weight.dtype} bias={bias is not None}: {err:.3g}"
+    q, scales = decode_matmul.quantize_int8(w)
+    for bias in (None, b):  # int8: the dequantized product, exactly up to summation order
+        got = NATIVE.linear(x, q, bias, scales)
+        err = (got - decode_matmul.reference(x, q, bias, scales)).abs().max().item()
+        assert got.shape == (rows, out) and err < 1e-4, f"int8 bias={bias is not None}: {err:.3g}"
+
+
+def test_int8_quantization_is_per_row_and_bounded():
+    w = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * torch.tensor([1e-3, 1, 10, 0, 5, 2])[:, None]
+    q, scales = decode_matmul.quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.shape == (6,) and int(q.abs().max()) == 127
+    back = q.float() * scales[:, None]
+    assert ((back - w).abs() <= scales[:, None] / 2 + 1e-12).all()  # within half a step of each row's grid
+    assert torch.equal(back[3], torch.zeros(40))  # an all-zero row stays zero
 
 
 @needs_native
@@ -79,6 +93,8 @@ def test_kernel_refuses_what_it_cannot_read():
         NATIVE.linear(torch.randn(2, 8), torch.randn(8, 4).t())  # a transposed view
     with pytest.raises(ValueError, match="bias"):
         NATIVE.linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(3))
+    with pytest.raises(ValueError, match="scales"):
+        NATIVE.linear(torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8))  # int8 without its scales
 
 
 def test_no_compiler_keeps_torch_matmuls_with_a_warning(monkeypatch, caplog):
@@ -150,9 +166,9 @@ def test_verification_runs_the_native_kernel(family, monkeypatch):
     calls = []
     linear = decode_matmul.NativeMatmul.linear
 
-    def counted(self, x, w, b=None):
+    def counted(self, x, w, b=None, scales=None):
         calls.append(x.shape[0])
-        return linear(self, x, w, b)
+        return linear(self, x, w, b, scales)
 
     monkeypatch.setattr(decode_matmul.NativeMatmul, "linear", counted)
     pre = [engine.prefill(GenerationRequest(random_segments(s, seed=i), mode="full")) for i, s in enumerate(SHAPES[:3])]
@@ -192,8 +208,25 @@ def test_native_f16_logits_stay_near_fp32(family):
 
 
 @needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "bamba"])
+def test_native_i8_logits_stay_near_fp32(family):
+    """kernel="native-i8" (per-row int8 copies of the weights): lossier than fp16, still bounded; the fp32
+    weights are untouched."""
+    model = tiny_model(family)
+    before = model.get_output_embeddings().weight.detach().clone()
+    engine = engine_on(model, "native-i8")
+    step = engine.runner.batch.step
+    assert step.kernel == "native-i8" and step.lm_w.w.dtype == torch.int8 and step.lm_w.scales is not None
+    assert torch.equal(model.get_output_embeddings().weight, before) and model.dtype == torch.float32
+    reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
+    worst, _, _ = decode_against_module(engine, reqs, steps=6, join_at=2, leave_at=3)
+    assert 1e-4 < worst < 0.1, f"{family}: max |logit diff| {worst:.3g}"
+
+
+@needs_native
 @pytest.mark.parametrize("name,kernel,bound", [("smollm2-135m-instruct", "native", 1e-4), ("smollm2-hybrid-135m", "native", 1e-4),
-                                               ("smollm2-hybrid-135m", "native-f16", 0.1)])
+                                               ("smollm2-hybrid-135m", "native-f16", 0.1),
+                                               ("smollm2-hybrid-135m", "native-i8", 2.0)])
 def test_native_step_on_the_real_models(name, kernel, bound):
     """The real SmolLM2 (dense llama) and its distilled hybrid (bamba): 4 rows, one joining and one
     leaving, 4 steps. fp32 weights: logits within 1e-4 and the same greedy tokens; fp16 copies: the
@@ -225,6 +258,8 @@ def test_gateway_setting_reads_hypic_decode_kernel(monkeypatch):
     assert Settings(_env_file=None, torch_threads=None).decode_kernel == "torch"
     monkeypatch.setenv("HYPIC_DECODE_KERNEL", "native-f16")
     assert Settings(_env_file=None, torch_threads=None).decode_kernel == "native-f16"
+    monkeypatch.setenv("HYPIC_DECODE_KERNEL", "native-i8")
+    assert Settings(_env_file=None, torch_threads=None).decode_kernel == "native-i8"
     monkeypatch.setenv("HYPIC_DECODE_KERNEL", "avx9")
     with pytest.raises(ValidationError, match="decode_kernel"):
         Settings(_env_file=None, torch_threads=None)
