@@ -237,16 +237,17 @@ static void weighted(const float* p, const float* V, long n, long D, float* acc)
     }
 }
 
-// One query token per row against that row's live columns, grouped heads (G = H / Hkv query heads per
-// K/V head). q [B, H, D]; the new k, v [B, Hkv, D] are written at column lens[b] - 1 of the row buffers
-// kb / vb (row stride rs, head stride hs, column stride D); q and the new k are first rotated (RoPE on
-// their first `rot` dims by cos / sin [B, rot]) unless cos is null. The row then attends to its lens[b]
-// columns. Each (row, K/V head) is split into blocks of CH columns (flash-decoding), every K and V row
+// B query tokens against the live columns of their buffer rows, grouped heads (G = H / Hkv query heads
+// per K/V head). Query b reads buffer row rowmap[b] (null: row b). q [B, H, D]; the new k, v [B, Hkv, D]
+// are written at column lens[b] - 1 of their rows of the buffers kb / vb (row stride rs, head stride hs,
+// column stride D); q and the new k are first rotated (RoPE on their first `rot` dims by cos / sin
+// [B, rot]) unless cos is null. Query b then attends to its row's first lens[b] columns (several
+// queries of one row with consecutive lengths: causal attention among the new tokens). Each (row, K/V head) is split into blocks of CH columns (flash-decoding), every K and V row
 // read once for the G query heads: a block leaves per head its max score, sum of exp and exp-weighted
 // sum of V; the blocks are then combined. out [B, H, D].
 static void attend(const float* q_in, const float* kn, const float* vn, float* kb, float* vb, const long* lens,
-                   const float* cos, const float* sin, long rot, float* out, long B, long H, long Hkv, long D,
-                   long rs, long hs, float scale, int threads) {
+                   const long* rowmap, const float* cos, const float* sin, long rot, float* out, long B, long H,
+                   long Hkv, long D, long rs, long hs, float scale, int threads) {
     const long G = H / Hkv, CH = 128;
     float* q = new float[B * H * D];
     long maxlen = 0;
@@ -257,9 +258,10 @@ static void attend(const float* q_in, const float* kn, const float* vn, float* k
             for (long d = 0; d < D; d++) qh[d] = q_in[(b * H + h) * D + d];
             if (cos) rope(qh, cos + b * rot, sin + b * rot, rot);
         }
+        const long row = rowmap ? rowmap[b] : b;
         for (long j = 0; j < Hkv; j++) {
-            float* kd = kb + b * rs + j * hs + (lens[b] - 1) * D;
-            float* vd = vb + b * rs + j * hs + (lens[b] - 1) * D;
+            float* kd = kb + row * rs + j * hs + (lens[b] - 1) * D;
+            float* vd = vb + row * rs + j * hs + (lens[b] - 1) * D;
             for (long d = 0; d < D; d++) { kd[d] = kn[(b * Hkv + j) * D + d]; vd[d] = vn[(b * Hkv + j) * D + d]; }
             if (cos) rope(kd, cos + b * rot, sin + b * rot, rot);
         }
@@ -272,8 +274,9 @@ static void attend(const float* q_in, const float* kn, const float* vn, float* k
             for (long c = 0; c < NC; c++) {
                 const long t0 = c * CH, t1 = (t0 + CH < lens[b]) ? t0 + CH : lens[b], n = t1 - t0;
                 if (n <= 0) continue;
-                const float* K = kb + b * rs + j * hs + t0 * D;
-                const float* V = vb + b * rs + j * hs + t0 * D;
+                const long row = rowmap ? rowmap[b] : b;
+                const float* K = kb + row * rs + j * hs + t0 * D;
+                const float* V = vb + row * rs + j * hs + t0 * D;
                 const float* qj = q + (b * H + j * G) * D;
                 float s[G * CH];
                 for (long g = 0; g < G; g++) scores(qj + g * D, K, n, D, scale, s + g * CH);
@@ -383,9 +386,9 @@ void hypic_add_rmsnorm(float* h, const float* d, const float* w, float eps, floa
 }
 void hypic_silu_mul(const float* gu, float* out, long R, long n) { silu_mul(gu, out, R, n); }
 void hypic_attend(const float* q, const float* kn, const float* vn, float* kb, float* vb, const long* lens,
-                  const float* cos, const float* sin, long rot, float* out, long B, long H, long Hkv, long D, long rs,
-                  long hs, float scale, int threads) {
-    attend(q, kn, vn, kb, vb, lens, cos, sin, rot, out, B, H, Hkv, D, rs, hs, scale, threads);
+                  const long* rowmap, const float* cos, const float* sin, long rot, float* out, long B, long H,
+                  long Hkv, long D, long rs, long hs, float scale, int threads) {
+    attend(q, kn, vn, kb, vb, lens, rowmap, cos, sin, rot, out, B, H, Hkv, D, rs, hs, scale, threads);
 }
 void hypic_mamba2(const float* zx, float* conv, const float* conv_w, const float* conv_b, const float* dt_bias,
                   const float* A, const float* Dp, float* state, const float* norm_w, float eps, float* out,
@@ -440,7 +443,7 @@ class NativeMatmul:
         self._fns = {torch.float32: self.lib.hypic_linear_f32, torch.float16: self.lib.hypic_linear_f16}
         P, L, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
         for name, argtypes in (("hypic_add_rmsnorm", [P, P, P, F, P, L, L]), ("hypic_silu_mul", [P, P, L, L]),
-                               ("hypic_attend", [P] * 8 + [L, P] + [L] * 6 + [F, I]),
+                               ("hypic_attend", [P] * 9 + [L, P] + [L] * 6 + [F, I]),
                                ("hypic_mamba2", [P] * 9 + [F, P] + [L] * 6 + [I])):
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = argtypes, None
@@ -486,17 +489,18 @@ class NativeMatmul:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
                lens: torch.Tensor, scale: float, cos: torch.Tensor | None = None,
-               sin: torch.Tensor | None = None) -> torch.Tensor:
-        """One query token per row: q [B, H, D] and the new k [B, Hkv, D] rotated by cos / sin [B, rot]
-        (rotate-half RoPE on their first rot dims; none when cos is None), k and v written at column
-        lens[b] - 1 of the row buffers kb / vb [rows, Hkv, cols, D] (contiguous), then q attends to each
-        row's first lens[b] columns (softmax(q K^T * scale) V, grouped heads). q is not changed.
-        Returns [B, H * D]."""
+               sin: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """B query tokens, each of buffer row rows[b] (None: row b): q [B, H, D] and the new k [B, Hkv, D]
+        rotated by cos / sin [B, rot] (rotate-half RoPE on their first rot dims; none when cos is None), k
+        and v written at column lens[b] - 1 of their rows of the buffers kb / vb [rows, Hkv, cols, D]
+        (contiguous), then query b attends to its row's first lens[b] columns (softmax(q K^T * scale) V,
+        grouped heads): several tokens of one row with consecutive lengths attend causally. q is not
+        changed. Returns [B, H * D]."""
         B, H, D = q.shape
         out = torch.empty(B, H * D, dtype=torch.float32)
         rot = 0 if cos is None else cos.shape[-1]
         self.lib.hypic_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), kb.data_ptr(), vb.data_ptr(), lens.data_ptr(),
-                              None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), rot,
+                              None if rows is None else rows.data_ptr(), None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), rot,
                               out.data_ptr(), B, H, k.shape[1], D, kb.stride(0), kb.stride(1), scale,
                               torch.get_num_threads())
         return out

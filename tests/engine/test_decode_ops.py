@@ -103,3 +103,27 @@ def test_mamba2_equals_the_torch_update(rows, groups):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(conv_n, conv_t, atol=0, rtol=0)
             torch.testing.assert_close(state_n, state_t, atol=1e-5, rtol=1e-4)
+
+
+def test_attend_several_tokens_of_a_row_attend_causally():
+    """Speculation's verification forward: the tokens of a row (`rows` maps each query to its buffer row) are
+    written at consecutive columns, and each attends to its row's columns up to its own."""
+    g = torch.Generator().manual_seed(7)
+    H, Hkv, D, cols = 6, 2, 64, 400
+    rows = torch.tensor([0, 0, 0, 1, 2, 2], dtype=torch.long)  # 3 tokens of row 0, 1 of row 1, 2 of row 2
+    lens = torch.tensor([130, 131, 132, 5, 299, 300], dtype=torch.long)
+    N = len(rows)
+    q, k, v = torch.randn(N, H, D, generator=g), torch.randn(N, Hkv, D, generator=g), torch.randn(N, Hkv, D, generator=g)
+    kb, vb = torch.randn(3, Hkv, cols, D, generator=g), torch.randn(3, Hkv, cols, D, generator=g)
+    angle = torch.rand(N, D // 2, generator=g)
+    cos, sin = torch.cat([angle.cos()] * 2, dim=-1), torch.cat([angle.sin()] * 2, dim=-1)
+    kb_ref, vb_ref = kb.clone(), vb.clone()
+    qr, kr = _rope(q, cos[:, None], sin[:, None]), _rope(k, cos[:, None], sin[:, None])
+    for i in range(N):  # every new column first, then each token over its row's columns up to its own
+        kb_ref[rows[i], :, lens[i] - 1], vb_ref[rows[i], :, lens[i] - 1] = kr[i], v[i]
+    want = torch.stack([
+        torch.matmul(torch.softmax(torch.matmul(qr[i].view(Hkv, H // Hkv, D), kb_ref[rows[i], :, :lens[i]].transpose(-1, -2))
+                                   * D ** -0.5, dim=-1), vb_ref[rows[i], :, :lens[i]]).reshape(H * D) for i in range(N)])
+    got = NATIVE.attend(q, k, v, kb, vb, lens, D ** -0.5, cos, sin, rows=rows)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(kb, kb_ref, atol=1e-6, rtol=1e-6)
