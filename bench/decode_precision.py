@@ -110,8 +110,8 @@ def table(result: dict) -> list[str]:
     rows, kernels = result["rows"], result["kernels"]
     ref = rows[kernels[0]]
     n = len(ref)
-    lines = ["| kernel | weights | answers (95% CI) | lost / gained vs fp32 | identical to fp32 | tokens before the first "
-             "difference (mean of {}) | decode ms / token |".format(result["max_tokens"]),
+    lines = ["| kernel | weights | answers (95% CI) | lost / gained vs fp32 | identical to fp32 | fp32's answer tokens "
+             "matched before the first difference | decode ms / token |",
              "|---|---|---:|---|---:|---:|---:|"]
     weights = {"native": "fp32", "native-f16": "fp16 copy", "native-i8": "int8 copy, per-row scales", "torch": "fp32 (torch)"}
     for k in kernels:
@@ -121,10 +121,10 @@ def table(result: dict) -> list[str]:
         lost = sum(a["acc"] and not b["acc"] for a, b in zip(ref, r))
         gained = sum(b["acc"] and not a["acc"] for a, b in zip(ref, r))
         same = sum(x["same"] for x in r)
-        mean_matched = statistics.fmean(x["matched"] for x in r)
+        share = sum(x["matched"] for x in r) / max(1, sum(x["tokens"] for x in ref))
         ms = result["ms_per_token"][k]
         lines.append(f"| {k} | {weights.get(k, k)} | {acc}/{n} ({lo:.0f}-{hi:.0f}%) | {lost} / {gained} | "
-                     f"{same}/{n} | {mean_matched:.1f} | {ms:.1f} |")
+                     f"{same}/{n} | {100 * share:.0f}% | {ms:.1f} |")
     return lines
 
 
@@ -140,13 +140,15 @@ def main() -> None:
     ap.add_argument("--out", help="write the raw rows here (JSON)")
     ap.add_argument("--markdown", type=Path, help="write the table into this file's section (--section)")
     ap.add_argument("--section", default="decode-precision")
+    ap.add_argument("--render", type=Path, help="no run: print (and write) the table of a saved --out JSON")
     args = ap.parse_args()
-    result = evaluate(args)
-    cmd = "python " + " ".join(sys.argv)
-    lines = [f"**{args.model}**, {result['n']} questions, full mode, greedy, {args.max_tokens} answer tokens, "
-             f"{args.threads} threads ({result['seconds']} s). Command: `{cmd}`", "", *table(result)]
+    result = json.loads(args.render.read_text()) if args.render else evaluate(args)
+    cmd = result.get("command") or "python " + " ".join(sys.argv)
+    result["command"] = cmd
+    lines = [f"**{result['model']}**, {result['n']} questions, full mode, greedy, at most {result['max_tokens']} answer "
+             f"tokens, {result['threads']} threads ({result['seconds']} s). Command: `{cmd}`", "", *table(result)]
     print("\n".join(lines))
-    if args.out:
+    if args.out and not args.render:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.markdown:
         write_section(args.markdown, f"<!-- {args.section}:begin -->\n" + "\n".join(lines) + f"\n<!-- {args.section}:end -->",

@@ -450,7 +450,8 @@ def labels(args: argparse.Namespace, backends: Sequence[Backend], gguf_names: di
         if b.llama:
             out[b.name] = f"llama.cpp {gguf_names.get(b.base, b.base)}" + (f" {args.llama_spec}" if b.spec else "")
         else:
-            out[b.name] = f"gateway {b.base} ({args.decode_step}, speculation {'on' if b.spec else 'off'})"
+            kernel = os.environ.get("HYPIC_DECODE_KERNEL", "native")  # the gateway's default kernel: native
+            out[b.name] = f"gateway {b.base} ({args.decode_step} step, {kernel} kernel, speculation {'on' if b.spec else 'off'})"
     return out
 
 

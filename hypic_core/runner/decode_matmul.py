@@ -497,6 +497,8 @@ class NativeMatmul:
         grouped heads): several tokens of one row with consecutive lengths attend causally. q is not
         changed. Returns [B, H * D]."""
         B, H, D = q.shape
+        if not (kb.is_contiguous() and vb.is_contiguous() and kb.dtype == vb.dtype == q.dtype == torch.float32):
+            raise ValueError("attend needs fp32 queries and contiguous fp32 K/V row buffers")
         out = torch.empty(B, H * D, dtype=torch.float32)
         rot = 0 if cos is None else cos.shape[-1]
         self.lib.hypic_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), kb.data_ptr(), vb.data_ptr(), lens.data_ptr(),
@@ -512,6 +514,8 @@ class NativeMatmul:
         [B, C, K] and state rows [B, H, P, N] (fp32) advance in place; returns the gated, group-normed
         output [B, H * P] for out_proj."""
         B = zx.shape[0]
+        if not (conv.is_contiguous() and state.is_contiguous() and conv.dtype == state.dtype == torch.float32):
+            raise ValueError("mamba2 needs contiguous fp32 conv and state rows")
         out = torch.empty(B, heads * head_dim, dtype=torch.float32)
         self.lib.hypic_mamba2(zx.data_ptr(), conv.data_ptr(), conv_w.data_ptr(),
                               None if conv_b is None else conv_b.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
