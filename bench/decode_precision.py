@@ -40,6 +40,7 @@ from hypic_core.engine.engine import Engine, PrefillResult  # noqa: E402
 from hypic_core.models.registry import resolve  # noqa: E402
 from markdown_section import write_section  # noqa: E402
 from real_qa import build_context, load_real_qa  # noqa: E402
+from storage_precision import agreement  # noqa: E402  (tokens alike before the first difference)
 
 
 def answer(engine: Engine, request: GenerationRequest, pre: PrefillResult) -> tuple[list[int], str, list[float]]:
@@ -55,16 +56,6 @@ def answer(engine: Engine, request: GenerationRequest, pre: PrefillResult) -> tu
             last = now
         text.append(event.text)
     return ids, "".join(text).strip(), gaps
-
-
-def matched(a: list[int], b: list[int]) -> int:
-    """Tokens before the first position where a and b differ."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def evaluate(args) -> dict:
@@ -98,7 +89,7 @@ def evaluate(args) -> dict:
             gaps[kernel] += g
             base = base or (ids, text)
             rows[kernel].append({"id": pair.id, "answer": text, "acc": contains(text, pair.answers),
-                                 "same": text == base[1], "matched": matched(ids, base[0]), "tokens": len(ids)})
+                                 "same": text == base[1], "matched": agreement(ids, base[0]), "tokens": len(ids)})
         print(f"[{i + 1}/{len(pairs)}] {time.perf_counter() - t0:.0f} s; "
               + "; ".join(f"{k}: {r[-1]['answer'][:30]!r}" for k, r in rows.items()), file=sys.stderr, flush=True)
     return {"model": args.model, "n": len(pairs), "max_tokens": args.max_tokens, "threads": args.threads,

@@ -109,7 +109,8 @@ def test_agreement_counts_identical_texts_and_matched_words():
     assert got["identical"] == 0.5 and got["prefix"] == pytest.approx((1.0 + 0.25) / 2)
 
 
-def test_llama_server_command_per_streams_and_speculation(tmp_path):
+def test_llama_server_command_per_streams_and_speculation(tmp_path, monkeypatch):
+    monkeypatch.delenv("HYPIC_DECODE_KERNEL", raising=False)  # the label names the gateway's kernel: its default
     args = peer.parse_args(["--threads", "2", "--ctx", "4096"])
     one = peer.LlamaServer(Path("/bin/llama-server"), tmp_path / "m.gguf", args, "x", parallel=1, spec=False)
     many = peer.LlamaServer(Path("/bin/llama-server"), tmp_path / "m.gguf", args, "x", parallel=8, spec=True)
@@ -120,4 +121,7 @@ def test_llama_server_command_per_streams_and_speculation(tmp_path):
     assert opt(many.cmd, "--spec-type") == "ngram-simple"
     names = peer.labels(args, [peer.Backend("llama-f32-spec"), peer.Backend("hypic")], {"llama-f32": "m.gguf"})
     assert names == {"llama-f32-spec": "llama.cpp m.gguf --spec-type ngram-simple",
-                     "hypic": "gateway hypic (lean, speculation off)"}
+                     "hypic": "gateway hypic (lean step, native kernel, speculation off)"}
+    monkeypatch.setenv("HYPIC_DECODE_KERNEL", "native-i8")
+    assert peer.labels(args, [peer.Backend("hypic-spec")], {})["hypic-spec"] == \
+        "gateway hypic (lean step, native-i8 kernel, speculation on)"
