@@ -385,10 +385,16 @@ void hypic_add_rmsnorm(float* h, const float* d, const float* w, float eps, floa
     add_rmsnorm(h, d, w, eps, out, R, n);
 }
 void hypic_silu_mul(const float* gu, float* out, long R, long n) { silu_mul(gu, out, R, n); }
-void hypic_attend(const float* q, const float* kn, const float* vn, float* kb, float* vb, const long* lens,
-                  const long* rowmap, const float* cos, const float* sin, long rot, float* out, long B, long H,
-                  long Hkv, long D, long rs, long hs, float scale, int threads) {
+// Returns 1 (and touches nothing) when a length or row falls outside the buffers' nrows x ncols.
+int hypic_attend(const float* q, const float* kn, const float* vn, float* kb, float* vb, const long* lens,
+                 const long* rowmap, const float* cos, const float* sin, long rot, float* out, long B, long H,
+                 long Hkv, long D, long rs, long hs, long nrows, long ncols, float scale, int threads) {
+    for (long b = 0; b < B; b++) {
+        const long row = rowmap ? rowmap[b] : b;
+        if (lens[b] < 1 || lens[b] > ncols || row < 0 || row >= nrows) return 1;
+    }
     attend(q, kn, vn, kb, vb, lens, rowmap, cos, sin, rot, out, B, H, Hkv, D, rs, hs, scale, threads);
+    return 0;
 }
 void hypic_mamba2(const float* zx, float* conv, const float* conv_w, const float* conv_b, const float* dt_bias,
                   const float* A, const float* Dp, float* state, const float* norm_w, float eps, float* out,
@@ -435,18 +441,20 @@ class NativeMatmul:
     def __init__(self, path: Path):
         self.path = path
         self.lib = ctypes.CDLL(str(path))
-        args = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-        for name in ("hypic_linear_f32", "hypic_linear_f16"):
-            fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = args, None
-        self.lib.hypic_linear_i8.argtypes, self.lib.hypic_linear_i8.restype = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int], None
-        self._fns = {torch.float32: self.lib.hypic_linear_f32, torch.float16: self.lib.hypic_linear_f16}
         P, L, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
-        for name, argtypes in (("hypic_add_rmsnorm", [P, P, P, F, P, L, L]), ("hypic_silu_mul", [P, P, L, L]),
-                               ("hypic_attend", [P] * 9 + [L, P] + [L] * 6 + [F, I]),
-                               ("hypic_mamba2", [P] * 9 + [F, P] + [L] * 6 + [I])):
+        signatures = {  # name: (argument types, result type)
+            "hypic_linear_f32": ([P] * 4 + [L] * 3 + [I], None),
+            "hypic_linear_f16": ([P] * 4 + [L] * 3 + [I], None),
+            "hypic_linear_i8": ([P] * 5 + [L] * 3 + [I], None),
+            "hypic_add_rmsnorm": ([P, P, P, F, P, L, L], None),
+            "hypic_silu_mul": ([P, P, L, L], None),
+            "hypic_attend": ([P] * 9 + [L, P] + [L] * 8 + [F, I], I),  # 1: a length or row out of the buffers
+            "hypic_mamba2": ([P] * 9 + [F, P] + [L] * 6 + [I], None),
+        }
+        for name, (argtypes, restype) in signatures.items():
             fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, restype
+        self._fns = {torch.float32: self.lib.hypic_linear_f32, torch.float16: self.lib.hypic_linear_f16}
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -499,12 +507,18 @@ class NativeMatmul:
         B, H, D = q.shape
         if not (kb.is_contiguous() and vb.is_contiguous() and kb.dtype == vb.dtype == q.dtype == torch.float32):
             raise ValueError("attend needs fp32 queries and contiguous fp32 K/V row buffers")
+        if lens.dtype != torch.long or len(lens) != B or (rows is not None and (rows.dtype != torch.long or len(rows) != B)):
+            raise ValueError("attend needs one long length (and row) per query")
         out = torch.empty(B, H * D, dtype=torch.float32)
         rot = 0 if cos is None else cos.shape[-1]
-        self.lib.hypic_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), kb.data_ptr(), vb.data_ptr(), lens.data_ptr(),
-                              None if rows is None else rows.data_ptr(), None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), rot,
-                              out.data_ptr(), B, H, k.shape[1], D, kb.stride(0), kb.stride(1), scale,
-                              torch.get_num_threads())
+        bad = self.lib.hypic_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), kb.data_ptr(), vb.data_ptr(),
+                                    lens.data_ptr(), None if rows is None else rows.data_ptr(),
+                                    None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), rot,
+                                    out.data_ptr(), B, H, k.shape[1], D, kb.stride(0), kb.stride(1), kb.shape[0],
+                                    kb.shape[2], scale, torch.get_num_threads())
+        if bad:  # checked in the kernel before it writes: out of the buffers is an error, not memory
+            raise ValueError(f"attend: lengths 1..{kb.shape[2]} and rows 0..{kb.shape[0] - 1} of the buffers, one each "
+                             f"per query")
         return out
 
     def mamba2(self, zx: torch.Tensor, conv: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None,

@@ -127,3 +127,13 @@ def test_attend_several_tokens_of_a_row_attend_causally():
     got = NATIVE.attend(q, k, v, kb, vb, lens, D ** -0.5, cos, sin, rows=rows)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(kb, kb_ref, atol=1e-6, rtol=1e-6)
+
+
+def test_attend_refuses_lengths_or_rows_outside_the_buffers():
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    kb, vb = torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16)
+    for lens, rows in ((torch.tensor([3, 9]), None), (torch.tensor([0, 2]), None),
+                       (torch.tensor([3, 4]), torch.tensor([0, 2]))):
+        with pytest.raises(ValueError, match="lengths 1..8 and rows 0..1"):
+            NATIVE.attend(q, k, v, kb, vb, lens, 0.25, rows=rows)
+    assert torch.equal(kb, torch.zeros_like(kb))  # nothing was written
