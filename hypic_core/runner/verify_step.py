@@ -153,42 +153,39 @@ class VerifyStep:
             cos, sin = c[0][:, None, :], s[0][:, None, :]  # [N, 1, rot]
         conv_out: list[torch.Tensor] = []
         states_out: list[list[torch.Tensor]] = []
-        if lean.ops is not None:
-            return self._native(batch, lay, h, cos, sin, counts, conv_out, states_out)
+        # On the lean step's native ops (`LeanDecodeStep.ops`) each residual add runs with the norm after it
+        # and every attention layer is one call over the flat tokens (each token its row's length + its
+        # place among the new tokens: causal); the linear mixers are the same either way.
+        ops, d = lean.ops, None
+        if ops is not None:
+            lens, rows = (lay.cols_flat + 1).contiguous(), lay.rows.contiguous()
+            if cos is not None:
+                cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+
+        def add_norm(norm, h, d):
+            """(h + d, its norm): in place and in one call on the native ops."""
+            if ops is not None:
+                return h, norm.add_native(ops, h, d)
+            h = h if d is None else h + d
+            return h, norm(h)
+
         for norm1, mixer, kind, norm2, mlp in lean.layers:
-            x = norm1(h)
-            if kind == "attention":
+            h, x = add_norm(norm1, h, d)
+            if kind == "attention" and ops is not None:
+                q, k, v, gate = mixer.project(x, None, None)
+                out = ops.attend(q.contiguous(), k.contiguous(), v.contiguous(), batch._k[mixer.j], batch._v[mixer.j],
+                                 lens, mixer.scale, cos, sin, rows=rows)
+                y = mixer.output(out, gate)
+            elif kind == "attention":
                 y = self._attention(mixer, x, batch, lay, cos, sin)
             elif kind == "mamba2":
                 y = self._mamba2(mixer, x, batch, lay, conv_out, states_out)
             else:
                 y = self._gated_deltanet(mixer, x, batch, lay, conv_out, states_out)
-            h = h + y
-            h = h + mlp(norm2(h))
-        logits = _mm(lean.final_norm(h), lean.lm_w, lean.lm_b).float()
-        return Verified(lay.pad(logits), counts, conv_out, states_out)
-
-    def _native(self, batch, lay: "_Layout", h, cos, sin, counts, conv_out, states_out) -> Verified:
-        """`verify` on the lean step's native ops (`LeanDecodeStep.ops`): each residual add with its norm,
-        the MLP's gate, and every attention layer as one call over the flat tokens (each token its row's
-        lengths + its place among the new tokens: causal); the linear mixers as in `verify`."""
-        lean, ops, d = self.lean, self.lean.ops, None
-        lens, rows = (lay.cols_flat + 1).contiguous(), lay.rows.contiguous()
-        if cos is not None:
-            cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
-        for norm1, mixer, kind, norm2, mlp in lean.layers:
-            x = norm1.add_native(ops, h, d)
-            if kind == "attention":
-                q, k, v, gate = mixer.project(x, None, None)
-                out = ops.attend(q.contiguous(), k.contiguous(), v.contiguous(), batch._k[mixer.j], batch._v[mixer.j],
-                                 lens, mixer.scale, cos, sin, rows=rows)
-                y = mixer.output(out, gate)
-            elif kind == "mamba2":
-                y = self._mamba2(mixer, x, batch, lay, conv_out, states_out)
-            else:
-                y = self._gated_deltanet(mixer, x, batch, lay, conv_out, states_out)
-            d = mlp.native(norm2.add_native(ops, h, y), ops)
-        logits = _mm(lean.final_norm.add_native(ops, h, d), lean.lm_w, lean.lm_b).float()
+            h, x = add_norm(norm2, h, y)
+            d = mlp(x) if ops is None else mlp.native(x, ops)
+        _, x = add_norm(lean.final_norm, h, d)
+        logits = _mm(x, lean.lm_w, lean.lm_b).float()
         return Verified(lay.pad(logits), counts, conv_out, states_out)
 
     @staticmethod
