@@ -110,32 +110,25 @@ def variant(spec: str) -> tuple[str, str, int, float, bool, str, float, str]:
 
 def lever_config(levers, entry_prefix: tuple[int, ...], **fields) -> EngineConfig:
     """The engine settings of a config's levers (what follows its label, mode and seam): `entry_prefix`
-    where it asks for one, `fields` (seam, budgets) as given. The recompute rule is the caller's."""
-    fraction, prefixed, _, scale, scope = levers
+    where it asks for one, a recompute budget (`@R`) as `recompute_ratio`, `fields` (seam, budgets) as given.
+    The gold oracle (`@gold`) is the caller's (`install_gold`)."""
+    fraction, prefixed, rule, scale, scope = levers
+    ratio = float(rule) if rule and rule != "gold" else 0.0
     return EngineConfig(seam_fraction=fraction, entry_prefix=entry_prefix if prefixed else (), reuse_key_scale=scale,
-                        reuse_key_scope=scope or "all", **fields)
+                        reuse_key_scope=scope or "all", recompute_ratio=ratio, **fields)
 
 
-def install_recompute(engine: Engine, rule: str) -> dict:
-    """Rung 3 on `engine` (a prototype, for measuring before anything is wired): each stitched segment's
-    seam head from `head_widths` at budget ratio `rule`, or with `rule` "gold" the segment the returned
-    dict's "gold" names computed whole (the benchmark sets it per question). Replaces the engine's
-    context-cache manager's `head` on this engine only; entries of every width are keyed by it."""
+def install_gold(engine: Engine) -> dict:
+    """The `@gold` oracle on `engine`: the segment the returned dict's "gold" names (the benchmark sets it
+    per question) is computed whole in context, every other stitched segment gets its usual head. It
+    replaces the engine's context-cache manager's `head` on this engine only; entries of every width are
+    keyed by it. (A budget `@R` is the engine's own `recompute_ratio`, not this.)"""
     context = engine.context
-    plain = context.head  # the bound method: EngineConfig.head_width of the sequence's seam
-    state: dict = {"gold": None, "segments": None, "widths": {}}
+    plain = context.head  # the bound method: the sequence's own heads
+    state: dict = {"gold": None}
 
     def head(seq, segment):
-        request = seq.request
-        if state["segments"] != request.segments:
-            segs = request.context[request.exact_prefix:]
-            base = [plain(seq, s) for s in segs]
-            if rule == "gold":
-                widths = [len(s) if s == state["gold"] else b for s, b in zip(segs, base)]
-            else:
-                widths = head_widths([len(s) for s in segs], base, float(rule))
-            state["segments"], state["widths"] = request.segments, dict(zip(segs, widths))
-        return state["widths"].get(segment, plain(seq, segment))
+        return len(segment) if segment == state["gold"] else plain(seq, segment)
 
     context.head = head
     return state
@@ -208,15 +201,15 @@ def evaluate(args) -> dict:
     prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
     head = entry_prefix(prompter)
     engines = {PLAIN: engine}  # (seam fraction, entry prefix, rule, key scale) -> an engine over the same model
-    recompute = {}  # levers -> what install_recompute returned
+    recompute = {}  # levers -> what install_gold returned
     for _, _, _, *levers in configs([], [], False, args.variants or []):
         levers = tuple(levers)
         rule = levers[2]
         if levers not in engines:
             engines[levers] = Engine(engine.model, engine.tokenizer, lever_config(levers, head, seam=8, memory_budget_bytes=budget),
                                      model_id=settings.served_model_name)
-            if rule:
-                recompute[levers] = install_recompute(engines[levers], rule)
+            if rule == "gold":
+                recompute[levers] = install_gold(engines[levers])
     pairs = questions(args)
     cfgs = configs(args.seams, args.seams if args.naive_seams is None else args.naive_seams, not args.no_prefix,
                    args.variants or [])

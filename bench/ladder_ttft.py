@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from hypic_core.config import EngineConfig  # noqa: E402
 from hypic_core.engine.engine import Engine  # noqa: E402
 
-from accuracy_real import install_recompute, lever_config, variant  # noqa: E402
+from accuracy_real import lever_config, variant  # noqa: E402
 from families import real_model  # noqa: E402
 from ttft import ttft, ttft_out, workload  # noqa: E402
 
@@ -60,7 +60,6 @@ def measure(model: torch.nn.Module, args) -> dict[str, dict]:
         if rule == "gold":
             raise SystemExit(f"{spec}: the gold oracle needs a question set; time a budget (@R) instead")
         if rule:
-            install_recompute(engine, rule)
             budgeted.add(label)
         ttft(engine, request(100), "hypic")  # fills the store (cold), another order
         engines[label] = engine

@@ -124,6 +124,10 @@ class EngineConfig:
     tokens (the prompt's fixed head), keeping only the segment's own K/V and body operators (T, E from
     a zero state); a stitched request's first context segment is then computed exactly (it sits after
     nothing). seam_fraction widens each segment's seam head to a share of its length (`head_width`).
+    recompute_ratio (pic modes; a request's `recompute` overrides): a budget of that share of the tokens
+    the seam heads leave reused, spent widening the heads of the segments nearest the question, each up
+    to its whole length (hypic_core/engine/recompute.py); 0: every segment keeps its head, 1: every
+    segment is computed in context (`full`'s prefill).
     """
 
     seam: int = DEFAULT_SEAM
@@ -152,6 +156,8 @@ class EngineConfig:
     entry_prefix: tuple[int, ...] = ()
     # A segment's seam head is max(seam, ceil(seam_fraction * its length)) tokens (at most all of it).
     seam_fraction: float = 0.0
+    # Query-aware recompute budget (see above): 0.0 off.
+    recompute_ratio: float = 0.0
     # Stitched bodies' keys are multiplied by this (a temperature of 1 / reuse_key_scale on every later
     # query's logits over reused tokens, as APE does for parallel-encoded context); 1.0: as computed.
     reuse_key_scale: float = 1.0
@@ -200,6 +206,8 @@ class EngineConfig:
                                       f"got {self.speculation_min_ngram}")
         if not 0.0 <= self.seam_fraction <= 1.0:  # NaN fails too
             raise InvalidRequestError("seam_fraction", f"must be in [0, 1], got {self.seam_fraction!r}")
+        if not 0.0 <= self.recompute_ratio <= 1.0:  # NaN fails too
+            raise InvalidRequestError("recompute_ratio", f"must be in [0, 1], got {self.recompute_ratio!r}")
         if self.reuse_key_scope not in REUSE_KEY_SCOPES:
             raise InvalidRequestError("reuse_key_scope", f"must be one of {', '.join(REUSE_KEY_SCOPES)}, got {self.reuse_key_scope!r}")
         if not 0.25 <= self.reuse_key_scale <= 4.0:  # NaN fails too
@@ -240,6 +248,8 @@ class GenerationRequest:
     cache_store: bool = True
     # Speculative decoding for this request: None follows EngineConfig.speculation.
     speculation: bool | None = None
+    # pic modes: the query-aware recompute budget (EngineConfig.recompute_ratio), in [0, 1]; None follows it.
+    recompute: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_salt, str):
@@ -260,6 +270,9 @@ class GenerationRequest:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
         if self.seam is not None and self.seam < 0:
             raise InvalidRequestError("seam", f"must be >= 0, got {self.seam}")
+        if self.recompute is not None and (isinstance(self.recompute, bool) or not isinstance(self.recompute, (int, float))
+                                           or not 0.0 <= self.recompute <= 1.0):  # NaN fails too
+            raise InvalidRequestError("recompute", f"must be a number in [0, 1] or null, got {self.recompute!r}")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise InvalidRequestError("priority", f"must be an integer, got {self.priority!r}")
         if not 0 <= self.exact_prefix <= len(self.segments) - 1:

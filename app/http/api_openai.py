@@ -15,7 +15,7 @@ the prompt (completions) and adds them as segments; the response then carries `s
 chunks used, best first, as in /query) and `dropped_chunks` (chunks left out because they did
 not fit the context) at its top level, in a stream on the first chunk; `segments: [text, ...]` are cached
 independently (chat: placed before the last user message, like retrieved documents;
-completions: before the prompt, verbatim); `mode`, `seam` and `exact` as in /query; `rag.collections`
+completions: before the prompt, verbatim); `mode`, `seam`, `recompute` and `exact` as in /query; `rag.collections`
 names the tenant's collections to retrieve from; `cache: {"store": false}` keeps nothing of the
 request in the cache; OpenAI's `prompt_cache_key` is accepted as a grouping hint (a string) and
 never widens what is shared: the cache is always the key's tenant's. Without `rag` or
@@ -107,6 +107,7 @@ class _Common(SamplingExtras):
     segments: list[str] | None = None
     mode: str | None = None
     seam: int | None = Field(None, ge=0)
+    recompute: float | None = Field(None, ge=0.0, le=1.0, description="Query-aware recompute budget, as in /query.")
     exact: bool = False  # exact reuse only, as in /query
     cache: CacheOptions | None = None
     speculation: bool | None = Field(None, description="Speculative decoding with prompt-lookup drafts; null: the "
@@ -226,7 +227,7 @@ def _generation(rt: Runtime, body: _Common, prompt: Prompt, max_tokens: int, log
     # Messages and segments are the tenant's own text: always the tenant's salt.
     return pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, body.exact, prompt.exact_prefix,
                                        cache_salt=cache_salt(tenant), cache_store=body.cache is None or body.cache.store,
-                                       speculation=body.speculation, max_tokens=max_tokens,
+                                       speculation=body.speculation, recompute=body.recompute, max_tokens=max_tokens,
                                        temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                        stop=body.stops(), logprobs=logprobs, top_logprobs=top_logprobs,
                                        top_k=max(body.top_k, 0), **body.extras())

@@ -60,6 +60,9 @@ class QueryRequest(SamplingExtras):
                                      "setting (HYPIC_SPECULATION). Greedy answers are the same either way.")
     mode: str | None = Field(None, description="full, prefix, pic-naive or hypic (default: settings.default_mode).")
     seam: int | None = Field(None, ge=0, description="Seam width in tokens (default: the engine's).")
+    recompute: float | None = Field(None, ge=0.0, le=1.0, description="Query-aware recompute budget: this share of the "
+                                    "reused tokens recomputed in context, on the documents nearest the question (default: "
+                                    "HYPIC_RECOMPUTE_RATIO).")
     exact: bool = Field(False, description="Exact reuse only: prefix mode (or full when named); 400 with an approximate mode.")
     max_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
@@ -110,7 +113,7 @@ async def _answer(body: QueryRequest, request: Request):
     salt = rt.collections.salt(tenant, pipeline.collection_names(body.collections))
     gen = pipeline.generation_request(rt, prompt.segments, body.mode, body.seam, body.exact, prompt.exact_prefix,
                                       cache_salt=salt, cache_store=body.cache is None or body.cache.store,
-                                      speculation=body.speculation, max_tokens=body.max_tokens,
+                                      speculation=body.speculation, recompute=body.recompute, max_tokens=body.max_tokens,
                                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                       **body.extras())
     stream = pipeline.start(rt, gen, started, "/query", tenant)

@@ -15,12 +15,14 @@ also compares the first `greedy_tokens` greedy tokens. Results go into a rolling
 
 `GuardPolicy` (pure: results in, decisions out) watches the configured default (the "base"):
 when its rolling top-1 agreement over at least `min_checks` checks falls below
-`min_agreement`, default-mode requests get a doubled seam (up to `max_seam`, each new seam
-judged on its own window), then `prefix` (exact) once the widest seam is no better. The base
+`min_agreement`, default-mode requests get wider reuse: each widening doubles the seam (up to
+`max_seam`) and the query-aware recompute budget (from 0.05, up to `max_recompute`:
+hypic_core/engine/recompute.py, the documents nearest the question recomputed in context), each
+new configuration judged on its own window; then `prefix` (exact) once the widest is no better. The base
 configuration stays under watch in every state, and when its window is good again (a full
 window, `window` checks, at or above `min_agreement`: recovery needs more evidence than
-tripping, so the guard does not flap) it returns to it. Requests that name a mode or a seam
-are never overridden.
+tripping, so the guard does not flap) it returns to it. Requests that name a mode, a seam or a
+recompute budget are never overridden.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ _KL_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 class GuardState(str, enum.Enum):
     OK = "ok"  # default-mode requests run as configured
-    WIDENED = "widened"  # ... with a wider seam
+    WIDENED = "widened"  # ... with a wider seam and recompute budget
     EXACT = "exact"  # ... with `prefix` (exact reuse)
 
 
@@ -58,16 +60,32 @@ _STATE_VALUE = {GuardState.OK: 0, GuardState.WIDENED: 1, GuardState.EXACT: 2}
 
 
 class Choice(NamedTuple):
-    """A serving configuration: how context segments are reused."""
+    """A serving configuration: how context segments are reused (seam width, recompute budget)."""
 
     mode: Mode
     seam: int
+    recompute: float = 0.0
 
     def describe(self) -> str:
-        return self.mode.value if self.mode in EXACT_MODES else f"{self.mode.value} seam {self.seam}"
+        if self.mode in EXACT_MODES:
+            return self.mode.value
+        return f"{self.mode.value} seam {self.seam}" + (f" recompute {self.recompute:g}" if self.recompute else "")
 
     def as_dict(self) -> dict:
-        return {"mode": self.mode.value, "seam": self.seam}
+        return {"mode": self.mode.value, "seam": self.seam, "recompute": self.recompute}
+
+    def wider(self, max_seam: int, max_recompute: float) -> "Choice | None":
+        """The next configuration up the guard's ladder: the seam doubled (at least 1, at most `max_seam`) and
+        the recompute budget doubled (0.05 first, at most `max_recompute`); None when neither can widen."""
+        seam = min(max_seam, max(1, 2 * self.seam)) if self.seam < max_seam else self.seam
+        recompute = (min(max_recompute, 2 * self.recompute if self.recompute else FIRST_RECOMPUTE)
+                     if self.recompute < max_recompute else self.recompute)
+        if (seam, recompute) == (self.seam, self.recompute):
+            return None
+        return Choice(self.mode, seam, recompute)
+
+
+FIRST_RECOMPUTE = 0.05  # the guard's first recompute budget (docs/accuracy.md: rung 3's smallest)
 
 
 def exact_mode(mode: str | None) -> Mode:
@@ -90,17 +108,18 @@ class GuardConfig:
     sample_rate: float = 0.05  # share of admitted requests checked
     greedy_sample: float = 0.2  # share of checks that also compare greedy tokens
     greedy_tokens: int = 8
-    window: int = 50  # checks kept per (mode, seam)
+    window: int = 50  # checks kept per configuration (mode, seam, recompute)
     min_checks: int = 20  # checks in a window before the policy judges it
     min_agreement: float = 0.9  # rolling top-1 agreement below this trips the guard
     max_seam: int = 64
+    max_recompute: float = 0.2  # largest recompute budget the guard widens to; 0: the seam alone
     queue_size: int = 64  # checks waiting for an idle engine
     # Checks queued from every admitted request (not a sample) after start, after documents are added and
     # after each widening, before `sample_rate` applies again; 0: always sampled.
     dense_checks: int = 20
 
     def __post_init__(self) -> None:
-        for name in ("sample_rate", "greedy_sample", "min_agreement"):
+        for name in ("sample_rate", "greedy_sample", "min_agreement", "max_recompute"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"guard {name} must be in [0, 1], got {getattr(self, name)!r}")
         if self.dense_checks < 0:
@@ -117,8 +136,8 @@ class GuardConfig:
     def from_settings(cls, settings) -> "GuardConfig":
         return cls(settings.guard_enabled, settings.guard_sample_rate, settings.guard_greedy_sample,
                    settings.guard_greedy_tokens, settings.guard_window, settings.guard_min_checks,
-                   settings.guard_min_agreement, settings.guard_max_seam, settings.guard_queue_size,
-                   settings.guard_dense_checks)
+                   settings.guard_min_agreement, settings.guard_max_seam, settings.guard_max_recompute,
+                   settings.guard_queue_size, settings.guard_dense_checks)
 
 
 @dataclass(frozen=True)
@@ -211,7 +230,7 @@ class GuardPolicy:
         if action is not None:
             self.state, self.serving, self.last_action = action.state, action.choice, action
             if action.action == "widen":
-                self.window(action.choice).clear()  # a new seam is judged on fresh checks only
+                self.window(action.choice).clear()  # a wider configuration is judged on fresh checks only
         return action
 
     def _decide(self, now: float) -> Action | None:
@@ -226,11 +245,11 @@ class GuardPolicy:
         if not self._bad(self.window(current)):
             return None
         why = f"{self._summary(current)} < {self.config.min_agreement}"
-        if current.seam < self.config.max_seam:
-            wider = Choice(current.mode, min(self.config.max_seam, max(1, 2 * current.seam)))
+        wider = current.wider(self.config.max_seam, self.config.max_recompute)
+        if wider is not None:
             return Action("widen", GuardState.WIDENED, current, wider, why, now)
         return Action("exact", GuardState.EXACT, current, Choice(Mode.PREFIX, self.base.seam),
-                      f"{why} at the widest seam ({self.config.max_seam})", now)
+                      f"{why} at the widest reuse (seam {self.config.max_seam}, recompute {self.config.max_recompute:g})", now)
 
     def _judged(self, window: Window) -> bool:
         return len(window) >= self.config.min_checks
@@ -263,7 +282,8 @@ def check_requests(check: ShadowCheck, greedy_tokens: int) -> list[GenerationReq
     full = GenerationRequest(check.segments, Mode.FULL, sampling=sampling, keep_logits=True, priority=CHECK_PRIORITY,
                              cache_salt=check.cache_salt)
     return [full] + [GenerationRequest(check.segments, c.mode, c.seam, sampling, exact_prefix=check.exact_prefix,
-                                       exact_runs=False, keep_logits=True, priority=CHECK_PRIORITY, cache_salt=check.cache_salt)
+                                       exact_runs=False, keep_logits=True, priority=CHECK_PRIORITY, cache_salt=check.cache_salt,
+                                       recompute=c.recompute)
                      for c in check.choices]
 
 
@@ -311,7 +331,7 @@ class _InFlight:
 
 class _GuardMetrics:
     def __init__(self, registry: CollectorRegistry, model: str) -> None:
-        r, labels = registry, ["model", "mode", "seam"]
+        r, labels = registry, ["model", "mode", "seam", "recompute"]
         self.model = model
         self.checks = Counter("hypic_guard_checks", "Shadow checks run against full prefill, by configuration.",
                               labels, registry=r)
@@ -327,11 +347,13 @@ class _GuardMetrics:
         self.pending = Gauge("hypic_guard_pending_checks", "Shadow checks waiting for an idle engine.",
                              ["model"], registry=r).labels(model)
         self.state = Gauge("hypic_guard_state", "What default-mode requests get: 0 ok (as configured), 1 widened "
-                           "seam, 2 exact (prefix).", ["model"], registry=r).labels(model)
+                           "seam and recompute budget, 2 exact (prefix).", ["model"], registry=r).labels(model)
         self.seam = Gauge("hypic_guard_seam", "Seam default-mode requests get.", ["model"], registry=r).labels(model)
+        self.recompute = Gauge("hypic_guard_recompute", "Recompute budget default-mode requests get.", ["model"],
+                               registry=r).labels(model)
 
     def observe(self, result: CheckResult, window: Window) -> None:
-        labels = (self.model, result.choice.mode.value, str(result.choice.seam))
+        labels = (self.model, result.choice.mode.value, str(result.choice.seam), f"{result.choice.recompute:g}")
         self.checks.labels(*labels).inc()
         self.kl.labels(*labels).observe(result.kl)
         self.top1.labels(*labels).set(window.top1_agreement)
@@ -341,6 +363,7 @@ class _GuardMetrics:
     def serving(self, state: GuardState, choice: Choice) -> None:
         self.state.set(_STATE_VALUE[state])
         self.seam.set(choice.seam)
+        self.recompute.set(choice.recompute)
 
 
 class Guard:
@@ -374,13 +397,14 @@ class Guard:
     @classmethod
     def for_engine(cls, settings, engine: Engine, model: str, registry: CollectorRegistry,
                    wake: Callable[[], None] = lambda: None, submit=None) -> "Guard":
-        """A guard over `settings.default_mode` at the engine's seam (what a request naming neither gets)."""
-        base = Choice(Mode.parse(settings.default_mode), engine.config.seam)
+        """A guard over `settings.default_mode` at the engine's seam and recompute budget (what a request naming
+        none of mode, seam and recompute gets)."""
+        base = Choice(Mode.parse(settings.default_mode), engine.config.seam, engine.config.recompute_ratio)
         return cls(GuardConfig.from_settings(settings), engine, model, base, registry, wake, submit=submit)
 
     # --- event loop ----------------------------------------------------------------------
     def serving(self) -> Choice:
-        """The configuration a request that names neither mode nor seam runs with now."""
+        """The configuration a request that names none of mode, seam and recompute runs with now."""
         with self._lock:
             return self.policy.serving
 
@@ -430,7 +454,8 @@ class Guard:
             base = p.window(p.base)
             windows = [{**c.as_dict(), "checks": len(w), "top1_agreement": _round(w.top1_agreement),
                         "greedy_agreement": _round(w.greedy_agreement), "mean_kl": _round(w.mean_kl)}
-                       for c, w in sorted(p.windows.items(), key=lambda item: (item[0].mode.value, item[0].seam)) if len(w)]
+                       for c, w in sorted(p.windows.items(), key=lambda item: (item[0].mode.value, item[0].seam, item[0].recompute))
+                       if len(w)]
             return {"enabled": self.config.enabled, "state": p.state.value, **p.serving.as_dict(),
                     "base": p.base.as_dict(), "agreement": _round(base.top1_agreement),
                     "greedy_agreement": _round(base.greedy_agreement), "window_checks": len(base),
@@ -501,12 +526,14 @@ class Guard:
                 self._metrics.observe(result, self.policy.window(result.choice))
                 if action is not None:
                     if action.action == "widen":
-                        self._dense = self.config.dense_checks  # the wider seam's window starts empty
+                        self._dense = self.config.dense_checks  # the wider configuration's window starts empty
                     self._metrics.serving(action.state, action.choice)
                     log.warning(f"accuracy guard: {action.action}", extra={
                         "model": self.model, "guard_action": action.action, "guard_state": action.state.value,
                         "from_mode": action.previous.mode.value, "from_seam": action.previous.seam,
-                        "to_mode": action.choice.mode.value, "to_seam": action.choice.seam, "reason": action.reason})
+                        "to_mode": action.choice.mode.value, "to_seam": action.choice.seam,
+                        "from_recompute": action.previous.recompute, "to_recompute": action.choice.recompute,
+                        "reason": action.reason})
 
 
 def _round(value: float | None) -> float | None:

@@ -126,26 +126,26 @@ def sources(prompt: Prompt) -> dict:
 
 def generation_request(rt: Runtime, segments: Sequence[tuple[int, ...]], mode: str | None, seam: int | None,
                        exact: bool = False, exact_prefix: int = 0, cache_salt: str = "", cache_store: bool = True,
-                       speculation: bool | None = None, **sampling) -> GenerationRequest:
+                       speculation: bool | None = None, recompute: float | None = None, **sampling) -> GenerationRequest:
     """An engine request; `sampling` are `SamplingParams` fields. Raises `InvalidRequestError` for max_tokens above
     `max_new_tokens`, an unknown mode, `exact` with an approximate mode and sampling values out
     of range; what depends on the model (token ids, the prompt's length) is checked once, by the
     engine, in `start`.
 
-    A request that names neither `mode` nor `seam` (nor `exact`) runs as the accuracy guard
-    chooses now (app/service/guard.py: the configured default, a wider seam, or `prefix`); one that
-    names either gets what it named, the configured default for the other. `exact` means
+    A request that names none of `mode`, `seam` and `recompute` (nor `exact`) runs as the accuracy
+    guard chooses now (app/service/guard.py: the configured default, a wider seam and recompute
+    budget, or `prefix`); one that names any gets what it named, the configured default for the others. `exact` means
     `prefix`, or `full` when named. `cache_salt` is the tenant's (app/service/tenants.py), never
     the client's; `cache_store` False keeps nothing of the request in the cache."""
     if sampling.get("max_tokens", 1) > rt.settings.max_new_tokens:
         raise InvalidRequestError("max_tokens", f"must be <= {rt.settings.max_new_tokens}, got {sampling['max_tokens']}")
     if exact:
         mode = exact_mode(mode)
-    elif mode is None and seam is None and rt.guard is not None:
-        mode, seam = rt.guard.serving()
+    elif mode is None and seam is None and recompute is None and rt.guard is not None:
+        mode, seam, recompute = rt.guard.serving()
     return GenerationRequest(tuple(segments), Mode.parse(mode or rt.settings.default_mode), seam,
                              SamplingParams(**sampling), exact_prefix=exact_prefix, cache_salt=cache_salt,
-                             cache_store=cache_store, speculation=speculation)
+                             cache_store=cache_store, speculation=speculation, recompute=recompute)
 
 
 def require_room(rt: Runtime) -> None:

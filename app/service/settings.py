@@ -93,6 +93,10 @@ class Settings(BaseSettings):
                                    "tokens (docs/accuracy.md, rung 4); 1.0: as computed.")
     reuse_key_scope: Literal["prompt", "all"] = Field("prompt", description="Which tokens read the scaled keys: prompt "
                                                        "(the prompt's own; set back to 1x before the answer) or all.")
+    recompute_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Query-aware recompute budget: this share of the "
+                                   "reused tokens is recomputed in context, as wider seams on the documents nearest the "
+                                   "question (docs/accuracy.md, rung 3); 0: seams only, 1: every document in context. A "
+                                   "request's `recompute` overrides it.")
     cold_prefill: Literal["auto", "exact", "stitch"] = Field("auto", description="A request whose chunks' cache entries "
                                                              "are missing: auto (one exact forward over the prompt, as full "
                                                              "prefill, when that costs less than computing the entries and "
@@ -159,6 +163,9 @@ class Settings(BaseSettings):
     guard_min_checks: int = Field(20, ge=1, description="Checks in a window before the guard acts on it (<= guard_window).")
     guard_min_agreement: float = Field(0.9, ge=0.0, le=1.0, description="Rolling top-1 agreement below which the guard acts.")
     guard_max_seam: int = Field(64, ge=0, description="Widest seam the guard widens to before it switches to prefix.")
+    guard_max_recompute: float = Field(0.2, ge=0.0, le=1.0, description="Largest recompute budget the guard widens to (each "
+                                       "widening doubles the seam and the budget, from 0.05) before it switches to prefix; "
+                                       "0: the guard widens the seam alone.")
     guard_queue_size: int = Field(64, ge=1, description="Checks waiting for an idle engine; a full queue drops its oldest.")
     guard_dense_checks: int = Field(20, ge=0, description="Checks taken from every request (not sampled) after start, after "
                                     "documents are added and after each widening, before guard_sample_rate applies; 0: always sampled.")

@@ -183,8 +183,11 @@ class CacheManager:
         return SegmentKey.of(self.fingerprint, seam, segment, seq.request.cache_salt, self.config.entry_prefix)
 
     def head(self, seq: Sequence, segment: tuple[int, ...]) -> int:
-        """The seam head `segment` gets in `seq`: its seam width, or `config.seam_fraction` of it (entries
-        of one head width are the same bytes whichever rule gave it, so they share a key)."""
+        """The seam head `segment` gets in `seq`: its seam width, or `config.seam_fraction` of it, or what the
+        request's recompute budget widened it to (`seq.heads`; entries of one head width are the same
+        bytes whichever rule gave it, so they share a key)."""
+        if seq.heads is not None and segment in seq.heads:
+            return seq.heads[segment]
         return self.config.head_width(seq.seam, len(segment))
 
     def lookup(self, seq: Sequence, first: int) -> list[SegmentEntry | None]:

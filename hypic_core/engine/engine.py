@@ -39,6 +39,7 @@ from .executor import Executor
 from .lookups import Lookups
 from .output import OutputProcessor, eos_ids
 from .plan import CostModel, looks_up
+from .recompute import request_heads
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import AbortHandle, PrefillProgress, PrefillStats, Sequence, Status, StepOutput, validate
 from .speculation import SpeculationStats, Speculator
@@ -169,7 +170,8 @@ class Engine:
         max_new = min(request.sampling.max_tokens, self.max_positions - request.prompt_tokens)
         reserved = (request.prompt_tokens + max_new) * self.kv_bytes_per_token + self.state_bytes
         return Sequence(request, seam, self.output.sampler(request.sampling), self.output.detokenizer(request.sampling.stop),
-                        self.eos_ids, max_new, reserved, abort=abort or AbortHandle(), collect=collect)
+                        self.eos_ids, max_new, reserved, abort=abort or AbortHandle(), collect=collect,
+                        heads=request_heads(request, self.config, seam))
 
     def set_limits(self, max_running: int, max_step_tokens: int, running_budget_bytes: int) -> None:
         """Replace the scheduler's limits (a gateway applies its settings to an engine it was given).

@@ -19,12 +19,19 @@ highest-ranked one (and the one whose in-context tokens the question reads last,
 Tail-Replay recomputes the context's tail). A widened head is cut at a multiple of `quantum`
 tokens (or the whole segment), so a segment's entries come in few widths and stay cached across
 requests.
+
+It is wired as `EngineConfig.recompute_ratio` (the gateway's `HYPIC_RECOMPUTE_RATIO`, 0 by default: the
+accuracy ladder's runs did not earn it a place in the default, docs/accuracy.md "Rung 3") and a
+request's `recompute`; `request_heads` gives a sequence's widths, which the cache manager's `head`
+reads. The accuracy guard widens with it (app/service/guard.py).
 """
 
 from __future__ import annotations
 
 import math
 from typing import Sequence
+
+from ..config import EngineConfig, GenerationRequest, Mode
 
 
 def head_widths(lengths: Sequence[int], base: Sequence[int], ratio: float, priority: Sequence[int] | None = None,
@@ -67,3 +74,21 @@ def head_widths(lengths: Sequence[int], base: Sequence[int], ratio: float, prior
         widths[i] = new
     return tuple(widths)
 
+
+def request_heads(request: GenerationRequest, config: EngineConfig, seam: int) -> dict[tuple[int, ...], int] | None:
+    """The seam head of each of `request`'s stitched context segments under its recompute budget
+    (`request.recompute`, else `config.recompute_ratio`), or None when there is no budget to spend
+    (then every segment gets `config.head_width`). The budget is spread over the segments the planner
+    may stitch (after the request's exact prefix), nearest the question first; a segment that occurs
+    twice keeps the width of its later place (the nearer one, widened first). Heads are part of the entries' keys, so a widened
+    segment's entry is computed (and cached) at that width."""
+    ratio = config.recompute_ratio if request.recompute is None else request.recompute
+    if ratio <= 0.0 or request.mode not in (Mode.HYPIC, Mode.PIC_NAIVE):
+        return None
+    # the segments the planner stitches at most: past the exact prefix (and, with an entry prefix, the first
+    # context segment is computed exactly: plan.py `plan_stitched`)
+    segments = request.context[max(request.exact_prefix, 1 if config.entry_prefix else 0):]
+    if not segments:
+        return None
+    widths = head_widths([len(s) for s in segments], [config.head_width(seam, len(s)) for s in segments], ratio)
+    return dict(zip(segments, widths))

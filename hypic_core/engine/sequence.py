@@ -195,6 +195,8 @@ class Sequence:
     error: BaseException | None = None  # why its prefill could not be laid out
     collect: bool = False  # keep outputs in `outbox` (callers that drive the engine themselves)
     outbox: list[StepOutput] = field(default_factory=list)
+    # Seam heads widened by the request's recompute budget (engine/recompute.py `request_heads`); None: none.
+    heads: dict[tuple[int, ...], int] | None = None
 
     def __post_init__(self) -> None:
         self.stats = PrefillStats(self.request.mode.value, self.seam, prompt_tokens=self.request.prompt_tokens)

@@ -63,41 +63,95 @@ def test_bad_input_names_what_is_wrong(kwargs, match):
         head_widths(**kwargs)
 
 
-def _bench():
-    """bench/accuracy_real.py (a script, loaded by path): its `install_recompute` applies the widths to an engine."""
-    from helpers import ROOT, load_script
+def _segments(lengths, seed=3):
+    import torch
 
-    return load_script("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(tuple(int(t) for t in torch.randint(5, 200, (n,), generator=gen)) for n in lengths)
 
 
-def test_widths_in_the_stitched_prefill_whole_budget_equals_full_and_no_budget_equals_the_default():
+LENGTHS = (11, 40, 33, 52, 9)  # the last is the question
+
+
+def _prefill(engine, segs, mode="hypic", **kw):
+    from hypic_core.config import GenerationRequest, SamplingParams
+
+    return engine.prefill(GenerationRequest(segs, mode=mode, sampling=SamplingParams(max_tokens=1), **kw))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_whole_budget_equals_full_and_no_budget_equals_the_default(family):
+    """EngineConfig.recompute_ratio in the stitched prefill: 1.0 computes every segment in context (the golden
+    test: `full`'s logits), 0.0 is the default bit for bit, and a budget in between widens exactly the heads
+    `head_widths` gives."""
     import torch
 
     import engines
-    from hypic_core.config import GenerationRequest, SamplingParams
 
-    bench = _bench()
-    gen = torch.Generator().manual_seed(3)
-    lengths = (11, 40, 33, 52, 9)  # the last is the question
-    segs = tuple(tuple(int(t) for t in torch.randint(5, 200, (n,), generator=gen)) for n in lengths)
-
-    def prefill(engine, mode="hypic"):
-        return engine.prefill(GenerationRequest(segs, mode=mode, sampling=SamplingParams(max_tokens=1)))
-
-    plain = engines.engine(8)
-    full = prefill(plain, "full").logits
-    default = prefill(plain)
-    whole = engines.engine(8)
-    bench.install_recompute(whole, "1.0")
-    out = prefill(whole)
-    assert out.stats.seam_tokens == sum(lengths[:-1])
-    assert (out.logits - full).abs().max().item() <= 1e-4  # every segment recomputed: the golden test
-    none = engines.engine(8)
-    bench.install_recompute(none, "0")
-    assert torch.equal(prefill(none).logits, default.logits)
-    part = engines.engine(8)
-    bench.install_recompute(part, "0.2")
-    out = prefill(part)
-    widths = head_widths(lengths[:-1], [8] * 4, 0.2)
+    segs = _segments(LENGTHS)
+    plain = engines.engine(8, family)
+    full = _prefill(plain, segs, "full").logits
+    default = _prefill(plain, segs)
+    out = _prefill(engines.engine(8, family, recompute_ratio=1.0), segs)
+    assert out.stats.seam_tokens == sum(LENGTHS[:-1])
+    assert (out.logits - full).abs().max().item() <= 1e-4
+    assert torch.equal(_prefill(engines.engine(8, family, recompute_ratio=0.0), segs).logits, default.logits)
+    out = _prefill(engines.engine(8, family, recompute_ratio=0.2), segs)
+    widths = head_widths(LENGTHS[:-1], [8] * 4, 0.2)
     assert widths != (8, 8, 8, 8) and out.stats.seam_tokens == sum(widths)
     assert (out.logits - default.logits).abs().max().item() > 1e-6  # the wider heads changed the stitch
+
+
+def test_a_request_names_its_own_budget_and_widened_entries_are_kept():
+    """`GenerationRequest.recompute` overrides the engine's ratio either way; the widened segments' entries
+    are stored at their width, so the same request again computes no entry; pic-naive takes the budget too,
+    `full` and `prefix` ignore it."""
+    import torch
+
+    import engines
+
+    segs = _segments(LENGTHS, seed=5)
+    engine = engines.engine(8, recompute_ratio=0.2)
+    plain = engines.engine(8)
+    assert torch.equal(_prefill(engine, segs, recompute=0.0).logits, _prefill(plain, segs).logits)
+    first = _prefill(plain, segs, recompute=0.2)
+    assert first.stats.seam_tokens == sum(head_widths(LENGTHS[:-1], [8] * 4, 0.2))
+    again = _prefill(plain, segs, recompute=0.2)
+    assert again.stats.segment_misses == 0 and torch.equal(again.logits, first.logits)
+    assert _prefill(plain, segs, "pic-naive", recompute=1.0).stats.seam_tokens == sum(LENGTHS[:-1])
+    full = _prefill(plain, segs, "full")
+    assert torch.equal(_prefill(plain, segs, "full", recompute=1.0).logits, full.logits)
+    exact = _prefill(plain, segs, recompute=0.5, exact_prefix=1)  # the budget is spread past the exact prefix
+    assert exact.stats.seam_tokens == sum(head_widths(LENGTHS[1:-1], [8] * 3, 0.5))
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan"), True, "0.1"])
+def test_a_bad_budget_names_its_field(value):
+    from hypic_core.config import EngineConfig, GenerationRequest
+    from hypic_core.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="recompute"):
+        GenerationRequest(((1, 2), (3,)), recompute=value)
+    if not isinstance(value, (bool, str)):
+        with pytest.raises(InvalidRequestError, match="recompute_ratio"):
+            EngineConfig(recompute_ratio=value)
+
+
+def test_gateway_setting_reaches_the_engine_and_the_guard(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from app.service.guard import GuardConfig
+    from app.service.runtime import load_engine
+    from app.service.settings import Settings
+
+    tiny = Path(__file__).resolve().parents[2] / "models" / "hypic-tiny"
+    monkeypatch.setenv("HYPIC_RECOMPUTE_RATIO", "0.1")
+    monkeypatch.setenv("HYPIC_GUARD_MAX_RECOMPUTE", "0.4")
+    settings = Settings(model=str(tiny), index_dir=tmp_path / "index", cache_dir=None)
+    assert load_engine(settings).config.recompute_ratio == 0.1
+    assert GuardConfig.from_settings(settings).max_recompute == 0.4
+    monkeypatch.setenv("HYPIC_RECOMPUTE_RATIO", "2")
+    with pytest.raises(ValidationError, match="recompute_ratio"):
+        Settings()

@@ -120,6 +120,9 @@ def test_explicit_segments_are_cached_independently(client):
     assert first.usage.prompt_tokens == swapped.usage.prompt_tokens
     details = swapped.usage.prompt_tokens_details
     assert details.composed_tokens > 0 and details.cached_tokens == 0  # reused in another position: composed, not exact
+    whole = client.completions.create(model="tiny", prompt="Which is new?", max_tokens=2,
+                                      extra_body={"segments": docs[::-1], "recompute": 1.0})
+    assert whole.usage.prompt_tokens_details.composed_tokens == 0  # the same entries, every segment recomputed in context
 
 
 @pytest.mark.parametrize("kwargs,error,param", [
@@ -138,13 +141,14 @@ def test_explicit_segments_are_cached_independently(client):
     (dict(extra_body={"rag": {"top_k": 0}}), openai.BadRequestError, "rag.top_k"),
     (dict(extra_body={"rag": {"document_ids": ["nope"]}}), openai.BadRequestError, "rag.document_ids"),
     (dict(extra_body={"mode": "bogus"}), openai.BadRequestError, "mode"),
+    (dict(extra_body={"recompute": -0.1}), openai.BadRequestError, "recompute"),
     (dict(messages=[{"role": "user", "content": "Varo " * 3000}]), openai.BadRequestError, "messages"),
     (dict(presence_penalty=0.5), openai.BadRequestError, "presence_penalty"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), openai.BadRequestError, "tools"),
     (dict(response_format={"type": "json_object"}), openai.BadRequestError, "response_format"),
 ], ids=["unknown-model", "n", "top_logprobs-range", "top_logprobs-without-logprobs", "temperature", "max_tokens-zero",
         "max_tokens-too-big", "no-messages", "last-not-user", "bad-role", "content-type", "content-missing", "rag-top_k", "rag-unknown-document",
-        "mode", "prompt-too-long", "presence_penalty", "tools", "response_format"])
+        "mode", "recompute", "prompt-too-long", "presence_penalty", "tools", "response_format"])
 def test_chat_bad_input_names_the_field(client, kwargs, error, param):
     with pytest.raises(error) as caught:
         client.chat.completions.create(**{"model": "tiny", "messages": HELLO, "max_tokens": 2, **kwargs})

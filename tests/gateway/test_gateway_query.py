@@ -97,6 +97,19 @@ def test_repeat_request_reuses_cached_segments_and_full_mode_does_not(client):
     assert full["usage"]["cached_tokens"] == full["usage"]["composed_tokens"] == full["usage"]["seam_tokens"] == 0
 
 
+def test_a_recompute_budget_recomputes_more_of_the_documents(client):
+    """`recompute` (the query-aware budget): 1.0 recomputes every document in context (the answer is full's),
+    a share recomputes more seam tokens than the default and composes fewer."""
+    body = {"question": "Who founded Brill?", "top_k": 3, "max_tokens": 4, "mode": "hypic"}
+    client.post("/query", json=body)  # the documents' entries are cached
+    plain = client.post("/query", json=body).json()["usage"]
+    some = client.post("/query", json={**body, "recompute": 0.5}).json()["usage"]
+    assert some["seam_tokens"] > plain["seam_tokens"] and some["composed_tokens"] < plain["composed_tokens"]
+    everything = client.post("/query", json={**body, "recompute": 1.0}).json()
+    assert everything["usage"]["composed_tokens"] == 0
+    assert everything["answer"] == client.post("/query", json={**body, "mode": "full"}).json()["answer"]
+
+
 def test_document_ids_restrict_retrieval(client):
     body = client.post("/query", json={"question": "mayor of Varo", "document_ids": ["firm-brill"], "max_tokens": 2}).json()
     assert [s["document_id"] for s in body["sources"]] == ["firm-brill"]
@@ -146,13 +159,15 @@ LONG = "Varo " * 3000  # > 2048 tokens, the tiny model's context
     ({"question": "q", "max_tokens": 100000}, "max_tokens"),
     ({"question": "q", "mode": "bogus"}, "mode"),
     ({"question": "q", "seam": -1}, "seam"),
+    ({"question": "q", "recompute": 1.5}, "recompute"),
+    ({"question": "q", "recompute": "most"}, "recompute"),
     ({"question": "q", "document_ids": ["no-such-doc"]}, "document_ids"),
     ({"question": "q", "document_ids": "city-varo"}, "document_ids"),
     ({"question": "q", "topk": 3}, "topk"),
     ({"question": LONG}, "question"),
 ], ids=["malformed-json", "missing-question", "blank-question", "question-type", "top_k-type", "top_k-zero",
         "top_k-too-big", "temperature-negative", "temperature-too-big", "top_p-zero", "max_tokens-zero",
-        "max_tokens-too-big", "unknown-mode", "negative-seam", "unknown-document", "document_ids-type",
+        "max_tokens-too-big", "unknown-mode", "negative-seam", "recompute-too-big", "recompute-type", "unknown-document", "document_ids-type",
         "unknown-field", "prompt-too-long"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_bad_query_is_4xx_naming_the_field(client, body, param, stream):

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from app.service.guard import (CHECK_PRIORITY, CheckResult, Choice, Guard, GuardConfig, GuardPolicy, GuardState, ShadowCheck,
-                       Window, exact_mode, run_check)
+                               Window, check_requests, exact_mode, run_check)
 from app.http.server import create_app
 from app.service.settings import Settings
 from app.testing import LiveServer, single_torch_thread
@@ -40,7 +40,7 @@ def result(choice: Choice, top1: bool, greedy: bool | None = None, kl: float = 0
 
 
 def policy(base: Choice = HYPIC8, **config) -> GuardPolicy:
-    defaults = dict(window=10, min_checks=4, min_agreement=0.75, max_seam=32)
+    defaults = dict(window=10, min_checks=4, min_agreement=0.75, max_seam=32, max_recompute=0.0)  # the seam alone
     return GuardPolicy(base, GuardConfig(**(defaults | config)))
 
 
@@ -70,7 +70,30 @@ def test_policy_waits_for_min_checks_then_widens_doubles_and_goes_exact():
     assert [a.choice for a in feed(p, Choice(Mode.HYPIC, 16), [True, False, False, False])] == [Choice(Mode.HYPIC, 32)]
     [exact] = feed(p, Choice(Mode.HYPIC, 32), [False] * 4)
     assert exact.action == "exact" and p.state is GuardState.EXACT and p.serving.mode is Mode.PREFIX
-    assert "at the widest seam (32)" in exact.reason and p.last_action is exact
+    assert "at the widest reuse (seam 32, recompute 0)" in exact.reason and p.last_action is exact
+
+
+def test_the_default_ladder_widens_the_seam_and_the_recompute_budget_together():
+    p = policy(max_recompute=0.2)
+    ladder = [HYPIC8]
+    for _ in range(3):
+        [widen] = feed(p, ladder[-1], [False] * 4)
+        assert widen.action == "widen"
+        ladder.append(widen.choice)
+    assert ladder[1:] == [Choice(Mode.HYPIC, 16, 0.05), Choice(Mode.HYPIC, 32, 0.1), Choice(Mode.HYPIC, 32, 0.2)]
+    assert ladder[1].describe() == "hypic seam 16 recompute 0.05" and ladder[1].as_dict()["recompute"] == 0.05
+    [exact] = feed(p, ladder[-1], [False] * 4)
+    assert exact.action == "exact" and "(seam 32, recompute 0.2)" in exact.reason
+    # a base already past the largest budget keeps it; the seam still widens
+    assert Choice(Mode.HYPIC, 8, 0.5).wider(32, 0.2) == Choice(Mode.HYPIC, 16, 0.5)
+    assert Choice(Mode.HYPIC, 32, 0.2).wider(32, 0.2) is None
+
+
+def test_a_check_runs_each_configuration_with_its_recompute_budget():
+    segs = ((1, 2, 3), (4, 5, 6), (7,))
+    check = ShadowCheck(segs, (HYPIC8, Choice(Mode.HYPIC, 16, 0.1)), greedy=False)
+    full, base, wider = check_requests(check, 8)
+    assert full.mode is Mode.FULL and (base.recompute, wider.recompute) == (0.0, 0.1) and wider.seam == 16
 
 
 def test_policy_stays_widened_while_the_wider_seam_agrees():
@@ -127,13 +150,14 @@ def test_policy_edge_cases():
 
 
 def test_config_and_settings_validation():
-    for bad in (dict(sample_rate=1.5), dict(min_checks=0), dict(window=5, min_checks=6), dict(max_seam=-1)):
+    for bad in (dict(sample_rate=1.5), dict(min_checks=0), dict(window=5, min_checks=6), dict(max_seam=-1),
+                dict(max_recompute=1.5)):
         with pytest.raises(ValueError):
             GuardConfig(**bad)
     with pytest.raises(ValidationError, match="guard_min_checks"):
         Settings(_env_file=None, guard_window=5, guard_min_checks=6)
-    s = Settings(_env_file=None, guard_sample_rate=0.5, guard_max_seam=16)
-    assert GuardConfig.from_settings(s) == GuardConfig(sample_rate=0.5, max_seam=16)
+    s = Settings(_env_file=None, guard_sample_rate=0.5, guard_max_seam=16, guard_max_recompute=0.1)
+    assert GuardConfig.from_settings(s) == GuardConfig(sample_rate=0.5, max_seam=16, max_recompute=0.1)
 
 
 def test_exact_mode():
@@ -270,28 +294,33 @@ def test_poor_reuse_trips_the_guard_widen_then_exact(poor_engine, tmp_path, monk
         for i in range(40):
             assert complete(live.url, i).status_code == 200
             g = wait_checks(live.url, i + 1)
-            if not states or states[-1] != (g["state"], g["seam"]):
-                states.append((g["state"], g["seam"]))
+            if not states or states[-1] != (g["state"], g["seam"], g["recompute"]):
+                states.append((g["state"], g["seam"], g["recompute"]))
             if g["state"] == "exact":
                 break
-        assert states[:3] == [("ok", 0), ("widened", 1), ("widened", 2)] and g["state"] == "exact", states
-        assert g["mode"] == "prefix" and g["base"] == {"mode": "hypic", "seam": 0} and g["agreement"] < 0.9
-        assert g["last_action"]["action"] == "exact" and "at the widest seam (2)" in g["last_action"]["reason"]
-        served = [(s.stats.mode, s.stats.seam) for s in spy.seqs]
-        assert served[0] == ("hypic", 0) and ("hypic", 1) in served and ("hypic", 2) in served
+        # each widening doubles the seam (to guard_max_seam) and the recompute budget (0.05 first, to 0.2)
+        assert states[:4] == [("ok", 0, 0.0), ("widened", 1, 0.05), ("widened", 2, 0.1), ("widened", 2, 0.2)], states
+        assert g["state"] == "exact", states
+        assert g["mode"] == "prefix" and g["base"] == {"mode": "hypic", "seam": 0, "recompute": 0.0} and g["agreement"] < 0.9
+        assert g["last_action"]["action"] == "exact" and "at the widest reuse (seam 2, recompute 0.2)" in g["last_action"]["reason"]
+        served = [(s.stats.mode, s.stats.seam, s.request.recompute) for s in spy.seqs]
+        assert served[0] == ("hypic", 0, 0.0) and ("hypic", 1, 0.05) in served and ("hypic", 2, 0.2) in served
+        widened = next(s for s in spy.seqs if s.request.recompute == 0.2)
+        assert widened.heads is not None and widened.stats.seam_tokens > 2 * (len(widened.request.context) - 1)
         # later default-mode requests run exact; requests that name a mode or seam get it
         base_checks = metric(live.url, "hypic_guard_checks_total", model="tiny", mode="hypic", seam="0")
-        widest_checks = metric(live.url, "hypic_guard_checks_total", model="tiny", mode="hypic", seam="2")
+        widest_checks = metric(live.url, "hypic_guard_checks_total", model="tiny", mode="hypic", seam="2", recompute="0.2")
         assert complete(live.url, 100).status_code == 200 and spy.seqs[-1].stats.mode == "prefix"
         assert complete(live.url, 101, seam=0).status_code == 200 and (spy.seqs[-1].stats.mode, spy.seqs[-1].stats.seam) == ("hypic", 0)
         assert complete(live.url, 102, mode="hypic").status_code == 200 and spy.seqs[-1].stats.mode == "hypic"
         # while exact, the shadow keeps checking the original configuration (only)
         wait_checks(live.url, g["checks"] + 3)
         assert metric(live.url, "hypic_guard_checks_total", model="tiny", mode="hypic", seam="0") == base_checks + 3
-        assert metric(live.url, "hypic_guard_checks_total", model="tiny", mode="hypic", seam="2") == widest_checks
+        assert metric(live.url, "hypic_guard_checks_total", model="tiny", mode="hypic", seam="2", recompute="0.2") == widest_checks
+        assert metric(live.url, "hypic_guard_recompute", model="tiny") == 0.0  # prefix: nothing is recomputed by budget
         assert metric(live.url, "hypic_guard_state", model="tiny") == 2
         assert metric(live.url, "hypic_guard_checks_total", model="tiny", mode="hypic", seam="0") >= 3
-        assert metric(live.url, "hypic_guard_kl_count", model="tiny", mode="hypic", seam="1") >= 3
+        assert metric(live.url, "hypic_guard_kl_count", model="tiny", mode="hypic", seam="1", recompute="0.05") >= 3
         assert metric(live.url, "hypic_guard_top1_agreement", model="tiny", mode="hypic", seam="0") < 0.9
         assert metric(live.url, "hypic_guard_greedy_agreement", model="tiny", mode="hypic", seam="0") is not None
         assert metric(live.url, "hypic_guard_dropped_checks_total", model="tiny") == 0

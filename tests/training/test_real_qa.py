@@ -221,10 +221,11 @@ def test_accuracy_variants_parse_every_lever_and_older_configs_read_as_plain():
     with pytest.raises(SystemExit, match="only"):
         bench.variant("8+q")
     config = bench.lever_config(bench.variant("8/0.15~0.9q+p@0.1")[3:], (1, 2), seam=8)
-    assert (config.seam, config.seam_fraction, config.entry_prefix, config.reuse_key_scale, config.reuse_key_scope) == \
-        (8, 0.15, (1, 2), 0.9, "prompt")
+    assert (config.seam, config.seam_fraction, config.entry_prefix, config.reuse_key_scale, config.reuse_key_scope,
+            config.recompute_ratio) == (8, 0.15, (1, 2), 0.9, "prompt", 0.1)
     plain = bench.lever_config(bench.variant("16")[3:], (1, 2), seam=16)
-    assert (plain.entry_prefix, plain.reuse_key_scale, plain.reuse_key_scope) == ((), 1.0, "all")
+    assert (plain.entry_prefix, plain.reuse_key_scale, plain.reuse_key_scope, plain.recompute_ratio) == ((), 1.0, "all", 0.0)
+    assert bench.lever_config(bench.variant("8@gold")[3:], (), seam=8).recompute_ratio == 0.0  # the oracle is install_gold's
     ladder = load_script("bench_ladder_ttft", ROOT / "bench" / "ladder_ttft.py")  # builds its engines the same way
     assert callable(ladder.measure) and ladder.lever_config.__doc__ == bench.lever_config.__doc__
 
