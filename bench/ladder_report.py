@@ -9,7 +9,8 @@ faster). Writes the `ladder-summary` section of docs/accuracy.md and the plot.
                smollm2-135m-instruct=docs/accuracy_real_smollm2-135m-instruct_ladder.json \\
         --default "hypic s=8" --out docs/accuracy_vs_ttft.png
 
-`--tag` writes another section (e.g. `short-summary` for data/short_qa's rows, with `--out
+`--rows MODEL=A.json,B.json` merges the configs of several runs of the same questions (their `full`
+answers must be identical). `--tag` writes another section (e.g. `short-summary` for data/short_qa's rows, with `--out
 docs/accuracy_short_vs_ttft.png`), leaving the ladder's summary as it is.
 """
 
@@ -55,10 +56,24 @@ def summary(models: dict[str, dict], ttft: dict, default: str) -> list[str]:
     return lines
 
 
+def merged_rows(paths: list[str]) -> dict:
+    """The configs' rows of several raw-rows files of one model, as one run: each later file adds the configs
+    the earlier ones lack. Raises SystemExit unless every file holds the same questions with `full`'s answers
+    identical (the runs must be of the same prompts)."""
+    rows: dict = {}
+    for path in paths:
+        more = json.loads(Path(path).read_text())["rows"]
+        if rows and [(r.get("id"), r.get("answer")) for r in more["full"]] != [(r.get("id"), r.get("answer")) for r in rows["full"]]:
+            raise SystemExit(f"{path}: its full answers differ from {paths[0]}'s (not the same questions or prompts)")
+        for label, r in more.items():
+            rows.setdefault(label, r)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ttft", type=Path, required=True)
-    ap.add_argument("--rows", nargs="+", required=True, help="MODEL=raw rows JSON")
+    ap.add_argument("--rows", nargs="+", required=True, help="MODEL=raw rows JSON[,JSON...] (runs of the same questions, merged)")
     ap.add_argument("--default", default="hypic s=8", help="the config to mark as the default")
     ap.add_argument("--out", type=Path, default=Path("docs/accuracy_vs_ttft.png"))
     ap.add_argument("--command", default="", help="the commands that made the inputs, printed above the table")
@@ -66,7 +81,7 @@ def main() -> None:
     ap.add_argument("--title", default="The attention-side ladder: accuracy and KL vs warm TTFT")
     args = ap.parse_args()
     ttft = json.loads(args.ttft.read_text())
-    models = {spec.split("=", 1)[0]: json.loads(Path(spec.split("=", 1)[1]).read_text())["rows"] for spec in args.rows}
+    models = {spec.split("=", 1)[0]: merged_rows(spec.split("=", 1)[1].split(",")) for spec in args.rows}
     table = summary(models, ttft, args.default)
     print("\n".join(table))
     write_section(ROOT / "docs" / "accuracy.md", "\n".join([f"<!-- {args.tag}:begin -->", *( [args.command, ""] if args.command else []),

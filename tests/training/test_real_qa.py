@@ -252,3 +252,19 @@ def test_key_scale_scan_plots_saved_scans(tmp_path):
                                 "top1": {"1.0": 2, "0.9": 2}}))
     bench.plot([scan], tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ladder_report_merges_runs_of_the_same_questions_and_refuses_others(tmp_path):
+    report = load_script("bench_ladder_report", ROOT / "bench" / "ladder_report.py")
+    full = [{"id": "q1", "answer": "a", "acc": True, "agree": True, "kl": 0.0}, {"id": "q2", "answer": "b", "acc": False, "agree": True, "kl": 0.0}]
+    one = {"full": full, "hypic s=8": [dict(r, kl=0.1) for r in full]}
+    two = {"full": full, "hypic s=8": [dict(r, kl=0.9) for r in full], "hypic s=8 r=0.1": [dict(r, kl=0.05) for r in full]}
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    a.write_text(json.dumps({"rows": one}))
+    b.write_text(json.dumps({"rows": two}))
+    merged = report.merged_rows([str(a), str(b)])
+    assert list(merged) == ["full", "hypic s=8", "hypic s=8 r=0.1"]
+    assert merged["hypic s=8"][0]["kl"] == 0.1  # the first file's rows of a config both hold
+    c.write_text(json.dumps({"rows": {"full": [dict(full[0], answer="other"), full[1]]}}))
+    with pytest.raises(SystemExit, match="differ"):
+        report.merged_rows([str(a), str(c)])
