@@ -56,7 +56,6 @@ from app.service.prompter import Prompter  # noqa: E402
 from app.service.settings import Settings  # noqa: E402
 from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from hypic_core.engine.engine import Engine  # noqa: E402
-from hypic_core.engine.recompute import head_widths  # noqa: E402
 from hypic_core.models.registry import resolve  # noqa: E402
 from markdown_section import write_section  # noqa: E402
 from real_qa import build_context, load_real_qa, normalize_answer, score  # noqa: E402
@@ -201,7 +200,7 @@ def evaluate(args) -> dict:
     prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
     head = entry_prefix(prompter)
     engines = {PLAIN: engine}  # (seam fraction, entry prefix, rule, key scale) -> an engine over the same model
-    recompute = {}  # levers -> what install_gold returned
+    gold_states = {}  # levers -> what install_gold returned
     for _, _, _, *levers in configs([], [], False, args.variants or []):
         levers = tuple(levers)
         rule = levers[2]
@@ -209,7 +208,7 @@ def evaluate(args) -> dict:
             engines[levers] = Engine(engine.model, engine.tokenizer, lever_config(levers, head, seam=8, memory_budget_bytes=budget),
                                      model_id=settings.served_model_name)
             if rule == "gold":
-                recompute[levers] = install_gold(engines[levers])
+                gold_states[levers] = install_gold(engines[levers])
     pairs = questions(args)
     cfgs = configs(args.seams, args.seams if args.naive_seams is None else args.naive_seams, not args.no_prefix,
                    args.variants or [])
@@ -232,7 +231,7 @@ def evaluate(args) -> dict:
         docs = segs[-1 - len(chunks):-1]  # the prompter's tail is the question alone
         assert len(docs) == len(chunks) and all(engine.tokenizer.decode(d).count(c[:20]) for d, c in zip(docs, chunks)), \
             "the documents are not the prompt's last context segments"
-        for state in recompute.values():
+        for state in gold_states.values():
             state["gold"] = docs[gold]
         full = None
         for label, mode, seam, *levers in cfgs:

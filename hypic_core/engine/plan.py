@@ -93,12 +93,16 @@ def plan_prefix(request: GenerationRequest, view: CacheView) -> Plan:
     return Plan("question", exact=len(request.context), restored=hit.restored, snapshot=hit.snapshot)
 
 
+def leading_exact(request: GenerationRequest, config: EngineConfig) -> int:
+    """Leading context segments a stitched plan computes exactly whatever the cache holds: the request's
+    exact prefix and, with an entry prefix, at least the first (it sits after nothing)."""
+    return max(request.exact_prefix, 1) if config.entry_prefix and request.context else request.exact_prefix
+
+
 def plan_stitched(request: GenerationRequest, view: CacheView) -> Plan:
     config = view.config
     longer = request.exact_runs and config.exact_repeats
-    exact = request.exact_prefix
-    if config.entry_prefix and request.context:
-        exact = max(exact, 1)
+    exact = leading_exact(request, config)
     considered = request.context if longer else request.context[:exact]
     hit = view.longest_run(considered) if considered else RunHit(None, 0, 0)
     see = bool(considered) and longer and request.cache_store

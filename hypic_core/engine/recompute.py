@@ -32,6 +32,7 @@ import math
 from typing import Sequence
 
 from ..config import EngineConfig, GenerationRequest, Mode
+from .plan import leading_exact
 
 
 def head_widths(lengths: Sequence[int], base: Sequence[int], ratio: float, priority: Sequence[int] | None = None,
@@ -85,9 +86,7 @@ def request_heads(request: GenerationRequest, config: EngineConfig, seam: int) -
     ratio = config.recompute_ratio if request.recompute is None else request.recompute
     if ratio <= 0.0 or request.mode not in (Mode.HYPIC, Mode.PIC_NAIVE):
         return None
-    # the segments the planner stitches at most: past the exact prefix (and, with an entry prefix, the first
-    # context segment is computed exactly: plan.py `plan_stitched`)
-    segments = request.context[max(request.exact_prefix, 1 if config.entry_prefix else 0):]
+    segments = request.context[leading_exact(request, config):]  # the segments the planner may stitch
     if not segments:
         return None
     widths = head_widths([len(s) for s in segments], [config.head_width(seam, len(s)) for s in segments], ratio)
