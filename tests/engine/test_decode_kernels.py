@@ -97,17 +97,19 @@ def test_kernel_refuses_what_it_cannot_read():
         NATIVE.linear(torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8))  # int8 without its scales
 
 
-def test_no_compiler_keeps_torch_matmuls_with_a_warning(monkeypatch, caplog):
-    """Without a C++ compiler the kernels are not built: `native` says why (a warning) and returns None,
-    and a step asked for kernel "native" runs torch's matmuls, exactly."""
+def test_no_compiler_keeps_torch_matmuls_with_a_warning(monkeypatch, caplog, tmp_path):
+    """Without a C++ compiler and nothing built in the kernels directory, the kernels are not had: `native`
+    says why (one warning) and returns None, and a step asked for kernel "native" runs torch's matmuls, exactly."""
     monkeypatch.setattr(decode_matmul, "_built", {})
     monkeypatch.setattr(decode_matmul, "_compiler", lambda: None)
     monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("HYPIC_KERNELS_DIR", str(tmp_path / "kernels"))
     with caplog.at_level(logging.WARNING, logger="hypic.decode_matmul"):
         assert decode_matmul.native() is None
-    assert "no C++ compiler found" in caplog.text
+    assert "no C++ compiler found" in caplog.text and len(caplog.records) == 1
+    assert decode_matmul.kernel_status()["state"] == "unavailable"
     with pytest.raises(RuntimeError, match=r"no C\+\+ compiler found"):
-        decode_matmul.build(compiler="/nonexistent/g++")
+        decode_matmul.build(compiler="/nonexistent/g++", directory=tmp_path / "empty")
     engine = engine_on(tiny_model("bamba"), "native")
     step = engine.runner.batch.step
     assert isinstance(step, LeanDecodeStep) and step.kernel == "torch" and not isinstance(step.lm_w, _Native)

@@ -1,0 +1,78 @@
+// Decode-sized matmuls: y [R, out] = x [R, in] @ W^T * scales (+ bias) for a few rows R, W [out, in] fp32,
+// fp16, bf16 or int8 (with one fp32 scale per output row). A decode step reads every weight once, so these
+// are bound by the bytes they read: each thread (OpenMP) takes a contiguous range of W's rows, reads it
+// as 4 sequential streams (one per quarter of the range) and keeps the 4 rows in hand while they meet
+// every row of x (3 at a time: 12 accumulators).
+#include <omp.h>
+
+#include "hypic_kernels.h"
+#include "simd.h"
+
+// y[r, o + b * stride] for r < RB, b < OB: dot products of RB rows of x with OB rows of w (length n),
+// the rows of w `stride` apart, each times its row's scale (int8 weights; null: 1) plus its bias.
+template <int RB, int OB, typename W>
+static inline void block(const float* x, long ldx, const W* w, long n, float* y, long ldy, long o, long stride,
+                         const float* bias, const float* scales) {
+    vf acc[RB][OB];
+    for (int r = 0; r < RB; r++)
+        for (int b = 0; b < OB; b++) acc[r][b] = vzero();
+    long k = 0;
+    for (; k + VL <= n; k += VL) {
+        vf xv[RB];
+        for (int r = 0; r < RB; r++) xv[r] = vload(x + r * ldx + k);
+        for (int b = 0; b < OB; b++) {
+            const vf wv = vload(w + (o + b * stride) * n + k);
+            for (int r = 0; r < RB; r++) acc[r][b] = vfmadd(xv[r], wv, acc[r][b]);
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int b = 0; b < OB; b++) {
+            const long ob = o + b * stride;
+            float s = vhsum(acc[r][b]);
+            for (long t = k; t < n; t++) s += x[r * ldx + t] * load1(w + ob * n + t);
+            y[r * ldy + ob] = (scales ? s * scales[ob] : s) + (bias ? bias[ob] : 0.0f);
+        }
+}
+
+// Every row of x (3 at a time) against the OB rows of w at o, o + stride, ...
+template <int OB, typename W>
+static inline void rows(const float* x, long R, long n, const W* w, float* y, long ldy, long o, long stride,
+                        const float* bias, const float* scales) {
+    long r = 0;
+    for (; r + 3 <= R; r += 3) block<3, OB>(x + r * n, n, w, n, y + r * ldy, ldy, o, stride, bias, scales);
+    if (R - r == 2) block<2, OB>(x + r * n, n, w, n, y + r * ldy, ldy, o, stride, bias, scales);
+    if (R - r == 1) block<1, OB>(x + r * n, n, w, n, y + r * ldy, ldy, o, stride, bias, scales);
+}
+
+// 4 long streams per thread keep more memory requests in flight than one, and than 4 adjacent rows
+// (short streams of a few KB) did.
+template <typename W>
+static void linear(const float* x, const W* w, const float* bias, float* y, long R, long n, long out, int threads,
+                   const float* scales) {
+    #pragma omp parallel num_threads(threads)
+    {
+        const long nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const long t0 = out * t / nt, t1 = out * (t + 1) / nt, q = (t1 - t0) / 4;
+        for (long j = 0; j < q; j++) rows<4>(x, R, n, w, y, out, t0 + j, q, bias, scales);
+        for (long o = t0 + 4 * q; o < t1; o++) rows<1>(x, R, n, w, y, out, o, 1, bias, scales);
+    }
+}
+
+extern "C" {
+void hypic_linear_f32(const float* x, const float* w, const float* bias, float* y, long R, long n, long out,
+                      int threads) {
+    linear(x, w, bias, y, R, n, out, threads, nullptr);
+}
+void hypic_linear_f16(const float* x, const uint16_t* w, const float* bias, float* y, long R, long n, long out,
+                      int threads) {
+    linear(x, w, bias, y, R, n, out, threads, nullptr);
+}
+void hypic_linear_bf16(const float* x, const uint16_t* w, const float* bias, float* y, long R, long n, long out,
+                       int threads) {
+    linear(x, reinterpret_cast<const bf16_t*>(w), bias, y, R, n, out, threads, nullptr);
+}
+void hypic_linear_i8(const float* x, const int8_t* w, const float* scales, const float* bias, float* y, long R,
+                     long n, long out, int threads) {
+    linear(x, w, bias, y, R, n, out, threads, scales);
+}
+}
