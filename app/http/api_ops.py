@@ -5,6 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from hypic_core.runner.decode_matmul import kernel_status
+
 from ..service.metrics import CONTENT_TYPE
 from ..service.runtime import Runtime
 from . import schemas
@@ -15,9 +17,10 @@ router = APIRouter()
 @router.get("/health", response_model=schemas.Health)
 async def health(request: Request) -> dict:
     """200 while the process serves HTTP, loaded or not; `guard`: the accuracy guard's state
-    (app/service/guard.py), null until the model is loaded."""
+    (app/service/guard.py), null until the model is loaded; `kernels`: the native decode kernels'
+    state (hypic_core/runner/decode_matmul.kernel_status: which variant runs, or why torch's ops do)."""
     guard = request.app.state.runtime.guard
-    return {"status": "ok", "guard": guard.health() if guard is not None else None}
+    return {"status": "ok", "guard": guard.health() if guard is not None else None, "kernels": kernel_status()}
 
 
 @router.get("/ready", response_model=schemas.Ready, responses=schemas.NOT_READY)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -82,6 +83,7 @@ class Loaded:
     handle: int  # the memfd kept open while the library is mapped (its /proc name must not be reused)
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
