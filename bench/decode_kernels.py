@@ -12,15 +12,17 @@ hybrid's Mamba2 in_proj 3474x576 and out_proj 576x1152, and the tied lm_head 491
 - bf16 weights (`F.linear`), int8 weight-only (`torch._weight_int8pack_mm`, per-row scales),
 - fbgemm's dynamic int8 linear (`torch.ops.quantized.linear_dynamic`, per-channel int8 weights,
   activations quantized per call),
-- the native AVX2/FMA kernels of hypic_core/runner/decode_matmul.py on [out, in]: fp32 (`native f32`)
-  fp16 weights (`native f16`) and per-row int8 weights (`native i8`), built once with the C++ compiler (skipped when none is found).
+- the native kernels of hypic_core/runner/decode_matmul.py on [out, in]: fp32 (`native f32`), fp16
+  weights (`native f16`), bf16 weights (`native bf16`) and per-row int8 weights (`native i8`), of the
+  ISA variant this CPU picks, or of each `--variants` name (`native f32 [avx2]`, ...; built once with
+  the C++ compiler, skipped when none is found).
 Every kernel's output is checked against the fp32 product (max abs error printed). Printed as
 microseconds per weight, the fp32 bytes that would stream per second ("fp32-equivalent GB/s") and
 the bytes the kernel really reads per second, beside the machine's bandwidth measured at the same
 thread count (sum of a 512 MB tensor; a copy, read + write) as the floor.
 
 Run:  .venv/bin/python bench/decode_kernels.py --threads 2 [--rows 1 2 4 8] [--shapes gate_up lm_head ...]
-      [--kernels "F.linear [out, in]" "native f32" ...] [--rounds 3]
+      [--kernels "F.linear [out, in]" "native f32" ...] [--rounds 3] [--variants avx512 avx2 generic]
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class Weights:
             torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(out, dtype=torch.long), 0, torch.qint8), None)
             for w in self.ws]
         self.wh = [w.half() for w in self.ws] if native else []
+        self.wbf = [decode_matmul.to_bf16(w) for w in self.ws] if native else []
         self.wi8 = [decode_matmul.quantize_int8(w) for w in self.ws] if native else []
         self.packed: dict[int, list] = {}
 
@@ -83,7 +86,7 @@ class Weights:
         return self.packed[rows]
 
 
-def kernels(W: Weights, x: torch.Tensor, native) -> dict[str, tuple]:
+def kernels(W: Weights, x: torch.Tensor, natives: dict) -> dict[str, tuple]:
     """name: (run over every copy -> list of outputs, bytes per weight element read)."""
     rows = x.shape[0]
     xb = x.to(torch.bfloat16)
@@ -102,10 +105,11 @@ def kernels(W: Weights, x: torch.Tensor, native) -> dict[str, tuple]:
         out["mv [out, in]"] = (lambda: [torch.mv(w, v)[None] for w in W.ws], 4)
         out["addmv [out, in]"] = (lambda: [torch.addmv(zero, w, v)[None] for w in W.ws], 4)
         out["mv [in, out]"] = (lambda: [torch.mv(w.t(), v)[None] for w in W.wts], 4)
-    if native is not None:
-        out["native f32"] = (lambda: [native.linear(x, w) for w in W.ws], 4)
-        out["native f16"] = (lambda: [native.linear(x, w) for w in W.wh], 2)
-        out["native i8"] = (lambda: [native.linear(x, q, None, s) for q, s in W.wi8], 1)
+    for tag, nat in natives.items():
+        out[f"native f32{tag}"] = (lambda nat=nat: [nat.linear(x, w) for w in W.ws], 4)
+        out[f"native f16{tag}"] = (lambda nat=nat: [nat.linear(x, w) for w in W.wh], 2)
+        out[f"native bf16{tag}"] = (lambda nat=nat: [nat.linear(x, w) for w in W.wbf], 2)
+        out[f"native i8{tag}"] = (lambda nat=nat: [nat.linear(x, q, None, s) for q, s in W.wi8], 1)
     return out
 
 
@@ -116,6 +120,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--kernels", nargs="+", default=None, help="only these kernels (names as printed)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=None, help="native kernel ISA variants to compare "
+                    "(hypic_core/runner/native/library.py; default: the one this CPU picks)")
     ap.add_argument("--set-mb", type=int, default=SET_BYTES >> 20, help="MB of fp32 weights per shape (copies)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -123,10 +129,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     native = decode_matmul.native()
+    if args.variants and native is not None:
+        natives = {f" [{v}]": decode_matmul.build(variant=v) for v in args.variants}
+    else:
+        natives = {"": native} if native is not None else {}
     bw_sum, bw_copy = bandwidth()
     print(f"{args.threads} torch thread(s); load average at start {open('/proc/loadavg').read().split()[0]}; "
           f"bandwidth: sum {bw_sum:.1f} GB/s, copy {bw_copy:.1f} GB/s (read + write); native kernels: "
-          f"{'built, ' + str(native.path) if native is not None else 'unavailable (see warning)'}", flush=True)
+          f"{', '.join(f'{n.variant} {n.path}' for n in natives.values()) or 'unavailable (see warning)'}", flush=True)
     print("| weight | rows | kernel | us per weight | fp32-equivalent GB/s | GB/s read | / sum bandwidth | max abs err |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     table: dict[tuple[str, int], dict[str, tuple[float, float]]] = {}
@@ -139,7 +149,7 @@ def main() -> None:
         for rows in args.rows:
             x = torch.randn(rows, inp)
             ref = F.linear(x, W.ws[0])
-            ks = kernels(W, x, native)
+            ks = kernels(W, x, natives)
             if args.kernels:
                 ks = {k: v for k, v in ks.items() if k in args.kernels}
             got = {k: [] for k in ks}
@@ -161,7 +171,7 @@ def main() -> None:
     print("| weight | rows | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(names))
     fp32 = {"F.linear [out, in]", "mm [in, out]", "oneDNN packed fp32", "mv [out, in]", "addmv [out, in]", "mv [in, out]",
-            "native f32"}
+            *(f"native f32{tag}" for tag in natives)}
     for (label, rows), row in table.items():
         best = min((row[k][0], k) for k in row if k in fp32)[1] if any(k in fp32 for k in row) else None
         cells = []
