@@ -1,13 +1,13 @@
 """POST /query (and GET /query): retrieve, build segments (system prompt, chunks, question),
 stitched prefill, answer.
 
-Non-streaming: `{answer, finish_reason, sources, dropped_chunks, usage, timings}`. `sources`
+Non-streaming: `{answer, finish_reason, sources, dropped_chunks, usage, reuse, timings}`. `sources`
 lists the retrieved chunks in the prompt, best first; chunks that did not fit the model's
 context (with `max_tokens` kept for the answer) are left out, lowest-ranked first, and counted
 in `dropped_chunks`.
 Streaming (`"stream": true`): SSE named events, numbered by `id:` from 1, in order: `sources`
 once (`{sources, dropped_chunks}`), `delta` per token batch (`{"text": ...}`), `done`
-(`{finish_reason, usage, timings}`). An error after the stream started is sent as a `failure`
+(`{finish_reason, usage, reuse, timings}`; `reuse`: what the prefill did with each source's tokens). An error after the stream started is sent as a `failure`
 event (`{"error": {...}}`; not `error`, the name a browser's EventSource gives its own
 connection errors) and the stream ends. `: keep-alive` comments fill silences longer than
 `sse_keepalive_s`. Every check that can fail (fields, document ids, prompt length, queue) runs
@@ -30,6 +30,7 @@ from hypic_core.config import MAX_SEED
 from ..service import pipeline
 
 from ..service.engine_thread import TokenStream
+from ..service.prompter import Prompt
 from ..service.runtime import Runtime
 from . import schemas, sse
 from .errors import from_stream_failure
@@ -119,13 +120,24 @@ async def _answer(body: QueryRequest, request: Request):
     stream = pipeline.start(rt, gen, started, "/query", tenant)
     sources = pipeline.sources(prompt)
     if body.stream:
-        return sse.response(_events(stream, sources, found.ms), rt.settings.sse_keepalive_s)
+        return sse.response(_events(stream, sources, found.ms, prompt), rt.settings.sse_keepalive_s)
     events = await collect(stream, request)
     return {"answer": "".join(e.text for e in events), "finish_reason": events[-1].finish_reason} | sources | {
-        "usage": pipeline.usage(stream), "timings": _timings(stream, found.ms)}
+        "usage": pipeline.usage(stream), "reuse": reuse(stream, prompt), "timings": _timings(stream, found.ms)}
 
 
-async def _events(stream: TokenStream, sources: dict, retrieval_ms: float):
+def reuse(stream: TokenStream, prompt: Prompt) -> list[dict]:
+    """What the prefill did with each source's tokens, in `sources` order: `how` ("composed": its
+    cached entry reused wherever it landed, "exact": restored from an exact snapshot, "computed":
+    no reuse), `tokens` (the chunk's segment), `reused`, `seam` (recomputed in context) and
+    `computed` (the rest, computed for this request); `PrefillStats.segments` per source."""
+    done = stream.stats.segments if stream.stats else []
+    uses = [done[place] if place < len(done) else None for place in prompt.places]
+    return [{"chunk_id": hit.chunk.chunk_id, "how": use.how, "tokens": use.tokens, "reused": use.reused, "seam": use.seam,
+             "computed": use.computed} for hit, use in zip(prompt.used, uses) if use is not None]
+
+
+async def _events(stream: TokenStream, sources: dict, retrieval_ms: float, prompt: Prompt):
     ids = itertools.count(1)
     yield sse.event("sources", sources, next(ids))
     finish = None
@@ -140,7 +152,8 @@ async def _events(stream: TokenStream, sources: dict, retrieval_ms: float):
         log.warning("stream failed", extra={"error": repr(exc)})
         yield sse.event("failure", error.body(), next(ids))
         return
-    yield sse.event("done", {"finish_reason": finish, "usage": pipeline.usage(stream), "timings": _timings(stream, retrieval_ms)}, next(ids))
+    yield sse.event("done", {"finish_reason": finish, "usage": pipeline.usage(stream), "reuse": reuse(stream, prompt),
+                             "timings": _timings(stream, retrieval_ms)}, next(ids))
 
 
 def _timings(stream: TokenStream, retrieval_ms: float) -> dict:

@@ -23,7 +23,8 @@
   499 (nginx's "client closed request"), not as a 500: nobody is there to answer.
 - `ApiKey`: when keys are configured, refuses requests without `Authorization: Bearer <key>`
   of one of them (401; the scheme in any case), and a request with two `Authorization` headers
-  (400), except the probes /health, /ready and /metrics; a request it lets through carries the
+  (400), except the probes /health, /ready and /metrics and a GET of the page's static files
+  (`open_files`: `/`, `/page.js`, `/page.css`); a request it lets through carries the
   key's tenant in `scope["state"]["tenant"]` (app/service/tenants.py).
 """
 
@@ -134,14 +135,15 @@ class RequestContext:
 
 
 class ApiKey:
-    def __init__(self, app: ASGIApp, keys: dict[str, str]) -> None:
+    def __init__(self, app: ASGIApp, keys: dict[str, str], open_files: frozenset[str] = frozenset()) -> None:
         self.app = app
+        self.open_files = open_files  # paths a GET reads without a key: the page's static files (app/http/page.py)
         # Looked up by digest: the lookup's time depends on the digest of what was sent, not on how
         # much of a real key it matches.
         self._tenants = {hashlib.sha256(key.encode()).digest(): tenant for key, tenant in keys.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or (scope["method"] == "GET" and scope["path"] in self.open_files):
             return await self.app(scope, receive, send)
         given = header_values(scope, b"authorization")
         if len(given) > 1:  # which one counts would depend on the proxy in front: refuse both

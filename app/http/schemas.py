@@ -116,6 +116,19 @@ class QueryUsage(_Open):
     seam_tokens: int = Field(description="Tokens recomputed at segment seams.")
 
 
+class ChunkReuse(_Open):
+    """What the prefill did with one source's tokens (`tokens` = `reused` + `seam` + `computed`)."""
+
+    chunk_id: str
+    how: Literal["composed", "exact", "computed"] = Field(description="composed: its cached entry reused where it landed "
+                                                          "(approximate); exact: restored from an exact snapshot; computed: "
+                                                          "no reuse (first sighting, or a mode that reuses nothing here).")
+    tokens: int = Field(description="The chunk's tokens in the prompt.")
+    reused: int = Field(description="Tokens reused from the cache (composed or exact).")
+    seam: int = Field(description="Tokens recomputed in context at the chunk's start.")
+    computed: int = Field(description="The rest, computed for this request.")
+
+
 class QueryTimings(_Open):
     retrieval_ms: float
     prefill_ms: float | None
@@ -129,6 +142,7 @@ class QueryResponse(_Open):
     sources: list[Source] = Field(description="The retrieved chunks in the prompt, best first.")
     dropped_chunks: int = Field(description="Retrieved chunks left out because they did not fit the context.")
     usage: QueryUsage
+    reuse: list[ChunkReuse] = Field(description="Per source, in `sources` order: how its tokens were done.")
     timings: QueryTimings
 
 
@@ -144,6 +158,7 @@ class QueryDeltaEvent(_Open):
 class QueryDoneEvent(_Open):
     finish_reason: str | None
     usage: QueryUsage
+    reuse: list[ChunkReuse] = Field(description="Per source, in `sources` order: how its tokens were done.")
     timings: QueryTimings
 
 

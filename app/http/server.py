@@ -23,7 +23,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from ..service.runtime import EngineSource, IndexSource, Runtime
 from ..service.settings import Settings
-from . import api_documents, api_openai, api_ops, api_query, errors, schemas
+from . import api_documents, api_openai, api_ops, api_query, errors, page, schemas
 from .middleware import OPEN_PATHS, ApiKey, BodyLimit, HeaderLimit, HostCheck, OriginCheck, RequestContext
 from .tenancy import TenantLimit
 
@@ -43,13 +43,13 @@ def create_app(settings: Settings | None = None, engine: EngineSource = None, in
     app.state.runtime = runtime
     app.openapi = lambda: schemas.openapi(app, secured=bool(settings.tenant_keys), open_paths=OPEN_PATHS)
     errors.install(app)
-    for module in (api_query, api_openai, api_documents, api_ops):
+    for module in (api_query, api_openai, api_documents, api_ops, page):  # page: the static page at / (page.py)
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, idle_timeout=settings.body_timeout_s,
                        deadline=settings.body_deadline_s)
     app.add_middleware(TenantLimit, runtime=runtime)  # inside ApiKey: it knows the tenant
     if settings.tenant_keys:
-        app.add_middleware(ApiKey, keys=settings.tenant_keys)
+        app.add_middleware(ApiKey, keys=settings.tenant_keys, open_files=page.PATHS)
     else:
         app.add_middleware(OriginCheck, allowed_origins=settings.cors_origins)
     if settings.cors_origins:  # outside ApiKey: browsers send preflight requests without credentials

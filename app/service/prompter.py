@@ -176,6 +176,7 @@ class Prompt:
     used: list[SearchHit]
     dropped: int  # retrieved chunks left out because they did not fit the context
     exact_prefix: int = 0  # leading segments (system prompt, earlier turns) to reuse exactly, never by composition
+    places: tuple[int, ...] = ()  # the index in `segments` of each `used` chunk
 
     @property
     def tokens(self) -> int:
@@ -285,6 +286,10 @@ class Prompter:
                 break
             used.append((hit, ids))
             room -= len(ids)
-        ordered = sorted(used, key=lambda d: d[0].score)  # worst first: the best sits next to the question
-        segments = [s for s in head + kept + [ids for _, ids in ordered] + tail if s]
-        return Prompt(segments, [h for h, _ in used], len(hits) - len(used), min(len(head), len(segments) - 1))
+        order = sorted(range(len(used)), key=lambda i: used[i][0].score)  # worst first: the best sits next to the question
+        before = [s for s in head + kept if s]
+        places = [0] * len(used)
+        for rank, i in enumerate(order):
+            places[i] = len(before) + rank
+        segments = before + [used[i][1] for i in order] + [s for s in tail if s]
+        return Prompt(segments, [h for h, _ in used], len(hits) - len(used), min(len(head), len(segments) - 1), tuple(places))

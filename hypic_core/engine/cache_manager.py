@@ -30,7 +30,7 @@ from ..config import EngineConfig
 from ..runner.model_runner import ModelRunner, PartialEntry
 from .entry_builder import EntryBuilder, EntryJob, JobState
 from .plan import CostModel, Plan, RunHit, make_plan
-from .sequence import PrefillProgress, Run, Sequence
+from .sequence import PrefillProgress, Run, SegmentUse, Sequence
 
 
 class EntryLookup(NamedTuple):
@@ -92,6 +92,7 @@ class CacheManager:
         """`seq`'s prefill work for plan `p` (`chain`: the hashes of the leading segments the view looked up)."""
         request = seq.request
         progress = PrefillProgress(self.runner.new_cache())
+        seq.stats.segments = [SegmentUse("computed", len(seg)) for seg in request.context]  # the steps below say what was reused
         if p.rest == "whole":
             progress.runs.append(Run(tuple(t for s in request.segments for t in s), 0))
             progress.timing = "forward"
@@ -119,6 +120,7 @@ class CacheManager:
             pos = self.runner.restore_exact(progress.cache, p.snapshot, p.restored)
             progress.boundaries, progress.linear = list(p.snapshot.boundaries[:p.restored]), list(p.snapshot.linear[:p.restored])
             stats.exact_tokens, stats.segment_hits = pos, p.restored
+            stats.segments[:p.restored] = [SegmentUse("exact", len(seg), len(seg)) for seg in request.context[:p.restored]]
         seq.num_computed_tokens = pos
         progress.reused = p.restored
         stats.segment_misses += p.exact - p.restored
@@ -139,7 +141,9 @@ class CacheManager:
                 progress.entries[i] = entry
                 stats.segment_hits += 1
                 stats.composed_tokens += entry.body_length
+                stats.segments[i] = SegmentUse("composed", len(seg), entry.body_length, min(head, len(seg)))
                 continue
+            stats.segments[i] = SegmentUse("computed", len(seg), 0, min(head, len(seg)))
             stats.segment_misses += 1
             key = self.key(seq, seg, head)
             k = key.to_str()

@@ -53,6 +53,22 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class SegmentUse:
+    """How one context segment of a prompt was computed: `reused` of its `tokens` restored exactly
+    from a snapshot (`how` "exact") or composed from its cached entry ("composed"), `seam` of them
+    recomputed in context, the rest (`computed`) computed for this request ("computed": no reuse)."""
+
+    how: str
+    tokens: int
+    reused: int = 0
+    seam: int = 0
+
+    @property
+    def computed(self) -> int:
+        return self.tokens - self.reused - self.seam
+
+
 @dataclass
 class PrefillStats:
     """How a request's prompt was computed. Token counts do not overlap except where noted."""
@@ -66,6 +82,8 @@ class PrefillStats:
     seam_tokens: int = 0  # seam heads recomputed in context
     computed_tokens: int = 0  # model work done for this request, in tokens (cold entries + seams + runs); a cold
     #                           segment's body counts once here, and a seam-covered head can count twice
+    # per context segment, in prompt order; its counts sum to exact_tokens, composed_tokens and seam_tokens
+    segments: list[SegmentUse] = field(default_factory=list)
     segment_hits: int = 0
     segment_misses: int = 0
     prefill_steps: int = 0  # engine steps the prefill was spread over (chunked prefill)
