@@ -27,7 +27,7 @@ from retrieval.index import VectorIndex
 
 from .engine_thread import EngineThread
 from .errors import NotReadyError
-from .guard import Guard
+from .guard import Guard, release_for
 from .metrics import Metrics
 from .prompter import Prompter
 from .settings import DEFAULT_INDEX_DIR, Settings
@@ -148,10 +148,11 @@ class Runtime:
                 # transformers warns that each fused GPU kernel is missing: on a CPU the torch
                 # fallbacks are what runs anyway (hypic_core/adapters/kernels.py), so say nothing.
                 logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
-            known = KNOWN_MODELS.get(self.settings.model)
+            known, release = KNOWN_MODELS.get(self.settings.model), None
             if self._engine_source is None:
                 model = resolve_model(self.settings.model, self.settings.models_dir, progress=log.info)
                 known = model.known
+                release = release_for(model.name, model.path)  # the model card's faithfulness, the guard's default threshold
                 stage = f"loading model {self.settings.model} from {model.path}"
                 engine = load_engine(self.settings, model)
             else:
@@ -182,6 +183,7 @@ class Runtime:
             self.metrics.watch_store(engine.store)
             self.metrics.watch_speculation(engine.speculation)
             self.guard = Guard.for_engine(self.settings, engine, self.model_name, self.metrics.registry, wake=self.engine_thread.wake,
+                                          release=release,
                                           submit=lambda request, deliver: self.engine_thread.submit_internal(engine, request, deliver))
             self.engine_thread.run_when_idle(self.guard)
             self._ready.set()

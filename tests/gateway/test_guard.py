@@ -1,4 +1,4 @@
-"""The online accuracy guard (app/service/guard.py): the policy on synthetic check results, shadow checks
+"""The online accuracy guard (app/service/guard/): the policy on synthetic check results, shadow checks
 on a real engine, and the guard in a live gateway (it trips where reuse is poor, not where it is
 exact, runs only while the engine is idle, never changes served answers), and `exact: true`."""
 
@@ -64,7 +64,7 @@ def test_policy_waits_for_min_checks_then_widens_doubles_and_goes_exact():
     [widen] = feed(p, HYPIC8, [False])
     assert widen.action == "widen" and widen.previous == HYPIC8 and widen.choice == Choice(Mode.HYPIC, 16)
     assert p.state is GuardState.WIDENED and p.serving == Choice(Mode.HYPIC, 16)
-    assert "top-1 agreement 0.000 over the last 4 checks of hypic seam 8 < 0.75" in widen.reason
+    assert "top-1 agreement 0.000 < 0.75 over the last 4 checks of hypic seam 8" in widen.reason
     # the base stays bad; the widened seam is judged on its own window
     assert feed(p, HYPIC8, [False] * 6) == []
     assert [a.choice for a in feed(p, Choice(Mode.HYPIC, 16), [True, False, False, False])] == [Choice(Mode.HYPIC, 32)]
@@ -212,8 +212,8 @@ def test_offer_samples_picks_configurations_and_drops_the_oldest(poor_engine):
 def test_dense_checks_after_start_new_documents_and_a_widening(poor_engine):
     """Every request is checked (not sampled) for `dense_checks` checks after start, after new
     documents and after each widening, so the guard judges within the first few dozen requests."""
-    guard = Guard(GuardConfig(sample_rate=0.0, dense_checks=3, window=4, min_checks=2, queue_size=64), poor_engine, "tiny",
-                  HYPIC8, CollectorRegistry(), rng=random.Random(0))
+    guard = Guard(GuardConfig(sample_rate=0.0, dense_checks=3, window=4, min_checks=2, queue_size=64, min_faithfulness=0.5),
+                  poor_engine, "tiny", HYPIC8, CollectorRegistry(), rng=random.Random(0))
     segments = ((5, 6, 7), (10, 11), (8, 9))
 
     def offers(n):
@@ -279,7 +279,7 @@ def metric(url: str, name: str, **labels) -> float | None:
     return None
 
 
-TRIP = dict(guard_sample_rate=1.0, guard_greedy_sample=1.0, guard_greedy_tokens=4, guard_window=6, guard_min_checks=3,
+TRIP = dict(guard_sample_rate=1.0, guard_greedy_sample=1.0, guard_answer_tokens=4, guard_window=6, guard_min_checks=3,
             guard_max_seam=2)
 
 
@@ -444,7 +444,7 @@ def test_exact_opt_out(endless_engine, tmp_path, monkeypatch):
 
 
 def test_added_documents_start_a_dense_phase(endless_engine, tmp_path):
-    with serve(endless_engine, tmp_path, guard_sample_rate=0.0, guard_dense_checks=2) as live:
+    with serve(endless_engine, tmp_path, guard_sample_rate=0.0, guard_dense_checks=2, guard_min_faithfulness=0.5) as live:
         live.wait_ready()
         for i in range(3):
             assert complete(live.url, i).status_code == 200
@@ -464,6 +464,7 @@ def test_health_guard_is_null_until_loaded(tmp_path):
 
     app = create_app(settings_for(tmp_path), engine=lambda: None, index=lambda: None)
     try:
-        assert TestClient(app).get("/health").json() == {"status": "ok", "guard": None}  # no lifespan: nothing loads
+        health = TestClient(app).get("/health").json()  # no lifespan: nothing loads
+        assert health["status"] == "ok" and health["guard"] is None
     finally:
         app.state.runtime.close()

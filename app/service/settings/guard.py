@@ -1,4 +1,4 @@
-"""The online accuracy guard of the served model (app/service/guard.py; docs/architecture.md)."""
+"""The online accuracy guard of the served model (app/service/guard/; docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,15 @@ class GuardSettings(AreaSettings):
     guard_enabled: bool = Field(True, description="Shadow-check approximate reuse against full prefill and widen the seam "
                                 "or fall back to prefix when agreement drops.")
     guard_sample_rate: float = Field(0.05, ge=0.0, le=1.0, description="Share of admitted requests shadow-checked (when the engine is idle).")
-    guard_greedy_sample: float = Field(0.2, ge=0.0, le=1.0, description="Share of checks that also compare the first greedy tokens.")
-    guard_greedy_tokens: int = Field(8, ge=1, description="Greedy tokens compared by such a check.")
+    guard_greedy_sample: float = Field(1.0, ge=0.0, le=1.0, description="Share of checks that compare whole answers (the "
+                                       "first guard_answer_tokens greedy tokens); the rest compare the first token only.")
+    guard_answer_tokens: int = Field(32, ge=1, description="Greedy tokens an answer check compares with full prefill's; the "
+                                     "share of identical answers is the model's faithfulness estimate (/health, /metrics).")
+    guard_min_faithfulness: float | None = Field(None, ge=0.0, le=1.0, description="Share of identical answers below which "
+                                                 "the guard acts (when the upper end of its 95% interval falls below it); "
+                                                 "unset: the faithfulness measured for the model at release, the lower end of its "
+                                                 "95% interval (its model card's faithfulness.json, when measured over "
+                                                 "guard_answer_tokens tokens).")
     guard_window: int = Field(50, ge=1, description="Checks kept per (mode, seam) for the rolling agreement.")
     guard_min_checks: int = Field(20, ge=1, description="Checks in a window before the guard acts on it (<= guard_window).")
     guard_min_agreement: float = Field(0.9, ge=0.0, le=1.0, description="Rolling top-1 agreement below which the guard acts.")
