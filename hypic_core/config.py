@@ -142,6 +142,9 @@ class EngineConfig:
     scheduling: str = "fcfs"  # the waiting queue's policy: "fcfs" or "priority" (hypic_core/engine/request_queue.py)
     cold_prefill: str = "stitch"  # "stitch", "exact" or "auto" (see above)
     background_tokens: int = 1 << 20  # deferred cold work queued at most, in segment tokens
+    # With a store that reads disk or Redis: the longest an arriving request waits for its stored-tier lookups
+    # (hypic_core/engine/lookups.py); what has not returned by then is computed, and used from the next request.
+    lookup_deadline_s: float = 1.0
     # The batched decode forward: "lean" (hypic_core/runner/decode_step.py: fused weights, closed-form
     # one-token updates; a family it does not cover keeps the module path), "lean-packed" (the same on
     # a second, oneDNN-packed copy of the weights: faster at 2-8 rows on AVX2 CPUs) or "module" (the HF modules).
@@ -191,6 +194,8 @@ class EngineConfig:
             raise InvalidRequestError("repeats", f"must be one of {', '.join(REPEATS)}, got {self.repeats!r}")
         if self.background_tokens < 0:
             raise InvalidRequestError("background_tokens", f"must be >= 0, got {self.background_tokens}")
+        if not self.lookup_deadline_s > 0:
+            raise InvalidRequestError("lookup_deadline_s", f"must be > 0, got {self.lookup_deadline_s}")
         if self.decode_step not in DECODE_STEPS:
             raise InvalidRequestError("decode_step", f"must be one of {', '.join(DECODE_STEPS)}, got {self.decode_step!r}")
         if self.decode_kernel not in DECODE_KERNELS:

@@ -100,6 +100,16 @@ class SegmentStore(ABC):
         one already). Default: `lookup` (a store that is all memory)."""
         return self.lookup(key, token_ids)
 
+    def reads_stored(self, token_ids: tuple[int, ...]) -> bool:
+        """Whether a lookup of `token_ids` that misses in memory would wait on a disk or network read now.
+        Default: `slow`."""
+        return self.slow
+
+    def lookup_stored(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None:
+        """`lookup` once `lookup_memory` missed: the reads that may block (a hit lands in memory, where a
+        later `lookup_memory` finds it); a miss everywhere is counted. Default: `lookup`."""
+        return self.lookup(key, token_ids)
+
     def close(self) -> None:
         """Release the store's resources (a tiered store finishes queued disk writes). Default: none."""
 

@@ -91,17 +91,28 @@ class TieredSegmentStore(SegmentStore):
 
     # --- SegmentStore ---------------------------------------------------------------------
     def lookup(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None:
-        k, token_ids, t0, stored = key.to_str(), tuple(token_ids), time.perf_counter(), list(self.stored)
-        stored = stored if len(token_ids) >= self.disk_min_tokens else []
+        k, token_ids, t0 = key.to_str(), tuple(token_ids), time.perf_counter()
         with self._lock:
             found = self._lookup_memory(k, token_ids, t0)
-            if found is None and not stored:
-                self._stats.misses += 1
-                return None
         if found is not None:
             return self._served(key, found)
+        return self._lookup_stored_tiers(key, token_ids, t0)
+
+    def reads_stored(self, token_ids: tuple[int, ...]) -> bool:
+        """Whether a lookup of `token_ids` that misses in memory asks a stored tier now (one is available
+        and the segment is long enough for them)."""
+        return len(token_ids) >= self.disk_min_tokens and any(t.available for t in list(self.stored))
+
+    def lookup_stored(self, key: SegmentKey, token_ids: tuple[int, ...]) -> SegmentEntry | None:
+        """`lookup` past the memory tiers (the caller's `lookup_memory` missed): the stored tiers in order,
+        a hit placed in the hot tier (so a later `lookup_memory` finds it) and returned; a miss everywhere
+        is counted. Blocks on I/O, each tier's call bounded by its own timeout."""
+        return self._lookup_stored_tiers(key, tuple(token_ids), time.perf_counter())
+
+    def _lookup_stored_tiers(self, key: SegmentKey, token_ids: tuple[int, ...], t0: float) -> SegmentEntry | None:
+        stored = list(self.stored) if len(token_ids) >= self.disk_min_tokens else []
         # I/O, network and decoding run outside the lock.
-        dk = self.disk_key(key)
+        dk = self.disk_key(key) if stored else ""
         for i, tier in enumerate(stored):
             if not tier.available:
                 continue  # down: not asked, no miss counted

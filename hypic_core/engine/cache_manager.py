@@ -196,22 +196,24 @@ class CacheManager:
 
     def lookup(self, seq: Sequence, first: int) -> list[SegmentEntry | None]:
         """The canonical entries of context segments `first`.. in the store (a hit is verified against
-        its token ids), one per context segment (None before `first` and for a miss)."""
+        its token ids), one per context segment (None before `first` and for a miss). A sequence looked
+        up as it arrived (`seq.found`, hypic_core/engine/lookups.py) asks the memory tiers only: an entry
+        computed since, or a stored lookup that returned after its deadline, is there by now."""
         context, prefetched = seq.request.context, seq.found
         found: list[SegmentEntry | None] = [None] * len(context)
         for i, seg in enumerate(context[first:], start=first):
             if prefetched is None:
                 found[i] = self.store.lookup(self.key(seq, seg), seg)
-            else:  # looked up as it arrived; a miss then may have been computed since (memory only)
+            else:
                 found[i] = prefetched[i] or self.store.lookup_memory(self.key(seq, seg), seg)
         return found
 
-    def prefetch(self, seq: Sequence) -> None:
-        """(Any thread.) Look up `seq`'s stitched segments before it is laid out, keeping what was
-        found in `seq.found` for `lookup`: the disk and network reads of a slow store then run
-        outside the engine thread (hypic_core/engine/lookups.py). For a mode that looks up (`plan.looks_up`);
-        `first` of every later `lookup` is at least `exact_prefix`."""
-        seq.found = self.lookup(seq, seq.request.exact_prefix)
+    def lookup_keys(self, seq: Sequence) -> list[tuple[int, SegmentKey, tuple[int, ...]]]:
+        """(Any thread.) (context slot, key, token ids) of each segment `seq`'s plan may look up: its context
+        from `exact_prefix` on (the `first` of every later `lookup`), for a mode that looks up
+        (`plan.looks_up`). What hypic_core/engine/lookups.py looks up as the sequence arrives."""
+        context = seq.request.context
+        return [(i, self.key(seq, seg), seg) for i, seg in enumerate(context) if i >= seq.request.exact_prefix]
 
     def defer(self, progress: PrefillProgress) -> None:
         """Queue the entries a cold request served exactly left missing as background cold work

@@ -47,10 +47,6 @@ from .speculation import SpeculationStats, Speculator
 __all__ = ["AbortHandle", "Engine", "EntryLookup", "PrefillResult", "PrefillStats", "SpeculationStats", "StepOutput"]
 
 
-# How long a step with nothing running waits for the cache lookups in flight (then it runs what it has).
-LOOKUP_WAIT_S = 1.0
-
-
 @dataclass
 class PrefillResult:
     """A finished prefill (the `prefill` helper's result; `generate(prefilled=...)` decodes from it)."""
@@ -91,8 +87,9 @@ class Engine:
         self.speculator = Speculator(config, self.max_positions)
         self.speculation: SpeculationStats = self.speculator.stats  # counters since start (the gateway exports them)
         self.executor = Executor(self.runner, self.cache_manager, self.speculator, config)
-        # A store that reads disk or Redis is looked up off the engine thread (lookups.py).
-        self.lookups = Lookups(self.cache_manager.prefetch, self.scheduler.add) if getattr(store, "slow", False) else None
+        # A store that reads disk or Redis is looked up off the engine thread, each request within a deadline (lookups.py).
+        self.lookups = Lookups(store, self.cache_manager.lookup_keys, self.scheduler.add,
+                               config.lookup_deadline_s) if getattr(store, "slow", False) else None
 
     @property
     def config(self) -> EngineConfig:
@@ -102,6 +99,8 @@ class Engine:
     def config(self, config: EngineConfig) -> None:
         """Replace the engine's settings for the step (sequences, execution, speculation) from now on."""
         self._config = self.executor.config = self.speculator.config = self.cache_manager.config = config
+        if self.lookups is not None:
+            self.lookups.deadline_s = config.lookup_deadline_s
         self.scheduler.config = SchedulerConfig(config.max_running, config.max_step_tokens, config.running_budget_bytes)
 
     @property
@@ -158,7 +157,7 @@ class Engine:
             seq.prefill = PrefillProgress(prefilled.cache, logits=prefilled.logits)
             seq.stats, seq.num_computed_tokens = prefilled.stats, request.prompt_tokens
         elif self.lookups is not None and looks_up(seq.mode):
-            self.lookups.submit(seq)  # queued once its segments are looked up, off this thread
+            self.lookups.submit(seq)  # queued once its segments are looked up (or its deadline passed), off this thread
             return seq
         self.scheduler.add(seq)
         return seq
@@ -195,10 +194,8 @@ class Engine:
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one step (see the module docstring); return what it produced, in no particular order."""
-        if self.lookups is not None and self.lookups.pending and not self.scheduler.num_active:
-            # Nothing runs yet: wait (briefly) for the lookups in flight, so requests added together
-            # are admitted together. With sequences running, a step never waits for a lookup.
-            self.lookups.wait(LOOKUP_WAIT_S)
+        if self.lookups is not None:  # requests whose lookups are done or past their deadline join the scheduler
+            self.lookups.settle(idle=not self.scheduler.has_work())
         with self._lock, torch.inference_mode():
             scheduled = self.scheduler.schedule()
             executed = self.executor.execute(scheduled)

@@ -47,6 +47,7 @@ class AbortHandle:
 
 
 class Status(enum.Enum):
+    LOOKING_UP = "looking_up"  # its segments' stored-tier lookups are out (lookups.py); not yet in the scheduler
     WAITING = "waiting"  # admitted, not yet scheduled
     PREFILLING = "prefilling"  # its prompt is being computed, possibly over several steps
     RUNNING = "running"  # decoding one token per step
@@ -203,7 +204,7 @@ class Sequence:
     stats: PrefillStats | None = None
     num_computed_tokens: int = 0  # the cursor: prompt and output tokens in its cache (a restored snapshot counts)
     prefill: PrefillProgress | None = None  # set when admitted, cleared when its decoding starts
-    found: list | None = None  # its segments' store entries, looked up off the engine thread (lookups.py)
+    found: list | None = None  # its segments' store entries, looked up as it arrived (lookups.py); None: not yet
     drafter: Any = None  # its PromptLookup (drafting.py), made on its first draft
     draft_budget: DraftBudget = field(default_factory=DraftBudget)  # how many tokens it drafts next
     cache: Any = None  # the sequence's own cache between prefill and joining the decode batch

@@ -1,10 +1,15 @@
-"""A slow or stopped shared tier never stalls HTTP or the other streams.
+"""A slow or stopped shared tier costs the new request, never HTTP or the other streams.
 
-A stitched request's segment lookups may read the disk or wait on Redis (up to its timeout).
-They run on the engine's lookup threads (hypic_core/engine/lookups.py), not on the HTTP event
-loop and not under the scheduler's lock, and not on the engine thread: `/health` answers at
-once and requests whose lookups are done keep running. Against a real redis-server: behind a
-proxy that holds every reply 0.4 s, and stopped with SIGSTOP under a 5 s timeout.
+A stitched request's segment lookups may read the disk or wait on Redis (up to its timeout). The
+memory tiers are asked as it arrives; the stored tiers on the engine's lookup threads
+(hypic_core/engine/lookups.py), in parallel, never on the HTTP event loop or the engine thread, and
+the request waits for them at most its deadline (`EngineConfig.lookup_deadline_s`, 1 s here): what
+has not returned by then is computed, the same canonical bytes, so the answer does not change, and
+a lookup that returns later leaves its entry in memory for the next request. So `/health` answers at
+once, a warm request arriving behind slow lookups streams at once, running streams never pause,
+and the slow request itself waits about its deadline, not the tier's timeout. Against a real
+redis-server: behind a proxy that holds every reply (0.4 s, 2 s), and stopped with SIGSTOP under a
+5 s timeout.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ CORPUS = [
 ]
 WARM = {"question": "Who is the mayor of Varo?", "top_k": 2, "max_tokens": 24, "mode": "hypic"}
 COLD = {"question": "Which lake lies beside the old mill?", "top_k": 8, "max_tokens": 4, "mode": "hypic"}
+COLD2 = {**COLD, "question": "Who ground grain for Varo?"}  # the same eight chunks: both wait on the same lookups
+STREAM_BOUND_S = 1.0  # a warm stream's first token and every gap after it, on a loaded 2-core machine
 
 
 class DelayingProxy:
@@ -114,29 +121,40 @@ class HealthProbe:
         self._thread.join(timeout=30)
 
 
-def run_beside_a_slow_lookup(g) -> tuple[float, float]:
-    """Start COLD (at least six of its eight lookups wait on Redis), then stream WARM (its entries are in memory) while
-    COLD is still looking up: WARM ends first. Returns (WARM's whole time, COLD's whole time)."""
+def stream_events(g, body: dict) -> tuple[list[float], float]:
+    """Stream `body` from /query: (arrival time of each SSE event, when the request was sent)."""
+    sent, times = time.perf_counter(), []
+    with httpx.stream("POST", f"{g.url}/query", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                times.append(time.perf_counter())
+    return times, sent
+
+
+def run_beside_slow_lookups(g) -> tuple[float, float, float]:
+    """Send COLD and COLD2 (their eight chunks miss memory, so they wait on Redis; with lookups on two
+    threads as before, both threads are then busy), then stream WARM (its entries are in memory).
+    Returns (WARM's first token after it was sent, the longest gap between its events, the cold
+    requests' longest whole time)."""
     ends: dict[str, float] = {}
 
-    def cold() -> None:
-        r = httpx.post(f"{g.url}/query", json=COLD, timeout=60)
+    def cold(body: dict) -> None:
+        t = time.perf_counter()
+        r = httpx.post(f"{g.url}/query", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        ends["cold"] = time.perf_counter()
+        ends[body["question"]] = time.perf_counter() - t
 
-    t0 = time.perf_counter()
-    thread = threading.Thread(target=cold)
-    thread.start()
-    time.sleep(0.1)  # COLD is in its lookups
-    t1 = time.perf_counter()
-    with httpx.stream("POST", f"{g.url}/query", json={**WARM, "stream": True}, timeout=60) as r:
-        assert r.status_code == 200
-        events = [line for line in r.iter_lines() if line.startswith("data:")]
-    ends["warm"] = time.perf_counter()
-    thread.join(timeout=60)
-    assert len(events) > 3 and "cold" in ends
-    assert ends["warm"] < ends["cold"], (ends["warm"] - t1, ends["cold"] - t0)  # it did not wait for COLD
-    return ends["warm"] - t1, ends["cold"] - t0
+    threads = [threading.Thread(target=cold, args=(b,)) for b in (COLD, COLD2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)  # both are in their lookups
+    times, sent = stream_events(g, WARM)
+    for t in threads:
+        t.join(timeout=60)
+    assert len(times) > 3 and len(ends) == 2
+    gaps = [b - a for a, b in zip(times, times[1:])]  # from the `sources` event on: the first token's wait included
+    return times[1] - sent, max(gaps), max(ends.values())
 
 
 @pytest.fixture
@@ -145,7 +163,7 @@ def redis(redis_server):
     return redis_server
 
 
-def test_a_redis_answering_in_400ms_stalls_neither_http_nor_other_streams(redis, tiny_tokenizer, tmp_path):
+def test_a_redis_answering_in_400ms_costs_neither_http_nor_a_warm_stream(redis, tiny_tokenizer, tmp_path):
     proxy = DelayingProxy(redis.port)
     app, store = gateway(tmp_path / "g", tiny_tokenizer, proxy.url, timeout_s=5.0)
     try:
@@ -154,15 +172,18 @@ def test_a_redis_answering_in_400ms_stalls_neither_http_nor_other_streams(redis,
             assert httpx.post(f"{g.url}/query", json=WARM, timeout=60).status_code == 200  # WARM's entries in memory
             proxy.delay = 0.4
             with HealthProbe(g.url) as health:
-                warm, cold = run_beside_a_slow_lookup(g)
+                first, gap, cold = run_beside_slow_lookups(g)
     finally:
         proxy.delay = 0.0
         store.close()
         proxy.close()
-    assert health.count >= 5 and health.worst < 0.2, (health.worst, warm, cold)
+    # Lookups one after another on two threads: WARM waited ~3.2 s (eight lookups of 0.4 s) before its first token.
+    assert first < STREAM_BOUND_S and gap < STREAM_BOUND_S, (first, gap, cold)
+    assert cold < 3.0, cold  # eight 0.4 s lookups in parallel (or the deadline), not one after another
+    assert health.count >= 5 and health.worst < 0.2, (health.worst, first, gap, cold)
 
 
-def test_a_stopped_redis_stalls_neither_http_nor_other_streams(redis, tiny_tokenizer, tmp_path):
+def test_a_stopped_redis_costs_the_new_request_its_deadline_not_the_timeout(redis, tiny_tokenizer, tmp_path):
     app, store = gateway(tmp_path / "g", tiny_tokenizer, redis.url, timeout_s=5.0)
     try:
         with single_torch_thread(), LiveServer(app) as g:
@@ -171,10 +192,48 @@ def test_a_stopped_redis_stalls_neither_http_nor_other_streams(redis, tiny_token
             os.kill(redis.process.pid, signal.SIGSTOP)
             try:
                 with HealthProbe(g.url) as health:
-                    warm, cold = run_beside_a_slow_lookup(g)
+                    first, gap, cold = run_beside_slow_lookups(g)
             finally:
                 os.kill(redis.process.pid, signal.SIGCONT)
     finally:
         store.close()
-    assert cold > 5.0  # it waited out the timeout
-    assert health.count >= 20 and health.worst < 0.2, (health.worst, warm, cold)
+    # Before: WARM waited ~5 s for a lookup thread, and each cold request out the 5 s timeout.
+    assert first < STREAM_BOUND_S and gap < STREAM_BOUND_S, (first, gap, cold)
+    assert cold < 4.0, cold  # its 1 s deadline and its own prefill, well under the 5 s timeout
+    assert health.count >= 10 and health.worst < 0.2, (health.worst, first, gap, cold)
+
+
+def test_an_entry_that_arrives_after_its_deadline_serves_the_next_request_and_answers_do_not_change(
+        redis, tiny_tokenizer, tmp_path):
+    """g0 computes COLD's entries into Redis; g1 (memory empty) reaches Redis through a proxy holding each
+    reply 2 s, past its 1 s deadline: its COLD is computed cold (keeping nothing itself), the lookups land
+    their entries in g1's memory afterwards, and the next COLD composes them. All three answers agree."""
+    app0, store0 = gateway(tmp_path / "g0", tiny_tokenizer, redis.url, timeout_s=5.0)
+    try:
+        with single_torch_thread(), LiveServer(app0) as g0:
+            g0.wait_ready()
+            r0 = httpx.post(f"{g0.url}/query", json=COLD, timeout=60).json()
+            store0.flush()
+    finally:
+        store0.close()
+    proxy = DelayingProxy(redis.port)
+    app1, store1 = gateway(tmp_path / "g1", tiny_tokenizer, proxy.url, timeout_s=5.0)
+    try:
+        with single_torch_thread(), LiveServer(app1) as g1:
+            g1.wait_ready()
+            before = store1.stats().hits["redis"]
+            proxy.delay = 2.0
+            r1 = httpx.post(f"{g1.url}/query", json={**COLD, "cache": {"store": False}}, timeout=60).json()
+            deadline = time.monotonic() + 30
+            while store1.stats().hits["redis"] < before + 8 and time.monotonic() < deadline:
+                time.sleep(0.1)  # the late lookups return
+            proxy.delay = 0.0
+            late = store1.stats().hits["redis"] - before
+            r2 = httpx.post(f"{g1.url}/query", json=COLD, timeout=60).json()
+            assert store1.stats().hits["redis"] - before == late  # served from memory, not asked again
+    finally:
+        store1.close()
+        proxy.close()
+    assert late == 8, late
+    assert r1["usage"]["composed_tokens"] == 0 and r2["usage"]["composed_tokens"] > 0, (r1["usage"], r2["usage"])
+    assert r0["answer"] == r1["answer"] == r2["answer"]

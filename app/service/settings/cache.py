@@ -32,8 +32,11 @@ class CacheSettings(AreaSettings):
     redis_ttl_s: int = Field(7 * 24 * 3600, ge=0, description="An entry unused this many seconds expires from Redis; 0: never.")
     redis_prefix: str = Field("hypic:", min_length=1, description="Prefix of every key the tier writes; gateways with the same "
                               "prefix share entries and one redis_max_bytes budget.")
-    redis_timeout_s: float = Field(0.5, gt=0, description="Connect and per-call socket timeout: the longest a lookup waits for "
-                                   "Redis before serving without it.")
+    redis_timeout_s: float = Field(0.5, gt=0, description="Connect and per-call socket timeout: the longest one Redis call "
+                                   "waits before the tier is counted down and skipped.")
+    lookup_deadline_s: float = Field(1.0, gt=0, description="The longest an arriving request waits for its disk and Redis "
+                                     "lookups (they run off the engine thread, in parallel); what has not returned by then "
+                                     "is computed for it, and kept in memory for the next request when it returns.")
     cache_secret: SecretStr | None = Field(None, description="The deployment's secret, the same on every replica: the key of "
                                            "the HMAC that signs each entry in the shared (Redis) tier, so that whoever can "
                                            "write to Redis cannot plant one. Required with redis_url; use 32 random bytes "
