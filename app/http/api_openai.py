@@ -32,7 +32,7 @@ import uuid
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hypic_core.config import MAX_SEED
 from hypic_core.engine.sequence import StepOutput
@@ -44,6 +44,7 @@ from ..service.prompter import Prompt
 from ..service.runtime import Runtime
 from ..service.tenants import cache_salt
 from . import schemas, sse
+from .api_query import mode_named
 from .errors import APIError, from_stream_failure, shown
 from .generation import CacheOptions, SamplingExtras, collect
 from .tenancy import tenant_of
@@ -115,6 +116,11 @@ class _Common(SamplingExtras):
     prompt_cache_key: str | None = Field(None, max_length=1024, description="OpenAI's grouping hint; accepted, the cache "
                                          "stays the key's tenant's whatever it says.")
     top_k: int = Field(-1, ge=-1, description="Sample from the k most likely tokens; -1 or 0: all.")  # vLLM's
+
+    @field_validator("mode")
+    @classmethod
+    def _mode_named(cls, value: str | None) -> str | None:
+        return mode_named(value)
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

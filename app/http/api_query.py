@@ -78,6 +78,19 @@ class QueryRequest(SamplingExtras):
             raise PydanticCustomError("empty", "must not be empty")
         return value
 
+    @field_validator("mode")
+    @classmethod
+    def _mode_named(cls, value: str | None) -> str | None:
+        return mode_named(value)
+
+
+def mode_named(value: str | None) -> str | None:
+    """A request's `mode` as given; an empty one is refused (leave the field out for the default mode)."""
+    if value is not None and not value.strip():
+        raise PydanticCustomError("empty", "must not be empty: full, prefix, pic-naive or hypic, or leave it out "
+                                           "for the default")
+    return value
+
 
 class QueryParams(QueryRequest):
     """GET /query takes the same fields as query parameters (`document_ids` repeated) and

@@ -105,7 +105,7 @@ class Runtime:
         self.guard: Guard | None = None  # the accuracy guard (app/service/guard.py), set once loaded
         self.collections: Collections | None = None  # every tenant's documents (app/service/tenants.py), set once loaded
         self.quotas = Quotas(settings.tenant_max_documents, settings.tenant_max_bytes, settings.tenant_max_requests)
-        self.tenant_labels = TenantLabels(list(settings.tenant_keys.values()))
+        self.tenant_labels = TenantLabels(list(settings.tenant_keys.values()), named=settings.metrics_tenant_labels)
         self.model_name = settings.served_model_name
         self.load_error: str | None = None
         self.created = int(time.time())

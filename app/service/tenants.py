@@ -60,6 +60,18 @@ def check_collection_name(value: object, param: str) -> str:
     return value
 
 
+def check_shared_collection_name(value: object, param: str) -> str:
+    """`value` if it can name a shared collection, else ValueError naming `param`: a collection name, and not
+    DEFAULT_COLLECTION (every tenant's own index, the one a request without `collections` reads: shared, a
+    tenant's upload without a collection would be listed by every other and the operator's index would
+    be hidden)."""
+    check_collection_name(value, param)
+    if value == DEFAULT_COLLECTION:
+        raise ValueError(f"{param}: {DEFAULT_COLLECTION!r} is every tenant's own collection and cannot be shared; "
+                         "give the shared collection another name")
+    return value
+
+
 def parse_keys(source: str | Mapping, param: str) -> dict[str, str]:
     """{key: tenant} from a JSON object (text or parsed); ValueError naming `param` for anything else."""
     try:
@@ -242,12 +254,19 @@ class Quotas:
                                               "allowed (HYPIC_TENANT_MAX_BYTES); delete some first")
 
 
-class TenantLabels:
-    """Metric label values for tenants, bounded: the configured tenants (and 'default') up to
-    MAX_LABELLED_TENANTS, anything else "other"."""
+ALL_TENANTS = "all"  # the one `tenant` label value while tenant names stay off /metrics
 
-    def __init__(self, tenants: Sequence[str], limit: int = MAX_LABELLED_TENANTS) -> None:
-        self.known = frozenset(sorted({DEFAULT_TENANT, *tenants})[:limit])
+
+class TenantLabels:
+    """Metric label values for tenants. /metrics needs no key, so tenant names are label values only where
+    the operator opts in (`named`, HYPIC_METRICS_TENANT_LABELS): then the configured tenants (and
+    'default') up to MAX_LABELLED_TENANTS, anything else "other"; otherwise every tenant is ALL_TENANTS."""
+
+    def __init__(self, tenants: Sequence[str], limit: int = MAX_LABELLED_TENANTS, named: bool = False) -> None:
+        self.named = named
+        self.known = frozenset(sorted({DEFAULT_TENANT, *tenants})[:limit]) if named else frozenset()
 
     def __call__(self, tenant: str) -> str:
+        if not self.named:
+            return ALL_TENANTS
         return tenant if tenant in self.known else "other"

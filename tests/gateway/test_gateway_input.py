@@ -100,6 +100,17 @@ def test_seed_outside_64_bits_is_a_400(client, seed, stream):
     refused(client.post("/v1/completions", json={"model": "tiny", "prompt": "q", "max_tokens": 2, "seed": seed, "stream": stream}), "seed")
 
 
+@pytest.mark.parametrize("mode", ["", "  "], ids=["empty", "blank"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_an_empty_mode_is_a_400_naming_mode_not_the_default(client, mode, stream):
+    refused(client.post("/query", json={"question": "q", "max_tokens": 2, "mode": mode, "stream": stream}), "mode")
+    refused(client.get("/query", params={"question": "q", "max_tokens": 2, "mode": mode, "stream": stream}), "mode")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2, "mode": mode, "stream": stream}
+    refused(client.post("/v1/chat/completions", json=chat), "mode")
+    refused(client.post("/v1/completions", json={"model": "tiny", "prompt": "q", "max_tokens": 2, "mode": mode,
+                                                 "stream": stream}), "mode")
+
+
 def test_largest_seed_samples_reproducibly(client):
     body = {"question": "Who founded Brill?", "max_tokens": 4, "temperature": 1.0, "seed": 2**64 - 1}
     first, second = client.post("/query", json=body), client.post("/query", json=body)

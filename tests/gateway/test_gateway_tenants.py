@@ -34,7 +34,7 @@ PUBLIC = "The river Alna flows through Varo into the sea; the cafe by the bridge
 def gateway(tiny_tokenizer, tmp_path_factory):
     app = tiny_gateway(tmp_path_factory.mktemp("tenants"), tiny_tokenizer, CORPUS, api_key="legacy",
                        api_keys=json.dumps(KEYS), shared_collections={"public": ["alice"]}, cold_prefill="stitch",
-                       tenant_max_documents=6, tenant_max_bytes=2000, tenant_max_requests=2)
+                       tenant_max_documents=6, tenant_max_bytes=2000, tenant_max_requests=2, metrics_tenant_labels=True)
     with gateways.served(app, headers={"Authorization": "Bearer legacy"}) as live:
         yield live, app
 
@@ -263,9 +263,21 @@ def test_keys_settings_are_checked_at_startup(tmp_path):
         Settings(_env_file=None, api_keys_file=tmp_path / "missing.json")
 
 
+def test_the_default_collection_cannot_be_shared(monkeypatch):
+    """Shared, 'default' would make every tenant's upload without a collection everyone's, and hide the operator's index."""
+    with pytest.raises(ValueError, match="shared_collections: 'default' is every tenant's own collection"):
+        Settings(_env_file=None, shared_collections={"default": ["alice"]})
+    monkeypatch.setenv("HYPIC_SHARED_COLLECTIONS", '{"public": [], "default": []}')
+    with pytest.raises(ValueError, match="shared_collections: 'default'"):
+        Settings(_env_file=None)
+    monkeypatch.setenv("HYPIC_SHARED_COLLECTIONS", '{"public": ["alice"]}')
+    assert Settings(_env_file=None).shared_collections == {"public": ["alice"]}
+
+
 def test_tenant_labels_are_bounded_and_salts_differ():
-    labels = TenantLabels([f"t{i}" for i in range(100)], limit=10)
+    labels = TenantLabels([f"t{i}" for i in range(100)], limit=10, named=True)
     assert len({labels(f"t{i}") for i in range(100)}) <= 11 and labels("stranger") == "other"
+    assert {TenantLabels(["alice"])(t) for t in ("alice", "default", "stranger")} == {"all"}  # names only when opted in
     assert cache_salt("default") == "" and cache_salt("alice") != cache_salt("bob")
     assert Collections.__doc__
 
@@ -357,3 +369,16 @@ def test_several_collections_are_searched_together_and_document_ids_span_them(ga
     r = erin.post("/search", json=both | {"document_ids": ["m2", "nope"]})
     assert r.status_code == 400 and param_of(r) == "document_ids"
     erin.close()
+
+
+def test_metrics_name_no_tenant_unless_the_operator_opts_in(tiny_tokenizer, tmp_path):
+    """/metrics needs no key: by default every tenant is counted under tenant="all" (HYPIC_METRICS_TENANT_LABELS)."""
+    app = tiny_gateway(tmp_path, tiny_tokenizer, CORPUS, api_keys=json.dumps(KEYS), cold_prefill="stitch")
+    with gateways.served(app) as live, httpx.Client(base_url=live.url, timeout=60,
+                                                    headers={"Authorization": "Bearer key-a"}) as alice:
+        assert alice.post("/query", json={"question": "Who is the mayor of Varo?", "max_tokens": 1}).status_code == 200
+        assert add(alice, "note", "A note of alice's.").status_code == 201
+        metrics = httpx.get(f"{live.url}/metrics").text
+    assert 'hypic_tenant_requests_total{model_name="tiny",status="200",tenant="all"}' in metrics
+    assert 'hypic_tenant_prompt_tokens_total{kind=' in metrics and 'tenant="all"' in metrics
+    assert not any(f'tenant="{name}"' in metrics for name in (*KEYS.values(), "default", "other"))

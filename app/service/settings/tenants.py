@@ -28,6 +28,9 @@ class TenantSettings(AreaSettings):
                                   "beyond: 429. 0: no limit.")
     tenant_max_requests: int = Field(0, ge=0, description="Requests one tenant may have in flight at once (the probes "
                                      "excepted); beyond: 429 with Retry-After. 0: no limit.")
+    metrics_tenant_labels: bool = Field(False, description="Label the hypic_tenant_* metrics with tenant names "
+                                        "(/metrics needs no key: whoever reaches it then sees each tenant's name, traffic "
+                                        "and cache reuse). Off: every tenant is counted under tenant=\"all\".")
     _tenant_keys: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @field_validator("api_key")
@@ -37,7 +40,7 @@ class TenantSettings(AreaSettings):
 
     @model_validator(mode="after")
     def _tenant_keys_read(self) -> "TenantSettings":
-        from ..tenants import DEFAULT_TENANT, check_collection_name, parse_keys
+        from ..tenants import DEFAULT_TENANT, check_shared_collection_name, parse_keys
 
         keys: dict[str, str] = {}
         sources = [("api_key", {self.api_key.get_secret_value(): DEFAULT_TENANT} if self.api_key is not None else {})]
@@ -56,7 +59,7 @@ class TenantSettings(AreaSettings):
                 keys[key] = tenant
         self._tenant_keys = keys
         for collection, writers in self.shared_collections.items():
-            check_collection_name(collection, "shared_collections")
+            check_shared_collection_name(collection, "shared_collections")
             for tenant in writers:
                 parse_keys({"-": tenant}, "shared_collections")
         return self
