@@ -15,7 +15,11 @@ stay together) and reads the percentile interval of the resampled means.
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from typing import NamedTuple, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def mcnemar_exact(lost: int, gained: int) -> float:
@@ -75,13 +79,11 @@ def paired_bootstrap_ci_reference(a: Sequence[float], b: Sequence[float] | None 
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> Interval:
-    """A share `successes / n` with its Wilson score interval (fractions, not percent). Raises ValueError for n < 1."""
-    if n < 1 or not 0 <= successes <= n:
-        raise ValueError(f"wilson_interval: need 0 <= successes <= n and n >= 1, got {successes}/{n}")
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return Interval(p, max(0.0, centre - half), min(1.0, centre + half))
+    """A share `successes / n` with its Wilson score interval (fractions, not percent): the accuracy guard's
+    (app/service/guard/policy.py), so the benchmark and the gate judge a share alike. Raises ValueError for n < 1."""
+    from app.service.guard.policy import wilson_interval as guard_wilson
+
+    return Interval(*guard_wilson(successes, n, z))
 
 
 def _differences(a: Sequence[float], b: Sequence[float] | None) -> list[float]:
