@@ -6,7 +6,8 @@ bytes they read. `NativeMatmul.linear` takes W as:
 
 - fp32: exact up to summation order;
 - fp16 (`w.half()`) or bf16 (`to_bf16(w)`): half the bytes, the weights rounded (lossy), widened to
-  fp32 exactly in the kernel; the activations and sums stay fp32;
+  fp32 exactly in the kernel; the activations and sums stay fp32, except bf16 on the avx512bf16 variant
+  (vdpbf16ps: the activations rounded to bf16 as well, 32 at a time; sums fp32);
 - int8 with one fp32 scale per output row (`quantize_int8`: symmetric, max |w| -> 127): a quarter of the
   bytes, lossier still.
 
@@ -14,8 +15,8 @@ The same library holds the step's other fp32 ops (`add_rmsnorm`, `silu_mul`, `at
 one call where torch ran 5-30 small ops; tests/engine/test_decode_ops.py holds each to the torch code it
 replaces, and `reference` is the plain torch product the matmul tests compare with.
 
-The library is built once per ISA variant (native/library.py: avx512, avx2, generic; the best one the
-CPU's flags allow is picked) into `cache_dir()` (or a directory built ahead of time by
+The library is built once per ISA variant (native/library.py: avx512bf16, avx512, avx2, generic; the best
+one the CPU's flags allow is picked) into `cache_dir()` (or a directory built ahead of time by
 `python -m hypic_core.runner.native build`), checked (owner, mode, no symlinks, size, ELF header,
 sha256 against its manifest) and loaded from the checked bytes. `native()` returns None, with the
 reason logged once as a warning, when no variant can be built or loaded (no compiler and nothing

@@ -1,8 +1,9 @@
 """The native kernel library as code we load (hypic_core/runner/native/, decode_matmul.native()).
 
 - Every ISA variant compiles as strict C++17 (-Werror -Wextra -Wvla -pedantic-errors); each one this CPU
-  runs matches the plain torch references (fp32, fp16, bf16 and int8 weights; the norm, the gate and
-  attention); the variant picked follows the CPU's flags, generic last; kernel_status() names it.
+  runs matches the plain torch references (fp32, fp16, bf16 and int8 weights; avx512bf16's bf16 product
+  against x rounded to bf16 as vdpbf16ps rounds it; the norm, the gate and attention); the variant picked
+  follows the CPU's flags, generic last; kernel_status() names it.
 - Hostile kernel directories, in a child process (a library that loads runs its code there, never
   here): a planted library (its constructor writes a marker file), a symlinked library and a symlinked
   variant directory (each beside a manifest forged to match what they point at), a truncated library,
@@ -66,6 +67,7 @@ def test_the_variant_follows_the_cpu_flags():
     assert library.pick(avx2).name == "avx2"
     assert library.pick(avx2 | {"avx512f", "avx512bw"}).name == "avx2"  # avx512vl missing
     assert library.pick(avx2 | {"avx512f", "avx512bw", "avx512vl"}).name == "avx512"
+    assert library.pick(avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}).name == "avx512bf16"
     assert library.key(library.BY_NAME["avx2"]) != library.key(library.BY_NAME["avx512"])  # the variant is in the key
     with pytest.raises(RuntimeError, match="unknown kernel variant"):
         decode_matmul.build(variant="sse9")
@@ -95,7 +97,11 @@ def test_each_variant_this_cpu_runs_matches_the_references(variant, built):
         x, w, bias = torch.randn(rows, n, generator=g), torch.randn(out, n, generator=g), torch.randn(out, generator=g)
         for weight, scales, tol in ((w, None, 1e-4), (w.half(), None, 1e-4), (decode_matmul.to_bf16(w), None, 1e-4),
                                     (*decode_matmul.quantize_int8(w), 1e-3)):
-            ref = decode_matmul.reference(x, weight, bias, scales)  # the rounded weights, widened: same products
+            xr = x
+            if weight.dtype == torch.bfloat16 and variant == "avx512bf16":  # vdpbf16ps rounds x too, 32 at a time
+                xr, whole = x.clone(), n // 32 * 32
+                xr[:, :whole] = xr[:, :whole].bfloat16().float()
+            ref = decode_matmul.reference(xr, weight, bias, scales)  # the rounded weights, widened: same products
             got = kernels.linear(x, weight.contiguous(), bias, scales)
             err = (got - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
             assert err < tol, f"{variant} {weight.dtype} {rows}x{out}x{n}: relative error {err:.2e}"

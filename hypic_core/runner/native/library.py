@@ -1,8 +1,8 @@
 """The kernel library as code we load: one build per ISA variant, picked by the CPU's features, each
 checked byte for byte before it is loaded.
 
-Variants, best first (`VARIANTS`): `avx512` (AVX-512 F/BW/VL), `avx2` (AVX2 + FMA + F16C) and `generic`
-(plain C++, any CPU). `pick` takes the first whose CPU flags (/proc/cpuinfo) are all present, as
+Variants, best first (`VARIANTS`): `avx512bf16` (as avx512, bf16 weights on vdpbf16ps), `avx512` (AVX-512
+F/BW/VL), `avx2` (AVX2 + FMA + F16C) and `generic` (plain C++, any CPU). `pick` takes the first whose CPU flags (/proc/cpuinfo) are all present, as
 ggml-cpu does; the same sources build every variant (simd.h gives each its vector type).
 
 Layout under the kernels directory `root` (HYPIC_KERNELS_DIR, ~/.cache/hypic/kernels, or the image's
@@ -15,7 +15,7 @@ Trust (`load`): `root` and the variant directory must be real directories (opene
 through a symlink) owned by this user or root and not writable by group or others; the manifest and the
 library are read through O_NOFOLLOW descriptors (regular files, same owner and mode rules), the bytes
 read are checked (size, ELF header for this machine, sha256 against the manifest), and those same
-bytes are what `dlopen` maps: a private copy in a memfd (or a fresh 0700 temporary directory), so the
+bytes are what `dlopen` maps: a private copy in a memfd (or a fresh private temporary directory), so the
 checked file is the loaded file and a truncated one never reaches dlopen. Whatever fails a check is
 never loaded: `Untrusted` says why; the caller rebuilds (`build`) when it can, else runs torch.
 """
@@ -55,11 +55,14 @@ class Variant:
 
 
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", *_AVX2, "-DHYPIC_AVX512",
+           # GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own `__Y = __Y` (GCC bug 105593)
+           "-Wno-uninitialized", "-Wno-maybe-uninitialized")
+_AVX512_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c")
 VARIANTS = (  # best first
-    # GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own `__Y = __Y` (GCC bug 105593)
-    Variant("avx512", ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"),
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", *_AVX2, "-DHYPIC_AVX512", "-Wno-uninitialized",
-             "-Wno-maybe-uninitialized")),
+    # as avx512, but bf16 weights multiply on vdpbf16ps: the activations rounded to bf16 too (linear.cpp)
+    Variant("avx512bf16", (*_AVX512_NEEDS, "avx512_bf16"), (*_AVX512, "-mavx512bf16", "-DHYPIC_AVX512BF16")),
+    Variant("avx512", _AVX512_NEEDS, _AVX512),
     Variant("avx2", ("avx2", "fma", "f16c"), (*_AVX2, "-DHYPIC_AVX2")),
     Variant("generic", (), ()),
 )
@@ -126,10 +129,11 @@ def _check_owner_mode(st: os.stat_result, what: str) -> None:
 
 
 def _open_dir(name: str | Path, dir_fd: int | None = None, create: bool = False) -> int:
-    """An O_NOFOLLOW descriptor of a directory we trust (created 0700 when asked and missing)."""
+    """An O_NOFOLLOW descriptor of a directory we trust (created 0755 when asked and missing: readable by an
+    image's unprivileged user, writable by its owner alone)."""
     if create:
         try:
-            os.mkdir(name, 0o700, dir_fd=dir_fd)
+            os.mkdir(name, 0o755, dir_fd=dir_fd)
         except FileExistsError:
             pass
         except OSError as exc:
