@@ -15,6 +15,10 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HYPIC_TORCH_THREADS", "1")  # gateways the tests start share a busy machine
+# The suite's model is hypic-tiny (4M parameters, in the repository), whatever the shell says: the
+# gateway's default (Settings.model) is the real-language hybrid, and gateways the tests start in
+# subprocesses read this too. A test of another model sets HYPIC_MODEL or `model` itself.
+os.environ["HYPIC_MODEL"] = "hypic-tiny"
 # No random shadow checks in the suite (they would add engine work between requests at random);
 # tests/gateway/test_guard.py sets the guard's rates itself.
 os.environ.setdefault("HYPIC_GUARD_SAMPLE_RATE", "0")

@@ -30,7 +30,7 @@ from .errors import NotReadyError
 from .guard import Guard, release_for
 from .metrics import Metrics
 from .prompter import Prompter
-from .settings import DEFAULT_INDEX_DIR, Settings
+from .settings import Settings
 from .tenants import Collections, Quotas, TenantLabels
 from .tokens import TokenText
 
@@ -76,9 +76,9 @@ def load_index(settings: Settings) -> VectorIndex:
 
 def corpus_to_seed(settings: Settings) -> Path | None:
     """The corpus to ingest into an empty index at startup: `corpus_path` when it was set
-    explicitly; the demo corpus (its default) only into the default `index_dir`, so an index the
-    user pointed the gateway at never receives demo documents. None: ingest nothing."""
-    if "corpus_path" in settings.model_fields_set or settings.index_dir == Path(DEFAULT_INDEX_DIR):
+    explicitly; the model's demo corpus (its default) only into the model's default `index_dir`,
+    so an index the user pointed the gateway at never receives demo documents. None: ingest nothing."""
+    if "corpus_path" in settings.model_fields_set or settings.demo_index:
         return settings.corpus_path
     return None
 

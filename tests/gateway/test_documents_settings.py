@@ -10,7 +10,7 @@ import pytest
 
 from app.http.server import create_app
 from app.service.runtime import build_chunker, corpus_to_seed
-from app.service.settings import DEFAULT_INDEX_DIR, DEMO_CORPUS_PATH, Settings
+from app.service.settings import DEFAULT_INDEX_DIR, DEFAULT_MODEL, DEMO_CORPUS_PATH, TINY_CORPUS_PATH, TINY_INDEX_DIR, Settings
 from app.testing import LiveServer, single_torch_thread, tiny_engine
 from retrieval import HashingEmbedder, VectorIndex
 
@@ -26,7 +26,8 @@ def settings(**overrides) -> Settings:
 
 
 def test_disk_cache_is_on_by_default_beside_the_index(tmp_path, monkeypatch):
-    assert settings().cache_dir == Path("data/cache")
+    assert settings(model=DEFAULT_MODEL).cache_dir == Path("data/cache")
+    assert settings(model="hypic-tiny").cache_dir == Path("data/hypic-tiny/cache")  # the toy model's world apart
     assert settings(index_dir=tmp_path / "index").cache_dir == tmp_path / "cache"
     assert settings(index_dir=tmp_path / "index", cache_dir=tmp_path / "elsewhere").cache_dir == tmp_path / "elsewhere"
     assert settings(cache_dir=None).cache_dir is None
@@ -39,8 +40,19 @@ def test_disk_cache_is_on_by_default_beside_the_index(tmp_path, monkeypatch):
 
 
 def test_demo_corpus_seeds_only_the_default_index(tmp_path, monkeypatch):
-    assert corpus_to_seed(settings()) == Path(DEMO_CORPUS_PATH)
-    assert corpus_to_seed(settings(index_dir=Path(DEFAULT_INDEX_DIR))) == Path(DEMO_CORPUS_PATH)
+    real = settings(model=DEFAULT_MODEL)
+    assert (real.index_dir, corpus_to_seed(real)) == (Path(DEFAULT_INDEX_DIR), Path(DEMO_CORPUS_PATH))
+    assert corpus_to_seed(settings(model=DEFAULT_MODEL, index_dir=Path(DEFAULT_INDEX_DIR))) == Path(DEMO_CORPUS_PATH)
+    assert corpus_to_seed(settings(model="smollm2-135m-instruct")) == Path(DEMO_CORPUS_PATH)  # any real-language model
+    tiny = settings(model="hypic-tiny")  # the suite's model (tests/conftest.py) and a named choice: its made-up world
+    assert (tiny.index_dir, corpus_to_seed(tiny)) == (Path(TINY_INDEX_DIR), Path(TINY_CORPUS_PATH))
+    assert corpus_to_seed(settings(model="hypic-tiny", index_dir=Path(DEFAULT_INDEX_DIR))) is None  # not into the real one
+    monkeypatch.setenv("HYPIC_MODEL_PATH", "hypic-tiny")  # the former name of `model` picks the defaults too
+    monkeypatch.delenv("HYPIC_MODEL")
+    assert corpus_to_seed(settings()) == Path(TINY_CORPUS_PATH)
+    monkeypatch.delenv("HYPIC_MODEL_PATH")
+    assert corpus_to_seed(settings()) == Path(DEMO_CORPUS_PATH)  # nothing named: the real default
+    monkeypatch.setenv("HYPIC_MODEL", "hypic-tiny")
     assert corpus_to_seed(settings(index_dir=tmp_path / "mine")) is None
     mine = tmp_path / "corpus.jsonl"
     assert corpus_to_seed(settings(index_dir=tmp_path / "mine", corpus_path=mine)) == mine
@@ -60,7 +72,7 @@ def _documents_after_start(engine, settings_: Settings, index: VectorIndex) -> l
 
 
 def test_gateway_seeds_the_demo_corpus_only_into_the_default_index(tiny_tokenizer, tmp_path):
-    assert Path(DEMO_CORPUS_PATH).is_file(), "run from the repository root"
+    assert Path(DEMO_CORPUS_PATH).is_file() and Path(TINY_CORPUS_PATH).is_file(), "run from the repository root"
     engine = tiny_engine(tiny_tokenizer)
     pointed = settings(index_dir=tmp_path / "user-index")
     assert _documents_after_start(engine, pointed, VectorIndex(pointed.index_dir, HashingEmbedder(64))) == []

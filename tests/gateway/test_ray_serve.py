@@ -368,9 +368,12 @@ def test_settings_travel_with_absolute_paths_and_the_same_seeding(tmp_path, monk
     from app.service.settings import Settings
 
     monkeypatch.chdir(tmp_path)
-    default = absolute(Settings(_env_file=None))
+    default = absolute(Settings(_env_file=None, model="smollm2-hybrid-135m"))
     assert default.index_dir == tmp_path / "data" / "index" and default.cache_dir == tmp_path / "data" / "cache"
-    assert corpus_to_seed(default) == tmp_path / "data" / "demo_corpus.jsonl"  # the demo corpus still seeds the default index
+    assert corpus_to_seed(default) == tmp_path / "data" / "docs_corpus.jsonl"  # the demo corpus still seeds the default index
+    tiny = absolute(Settings(_env_file=None, model="hypic-tiny"))
+    assert tiny.index_dir == tmp_path / "data" / "hypic-tiny" / "index"
+    assert corpus_to_seed(tiny) == tmp_path / "data" / "demo_corpus.jsonl"
     elsewhere = absolute(Settings(_env_file=None, index_dir="mine/index"))
     assert elsewhere.index_dir == tmp_path / "mine" / "index" and corpus_to_seed(elsewhere) is None  # and no other index
 

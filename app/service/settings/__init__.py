@@ -21,10 +21,11 @@ from .cache import CacheSettings
 from .engine import EngineSettings
 from .guard import GuardSettings
 from .limits import LimitSettings
-from .model import ModelSettings
+from .model import DEFAULT_MODEL, ModelSettings
 from .prompt import PromptSettings
 from .ray import RaySettings
-from .retrieval import DEFAULT_INDEX_DIR, DEMO_CORPUS_PATH, RetrievalSettings
+from .retrieval import (DEFAULT_INDEX_DIR, DEMO_CORPUS_PATH, TINY_CORPUS_PATH, TINY_INDEX_DIR, TINY_MODEL, RetrievalSettings,
+                        default_index_dir, demo_corpus)
 from .server import ServerSettings
 from .tenants import TenantSettings
 
@@ -38,7 +39,17 @@ class Settings(RaySettings, ServerSettings, TenantSettings, LimitSettings, Guard
     """Configuration of one gateway process: every area's fields, flat."""
 
     @model_validator(mode="after")
-    def _cache_beside_index(self) -> "Settings":
+    def _defaults_of_the_model(self) -> "Settings":
+        # The model as `_former_model_path` settles it (validators of the areas may run after this one).
+        model = self.model_path if self.model_path is not None and "model" not in self.model_fields_set else self.model
+        # Assigning marks a field as set: these two stay unset, since corpus_to_seed (app/service/runtime.py)
+        # tells the demo corpus from one the user named by that.
+        if "index_dir" not in self.model_fields_set:
+            self.index_dir = default_index_dir(model)
+            self.__pydantic_fields_set__.discard("index_dir")
+        if "corpus_path" not in self.model_fields_set:
+            self.corpus_path = demo_corpus(model)
+            self.__pydantic_fields_set__.discard("corpus_path")
         # Unset (not even "none"): the disk tier lives beside the index, so an index pointed
         # elsewhere (a test's tmp dir) takes its cache along instead of writing into data/.
         if "cache_dir" not in self.model_fields_set:
@@ -46,9 +57,15 @@ class Settings(RaySettings, ServerSettings, TenantSettings, LimitSettings, Guard
         return self
 
     @property
+    def demo_index(self) -> bool:
+        """Whether index_dir is the model's default one, the only index the demo corpus (an unset corpus_path) seeds."""
+        return self.index_dir == default_index_dir(self.model)
+
+    @property
     def collections_root(self) -> Path:
         """`collections_dir`, or 'collections' beside index_dir when unset."""
         return self.collections_dir if self.collections_dir is not None else self.index_dir.parent / "collections"
 
 
-__all__ = ["AREAS", "DEFAULT_INDEX_DIR", "DEMO_CORPUS_PATH", "Settings", *(area.__name__ for area in AREAS)]
+__all__ = ["AREAS", "DEFAULT_INDEX_DIR", "DEFAULT_MODEL", "DEMO_CORPUS_PATH", "Settings", "TINY_CORPUS_PATH", "TINY_INDEX_DIR",
+           "TINY_MODEL", "default_index_dir", "demo_corpus", *(area.__name__ for area in AREAS)]
