@@ -2,8 +2,9 @@
 checked byte for byte before it is loaded.
 
 Variants, best first (`VARIANTS`): `avx512bf16` (as avx512, bf16 weights on vdpbf16ps), `avx512` (AVX-512
-F/BW/VL), `avx2` (AVX2 + FMA + F16C) and `generic` (plain C++, any CPU). `pick` takes the first whose CPU flags (/proc/cpuinfo) are all present, as
-ggml-cpu does; the same sources build every variant (simd.h gives each its vector type).
+F/BW/VL), `avx2` (AVX2 + FMA + F16C) and `generic` (plain C++, any CPU). `pick` takes the first whose CPU
+flags (/proc/cpuinfo) are all present, as ggml-cpu does; the same sources build every variant (simd.h
+gives each its vector type).
 
 Layout under the kernels directory `root` (HYPIC_KERNELS_DIR, ~/.cache/hypic/kernels, or the image's
 /opt/hypic/kernels): `<variant>-<key>/libhypic_kernels.so` beside `manifest.json`, where `key` hashes the
@@ -229,7 +230,7 @@ def load(root: Path, variant: Variant) -> Loaded:
     data, manifest = verified_bytes(root, variant)
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("hypic_kernels", os.MFD_CLOEXEC)
-        os.write(fd, data)
+        _write_all(fd, data)
         return Loaded(ctypes.CDLL(f"/proc/self/fd/{fd}"), variant.name, root / subdir(variant) / LIBRARY,
                       manifest["sha256"], fd)
     private = Path(tempfile.mkdtemp(prefix="hypic-kernels-")) / LIBRARY
@@ -252,11 +253,21 @@ def compile_variant(compiler: str, variant: Variant, out: Path, strict: bool = F
         raise RuntimeError(f"{compiler} failed on variant {variant.name}: {done.stderr.strip()[-800:]}")
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _write_atomic(dir_fd: int, name: str, data: bytes) -> None:
     tmp = f".{name}.{os.getpid()}.tmp"
+    try:  # a crashed builder's leftover (we hold the directory's lock)
+        os.unlink(tmp, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
     try:
-        os.write(fd, data)
+        _write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
