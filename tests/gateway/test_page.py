@@ -288,8 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "page.png")
     args = parser.parse_args(argv)
     sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(Path(__file__).parent)]
-    import gateways
     from app.http.server import create_app
+    from app.testing import LiveServer, single_torch_thread
 
     with tempfile.TemporaryDirectory() as tmp:
         corpus = None
@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
             docs = [d for p in args.documents for d in read_documents(p.read_bytes(), p.name, str(p), str(p))]
             corpus.write_text("".join(json.dumps({"id": d.document_id, "text": d.text, "title": d.title}) + "\n" for d in docs))
         settings = gateway_settings(Path(tmp), model=args.model, **({"corpus": corpus} if corpus else {}))
-        with gateways.served(create_app(settings), headers=AUTH) as live, start_browser() as driver:
+        with single_torch_thread(), LiveServer(create_app(settings)) as live, start_browser() as driver:
+            live.wait_ready(timeout=900, headers=AUTH)  # a real model loads and ingests for minutes on 2 busy cores
             page = Page(driver, live.url, timeout=600)
             page.use_key(KEY)
             page.ask(args.question, args.top_k)
