@@ -121,8 +121,7 @@ class CacheManager:
             progress.boundaries, progress.linear = list(p.snapshot.boundaries[:p.restored]), list(p.snapshot.linear[:p.restored])
             stats.exact_tokens, stats.segment_hits = pos, p.restored
             stats.segments[:p.restored] = [SegmentUse("exact", len(seg), len(seg)) for seg in request.context[:p.restored]]
-        seq.num_computed_tokens = pos
-        progress.reused = p.restored
+        progress.in_cache, progress.reused = pos, p.restored  # the cursor moves past them in the first step's update
         stats.segment_misses += p.exact - p.restored
         for seg in request.context[p.restored:p.exact]:
             progress.runs.append(Run(seg, pos, boundary=True))

@@ -8,8 +8,10 @@ schedule -> execute -> update:
    admits (each laid out by the cache manager, cache_manager.py, with the plan of its mode).
 2. **execute** (executor.py): the step's model work: cold entries (entry_builder.py, here or on a
    prefill pool), prefill runs and stitches cut to each grant, one batched decode forward.
-3. **update** (output.py, speculation.py): sample, detokenize, apply EOS / stop strings / length
-   limits; one `StepOutput` per sequence that produced a token or ended; finished ones leave.
+3. **update** (output.py, speculation.py): move each cursor by what the executor reports its cache
+   advanced (a rejected draft rolled back beside it: the only writer of `num_computed_tokens`), sample,
+   detokenize, apply EOS / stop strings / length limits; one `StepOutput` per sequence that produced a
+   token or ended; finished ones leave.
 4. **background**: what is left of the step's budget goes to deferred cold work (executor.py).
 
 One thread should drive `step()` (the gateway's worker does); `generate()` drives it for a
@@ -37,7 +39,7 @@ from .cache_manager import CacheManager, EntryLookup
 from .entry_builder import LocalEntryBuilder, builder_for
 from .executor import Executor
 from .lookups import Lookups
-from .output import OutputProcessor, eos_ids
+from .output import OutputProcessor, eos_ids, move_cursors
 from .plan import CostModel, looks_up
 from .recompute import request_heads
 from .scheduler import Scheduler, SchedulerConfig
@@ -154,8 +156,8 @@ class Engine:
         seq = self._sequence(request, abort, collect)
         self.scheduler.check_fits(seq)
         if prefilled is not None:
-            seq.prefill = PrefillProgress(prefilled.cache, logits=prefilled.logits)
-            seq.stats, seq.num_computed_tokens = prefilled.stats, request.prompt_tokens
+            seq.prefill = PrefillProgress(prefilled.cache, in_cache=request.prompt_tokens, logits=prefilled.logits)
+            seq.stats = prefilled.stats
         elif self.lookups is not None and looks_up(seq.mode):
             self.lookups.submit(seq)  # queued once its segments are looked up (or its deadline passed), off this thread
             return seq
@@ -199,8 +201,8 @@ class Engine:
         with self._lock, torch.inference_mode():
             scheduled = self.scheduler.schedule()
             executed = self.executor.execute(scheduled)
-            outputs = self.output.update(scheduled, executed, self.speculator, self._release)
-            self.executor.leave(executed)
+            outputs, kept = self.output.update(scheduled, executed, self.speculator, self._release)
+            self.executor.leave(executed, kept)
             try:
                 self.executor.background(scheduled, executed)
             except Exception as exc:  # noqa: BLE001 - no request waits for it: drop it, never fail the step
@@ -240,7 +242,7 @@ class Engine:
             self.cache_manager.plan(seq)
             if seq.error is not None:
                 raise seq.error
-            self.executor.prefill(seq)
+            move_cursors(self.executor.prefill(seq), {})
         return PrefillResult(seq.prefill.cache, request.prompt_tokens, seq.prefill.logits, seq.stats)
 
     def segment_entries(self, segments: tuple[tuple[int, ...], ...], seam: int, salt: str = "") -> EntryLookup:

@@ -10,8 +10,10 @@
 3. **decode**: every running sequence in ONE batched forward (`DecodeBatch`), or one verification
    forward when some rows draft (hypic_core/engine/speculation.py).
 
-It leaves next-token logits per sequence (`Executed`); sampling is the engine's update. What is
-left of the step's budget goes to background cold work (`background`).
+It leaves next-token logits per sequence and the tokens each sequence's cache advanced (`Executed`);
+it never moves a sequence's cursor: the update does (output.py `move_cursors`), from what this
+reports. Within a step it reads the cursor as `Executed.cursor` (where the sequence stands now).
+What is left of the step's budget goes to background cold work (`background`).
 """
 
 from __future__ import annotations
@@ -32,14 +34,25 @@ from .speculation import Speculator
 
 @dataclass
 class Executed:
-    """What a step's model work left: next-token logits per sequence, or the error that ended it."""
+    """What a step's model work left: next-token logits per sequence, or the error that ended it, and
+    the tokens each sequence's cache advanced by."""
 
     logits: dict[Sequence, torch.Tensor] = field(default_factory=dict)  # [vocab]; [n, vocab] for a verified row
     errors: dict[Sequence, BaseException] = field(default_factory=dict)
+    # Tokens each sequence's cache holds more than its cursor says: those its forwards and its stitch ran
+    # this step, and a restored snapshot's (PrefillProgress.in_cache); a verified row: every token it was
+    # fed, the draft included (the update rolls back what it rejects).
+    advanced: dict[Sequence, int] = field(default_factory=dict)
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # the draft tokens each verified row was fed (maybe none)
     verified: Verified | None = None  # the decode ran as one verification forward (speculation)
     verify_seconds: float = 0.0  # its forward's time
-    kept: dict[Sequence, int] = field(default_factory=dict)  # after sampling: tokens each verified row emitted
+
+    def cursor(self, seq: Sequence) -> int:
+        """Where `seq`'s prefill stands within this step: its cursor and what the step advanced it."""
+        return seq.num_computed_tokens + self.advanced.get(seq, 0)
+
+    def advance(self, seq: Sequence, tokens: int) -> None:
+        self.advanced[seq] = self.advanced.get(seq, 0) + tokens
 
 
 class Executor:
@@ -55,12 +68,15 @@ class Executor:
             self._decode(scheduled.decodes, done)
         return done
 
-    def prefill(self, seq: Sequence) -> None:
-        """Run `seq`'s laid-out prefill to its first-token logits at once, with no budget."""
+    def prefill(self, seq: Sequence) -> Executed:
+        """Run `seq`'s laid-out prefill to its first-token logits at once, with no budget; what it advanced."""
+        done = Executed()
+        self._restored(seq, done)
         while seq.prefill.logits is None:
             budgets = {seq: 1 << 62}
             self._cold(budgets)
-            self._advance(seq, budgets[seq])
+            self._advance(seq, budgets[seq], done)
+        return done
 
     def background(self, scheduled: ScheduledStep, executed: Executed) -> None:
         """Deferred cold work (CacheManager.defer) in what is left of the step's token budget, oldest
@@ -91,11 +107,19 @@ class Executor:
         for seq, budget in budgets.items():
             try:
                 seq.stats.prefill_steps += 1
-                self._advance(seq, budget)
+                self._restored(seq, done)
+                self._advance(seq, budget, done)
                 if seq.prefill.logits is not None:
-                    done.logits[seq] = self._start_decoding(seq)
+                    done.logits[seq] = self._start_decoding(seq, done)
             except Exception as exc:
                 done.errors[seq] = exc
+
+    @staticmethod
+    def _restored(seq: Sequence, done: Executed) -> None:
+        """The tokens `seq`'s cache held when its prefill was laid out (a restored snapshot) count as advanced
+        in its first step, as a prefix hit's do."""
+        if done.cursor(seq) < seq.prefill.in_cache:
+            done.advance(seq, seq.prefill.in_cache - done.cursor(seq))
 
     def _cold(self, budgets: dict[Sequence, int], wait: bool = True) -> None:
         """Advance the missing entries of the sequences within their budgets (mutated), then hand the
@@ -110,15 +134,15 @@ class Executor:
                 _add_ms(seq.stats, "cold", b.seconds)
         self.cache.hand_over(seqs)
 
-    def _advance(self, seq: Sequence, budget: int) -> None:
+    def _advance(self, seq: Sequence, budget: int, done: Executed) -> None:
         """Run up to `budget` tokens of `seq`'s remaining prefill (cold work is `_cold`'s): its runs, then
         the stitch of the cached segments with the first question tokens, then the rest of the question."""
         progress, request, stats = seq.prefill, seq.request, seq.stats
         if progress.logits is not None or progress.cold or budget <= 0:
             return
-        budget = self._runs(seq, budget)
-        if progress.stitch_due(seq.num_computed_tokens) and not progress.runs and budget > 0:
-            assert seq.num_computed_tokens == progress.start, "the stitch starts where the exact run ends"
+        budget = self._runs(seq, budget, done)
+        if progress.stitch_due(done.cursor(seq)) and not progress.runs and budget > 0:
+            assert done.cursor(seq) == progress.start, "the stitch starts where the exact run ends"
             t = time.perf_counter()
             seams = stats.seam_tokens
             head = max(1, min(len(request.question), budget - seams))
@@ -129,31 +153,31 @@ class Executor:
                                         start=progress.start, key_scale=scale)
             if scale != 1.0 and self.config.reuse_key_scope == "prompt":
                 progress.rescale = self.runner.body_columns(context, entries, progress.start)
-            seq.num_computed_tokens = progress.stitch_end + head
+            done.advance(seq, progress.stitch_end + head - done.cursor(seq))  # past the stitched segments and the head
             stats.computed_tokens += seams + head
             budget -= seams + head
             if head < len(request.question):
-                progress.runs.append(Run(request.question[head:], seq.num_computed_tokens))
+                progress.runs.append(Run(request.question[head:], done.cursor(seq)))
             else:
                 self._prefilled(progress, logits)
             _add_ms(stats, "stitch", time.perf_counter() - t)
-            self._runs(seq, budget)
+            self._runs(seq, budget, done)
 
-    def _runs(self, seq: Sequence, budget: int) -> int:
+    def _runs(self, seq: Sequence, budget: int, done: Executed) -> int:
         """Run `seq`'s pending runs within `budget`; returns what is left of it. The last boundary run of
         an exact run keeps it (a snapshot); the last run of a prefill yields the first-token logits."""
         progress, stats = seq.prefill, seq.stats
         while progress.runs and budget > 0:
             t = time.perf_counter()
-            run, at = progress.runs[0], seq.num_computed_tokens
+            run, at = progress.runs[0], done.cursor(seq)
             assert run.start <= at < run.end, "runs are laid out from the cursor on"
             n = min(budget, run.end - at)
             last = len(progress.runs) == 1 and at + n == run.end and not progress.stitch_due(at)
             logits = self.runner.forward(run.ids[at - run.start:at - run.start + n], at, progress.cache, logits=last)
-            seq.num_computed_tokens += n
+            done.advance(seq, n)
             budget -= n
             stats.computed_tokens += n
-            if seq.num_computed_tokens == run.end:
+            if at + n == run.end:
                 progress.runs.popleft()
                 if run.boundary:
                     progress.boundaries.append(run.start + len(run.ids))
@@ -175,10 +199,10 @@ class Executor:
             progress.rescale = []
         progress.logits = logits
 
-    def _start_decoding(self, seq: Sequence) -> torch.Tensor:
+    def _start_decoding(self, seq: Sequence, done: Executed) -> torch.Tensor:
         """Prefill done: the sequence decodes from the next step; returns its first-token logits."""
         progress = seq.prefill
-        assert seq.num_computed_tokens == seq.request.prompt_tokens, "the whole prompt is in its cache"
+        assert done.cursor(seq) == seq.request.prompt_tokens, "the whole prompt is in its cache"
         seq.cache, seq.logits = progress.cache, progress.logits
         seq.prefill, seq.status = None, Status.RUNNING
         if seq.first_scheduled is not None:
@@ -199,10 +223,12 @@ class Executor:
                 for s in live:
                     s.cache = None  # its rows live in the batch now
                 drafts = self.speculator.drafts(batch, batch.keys)
-                if drafts:  # positions advance by what each row keeps (`Speculator.commit`)
+                if drafts:  # each row advances by all it was fed; the update rolls back what it rejects
                     done.verified, logits, done.verify_seconds = self.speculator.verify(batch, drafts)
                     done.drafts = {s: list(drafts.get(s, ())) for s in batch.keys}
                     done.logits.update(logits)
+                    for s in batch.keys:
+                        done.advance(s, 1 + len(done.drafts[s]))
                     return
                 t0 = time.perf_counter()
                 rows = batch.forward([s.output_ids[-1] for s in batch.keys], [s.num_computed_tokens for s in batch.keys])
@@ -215,14 +241,15 @@ class Executor:
             done.errors.update(dict.fromkeys(live, exc))
             return
         for s in live:
-            s.num_computed_tokens += 1
+            done.advance(s, 1)
             done.logits[s] = logits[s]
 
-    def leave(self, executed: Executed) -> None:
-        """After sampling: a verification forward keeps what each row emitted from; finished rows leave the batch."""
+    def leave(self, executed: Executed, kept: dict[Sequence, int]) -> None:
+        """After the update: a verification forward's rows keep the tokens they emitted from (`kept`, the update's
+        count), the rest of their state is rolled back; finished rows leave the batch."""
         batch = self.runner.batch
         if executed.verified is not None:
-            self.speculator.commit(batch, executed.verified, executed.kept, executed.verify_seconds)
+            self.speculator.commit(batch, executed.verified, kept, executed.verify_seconds)
         batch.sync([s for s in batch.keys if not s.finished], {})
 
 

@@ -2,8 +2,10 @@
 
 Sampling (`Sampler`: temperature, top-k/p, min-p, repetition penalty, EOS banned until
 `min_tokens`), incremental detokenization (`detokenizer_for`: `tokenizers`' `DecodeStream`), and
-the stop conditions (EOS, a stop string, `max_tokens` or the end of the context). It touches no
-model, cache or queue: the engine releases a sequence whose output has a `finish_reason`.
+the stop conditions (EOS, a stop string, `max_tokens` or the end of the context), and the cursors:
+`move_cursors` is the one place `Sequence.num_computed_tokens` is written, from what the executor
+reported (data flows one way: scheduler output -> model output -> update). It touches no model,
+cache or queue: the engine releases a sequence whose output has a `finish_reason`.
 """
 
 from __future__ import annotations
@@ -50,10 +52,13 @@ class OutputProcessor:
         return StepOutput(seq.request_id, index, choice.token_id, text, choice.logprob, choice.top_logprobs, finish,
                           seq.stats if first else None, logits=logits if first and seq.request.keep_logits else None)
 
-    def update(self, scheduled, executed, speculator, release: Callable[[Sequence, StepOutput], None]) -> list[StepOutput]:
-        """The step's update: sample every sequence the step left logits for (a verified row: the tokens it
-        keeps, `Speculator.accept`), end the aborted and the failed ones. `release(seq, out)` is called
-        for every output (the engine delivers it, and releases a sequence it ends)."""
+    def update(self, scheduled, executed, speculator,
+               release: Callable[[Sequence, StepOutput], None]) -> tuple[list[StepOutput], dict[Sequence, int]]:
+        """The step's update: move every cursor by what the step advanced (`move_cursors`), sample every
+        sequence the step left logits for (a verified row: the tokens it keeps, `Speculator.accept`, its
+        rejected draft rolled back), end the aborted and the failed ones. `release(seq, out)` is called for
+        every output (the engine delivers it, and releases a sequence it ends). Returns the outputs and the
+        tokens each verified row kept (the executor keeps their state, `Executor.leave`)."""
 
         def emit(seq: Sequence, out: StepOutput) -> StepOutput:
             release(seq, out)
@@ -70,13 +75,23 @@ class OutputProcessor:
                 outputs += outs
             else:
                 outputs.append(emit(seq, self.next_token(seq, logits)))
-        executed.kept = kept
-        return outputs
+        move_cursors(executed, kept)
+        return outputs, kept
 
     def ended(self, seq: Sequence, reason: str, error: BaseException | None = None) -> StepOutput:
         """`seq`'s last output when it ends without a new token ("abort" or "error")."""
         return StepOutput(seq.request_id, seq.num_generated, None, seq.detokenizer.flush(), finish_reason=reason,
                           stats=seq.stats if seq.num_generated == 0 else None, error=error)
+
+
+def move_cursors(executed, kept: dict[Sequence, int]) -> None:
+    """The only place a cursor moves: each sequence by the tokens the step advanced its cache
+    (`Executed.advanced`); a verified row (`kept`: tokens it emitted) then gives back the draft tokens it
+    rejected (fed 1 + its draft, kept `kept`), as vLLM's `num_computed_tokens -= num_rejected`."""
+    for seq, tokens in executed.advanced.items():
+        seq.num_computed_tokens += tokens
+    for seq, k in kept.items():
+        seq.num_computed_tokens -= 1 + len(executed.drafts[seq]) - k
 
 
 def eos_ids(model, tokenizer) -> frozenset[int]:

@@ -127,6 +127,9 @@ class PrefillProgress:
     stitch are laid out by position, so the cursor says which are done."""
 
     cache: Any  # the sequence's own transformers cache
+    # Tokens `cache` held when the prefill was laid out (a restored exact snapshot; the whole prompt of a
+    # prefilled request): its first step reports them advanced, as a prefix hit's, and the update moves the cursor.
+    in_cache: int = 0
     entries: list[SegmentEntry | None] = field(default_factory=list)  # stitched: one per context segment
     cold: list[tuple["EntryJob", list[int]]] = field(default_factory=list)  # (shared work, entry slots it fills)
     stitch_end: int | None = None  # the position after the stitched segments (None: nothing is stitched)
@@ -202,7 +205,9 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled: float | None = None
     stats: PrefillStats | None = None
-    num_computed_tokens: int = 0  # the cursor: prompt and output tokens in its cache (a restored snapshot counts)
+    # The cursor: prompt and output tokens in its cache (a restored snapshot counts). Written only by the
+    # step's update (output.py `move_cursors`), from what the executor reports it advanced.
+    num_computed_tokens: int = 0
     prefill: PrefillProgress | None = None  # set when admitted, cleared when its decoding starts
     found: list | None = None  # its segments' store entries, looked up as it arrived (lookups.py); None: not yet
     drafter: Any = None  # its PromptLookup (drafting.py), made on its first draft

@@ -103,9 +103,7 @@ class Speculator:
         return outs
 
     def commit(self, batch, verified: Verified, kept: dict[Sequence, int], seconds: float) -> None:
-        """Each row keeps the tokens it emitted from (`kept`, 1 for a row that emitted none) and rolls
-        back the rest; positions advance by as many."""
+        """Each row's state keeps the tokens it emitted from (`kept`, 1 for a row that emitted none) and rolls
+        back the rest (its cursor was rolled back beside its advance, in the update: output.py `move_cursors`)."""
         VerifyStep.commit(batch, verified, [kept.get(s, 1) for s in batch.keys])
-        for s in batch.keys:
-            s.num_computed_tokens += kept.get(s, 1)
         self.cost.verified(len(batch.keys), sum(kept.values()), seconds)

@@ -1,8 +1,10 @@
 """One cursor per sequence: `Sequence.num_computed_tokens` is the number of its tokens whose state is in
 its cache, and everything else about its progress follows from it: a restored exact snapshot moves it
-as a prefix hit does, each forward is fed at it and moves it by the tokens fed, the stitch moves it past
-the stitched segments and the question tokens it took, each decode token by one; `prefill_left` is
-the model work left from it."""
+as a prefix hit does (in its first step), each forward is fed at it and moves it by the tokens fed, the
+stitch moves it past the stitched segments and the question tokens it took, each decode token by one, a
+verified draft by the tokens kept; `prefill_left` is the model work left from it. It moves in one place,
+the step's update (output.py `move_cursors`), from what the executor reports: test_structure.py checks
+that no other code writes it."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def test_a_chunked_full_prefill_is_fed_at_the_cursor_and_moves_it_by_each_chunk(
     assert len(seq.output_ids) == 4 and cursors[-1] == prompt + 3  # the last token is never fed back
 
 
-def test_a_restored_snapshot_moves_the_cursor_before_any_forward():
+def test_a_restored_snapshot_moves_the_cursor_in_its_first_step_before_any_forward():
     eng = engine(exact_repeats=True)
     segs = random_segments((14, 20, 16, 6), seed=4)
     for _ in range(2):  # first sighting composes; the second computes the run exactly and keeps it
@@ -53,7 +55,8 @@ def test_a_restored_snapshot_moves_the_cursor_before_any_forward():
     seq.first_scheduled = seq.arrival
     eng.cache_manager.plan(seq)
     exact = 14 + 20 + 16
-    assert seq.stats.exact_tokens == exact and seq.num_computed_tokens == exact
+    assert seq.stats.exact_tokens == exact and seq.prefill.in_cache == exact
+    assert seq.num_computed_tokens == 0  # laying out moves no cursor: the first step's update does
     assert seq.prefill_left == 6  # only the question is left to run
     log = []
     fed_at(eng, log)

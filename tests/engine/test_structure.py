@@ -123,3 +123,47 @@ def test_the_state_check_finds_a_write(tmp_path):
 
 def test_only_the_cache_manager_moves_an_entry_job():
     assert job_state_writes(CORE / "engine") == []
+
+
+CURSOR = "num_computed_tokens"
+
+
+def cursor_writes(root: Path) -> list[str]:
+    """file:line of every write to a `num_computed_tokens` attribute under `root` (an assignment, augmented
+    or annotated, also inside a tuple or list target, or a `setattr` naming it)."""
+    found = []
+
+    def targets(node) -> list:
+        if isinstance(node, ast.Assign):
+            return list(node.targets)
+        return [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+
+    def flat(t) -> list:
+        if isinstance(t, (ast.Tuple, ast.List)):
+            return [x for e in t.elts for x in flat(e)]
+        return flat(t.value) if isinstance(t, ast.Starred) else [t]
+
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            hit = any(isinstance(t, ast.Attribute) and t.attr == CURSOR for target in targets(node) for t in flat(target))
+            hit = hit or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                          and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value == CURSOR)
+            if hit:
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_the_cursor_check_finds_every_kind_of_write(tmp_path):
+    (tmp_path / "a.py").write_text("def f(s, t):\n    s.num_computed_tokens = 1\n    t.x, t.num_computed_tokens = 2, 3\n"
+                                   "    s.num_computed_tokens += 1\n    setattr(s, 'num_computed_tokens', 4)\n"
+                                   "    [s.y, *s.num_computed_tokens] = 5, 6\n")
+    (tmp_path / "b.py").write_text("def g(s):\n    return s.num_computed_tokens == 1\n")  # a read
+    assert sorted(cursor_writes(tmp_path)) == ["a.py:2", "a.py:3", "a.py:4", "a.py:5", "a.py:6"]
+
+
+def test_the_cursor_moves_in_one_place_the_update():
+    """Issue 60: the executor reports what it advanced; only the update (output.py `move_cursors`) writes the
+    cursor, the rejected draft rolled back beside it."""
+    writes = cursor_writes(CORE) + [f"app/{w}" for w in cursor_writes(ROOT / "app")]
+    assert {w.rsplit(":", 1)[0] for w in writes} == {"engine/output.py"}, writes
+    assert len(writes) == 2, writes  # the advance and the rollback, in move_cursors
