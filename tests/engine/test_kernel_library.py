@@ -299,3 +299,27 @@ def test_a_gateway_with_a_hostile_kernel_directory_starts_answers_and_says_why(m
         r = httpx.post(f"{live.url}/v1/completions", json={"model": engine.model_id, "prompt": "Hello", "max_tokens": 4},
                        timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+
+
+# --- the build CLI (what the Docker image runs) -----------------------------------------------------------
+def test_the_build_cli_writes_each_variant_beside_its_manifest_and_names_a_bad_variant(built, tmp_path):
+    """`python -m hypic_core.runner.native build --dir D --variants generic`: the library and its manifest in
+    D/<variant>-<key>/, one JSON line per variant, loaded and checked; an unknown variant exits 2 naming it."""
+    if library.find_compiler() is None:
+        pytest.skip("no C++ compiler here")
+    generic = library.BY_NAME["generic"]
+    fake = fake_compiler(tmp_path, built / library.subdir(generic) / library.LIBRARY)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cli = [sys.executable, "-m", "hypic_core.runner.native", "build", "--dir", str(tmp_path / "k")]
+    done = subprocess.run([*cli, "--variants", "generic", "--compiler", str(fake)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout.splitlines()[-1])
+    vdir = tmp_path / "k" / library.subdir(generic)
+    manifest = json.loads((vdir / library.MANIFEST).read_text())
+    assert line["variant"] == "generic" and line["loaded"] and line["sha256"] == manifest["sha256"]
+    assert manifest["size"] == (vdir / library.LIBRARY).stat().st_size and manifest["compiler"] == "fake 1"
+    assert not stat.S_IMODE((tmp_path / "k").stat().st_mode) & 0o022
+    bad = subprocess.run([*cli, "--variants", "generic,sse9"], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert bad.returncode == 2 and "--variants: unknown sse9" in bad.stderr
