@@ -249,11 +249,11 @@ def native(compiler: str | None = None) -> NativeMatmul | None:
 
 
 def kernel_status() -> dict:
-    """What /health shows: {"state": "loaded" | "unavailable" | "not loaded", "variant", "best_variant",
-    "library", "sha256", "reason"} for this process's kernels (`native()`); "not loaded" until a decode
-    step asks for them."""
-    with _lock:
-        got = list(_built.values())
+    """What /health shows: {"state": "loaded" | "unavailable" | "loading" | "not loaded", "variant",
+    "best_variant", "library", "sha256", "reason"} for this process's kernels (`native()`); "not loaded"
+    until a decode step asks for them. Never waits: a build in progress (holding the lock) reads as
+    "loading"."""
+    got = list(_built.values())  # a snapshot under the GIL; _lock may be held by a build for seconds
     kernels = next((k for k in got if isinstance(k, NativeMatmul)), None)
     status = {"state": "not loaded", "variant": None, "best_variant": library.pick().name, "library": None,
               "sha256": None, "reason": None}
@@ -261,4 +261,6 @@ def kernel_status() -> dict:
         status.update(state="loaded", variant=kernels.variant, library=str(kernels.path), sha256=kernels.sha256)
     elif got:
         status.update(state="unavailable", reason=got[-1])
+    elif _lock.locked():
+        status.update(state="loading")
     return status

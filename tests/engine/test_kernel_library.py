@@ -323,3 +323,19 @@ def test_the_build_cli_writes_each_variant_beside_its_manifest_and_names_a_bad_v
     bad = subprocess.run([*cli, "--variants", "generic,sse9"], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=300)
     assert bad.returncode == 2 and "--variants: unknown sse9" in bad.stderr
+
+
+def test_kernel_status_never_waits_for_a_build(monkeypatch):
+    """/health calls kernel_status while the engine may be compiling (native() holding its lock for seconds)."""
+    import threading
+    import time
+
+    monkeypatch.setattr(decode_matmul, "_built", {})
+    with decode_matmul._lock:
+        t0 = time.perf_counter()
+        status = {}
+        worker = threading.Thread(target=lambda: status.update(decode_matmul.kernel_status()))
+        worker.start()
+        worker.join(timeout=5)
+        assert not worker.is_alive() and time.perf_counter() - t0 < 1.0
+    assert status["state"] == "loading"
