@@ -54,3 +54,64 @@ def load_local(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model.to(device).eval(), tokenizer
+
+
+# A reuse adapter (training/reuse, `hypic tune`): LoRA factors per adapted linear, scale folded into
+# `up`, so the merged weight is `W + up @ down`; and a JSON card naming the base model and the run.
+ADAPTER_FILE = "adapter.safetensors"
+ADAPTER_CARD = "adapter.json"
+
+
+def adapter_card(adapter_dir: str | Path) -> dict:
+    """The adapter directory's card. Raises HypicError when it is not an adapter directory."""
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / ADAPTER_FILE).is_file() or not (adapter_dir / ADAPTER_CARD).is_file():
+        raise HypicError(f"{adapter_dir}: not a reuse adapter ({ADAPTER_FILE} and {ADAPTER_CARD} expected)")
+    return json.loads((adapter_dir / ADAPTER_CARD).read_text())
+
+
+def merge_adapter(weights: dict[str, torch.Tensor], factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` (a checkpoint's state dict) with every adapter factor pair merged into its
+    linear's weight (`<linear>.weight += lora_up @ lora_down`, in fp32, then the weight's dtype).
+    Raises HypicError for a factor naming a weight the checkpoint lacks or of another shape."""
+    out = dict(weights)
+    names = sorted({k.rsplit(".", 1)[0] for k in factors})
+    for name in names:
+        down, up = factors.get(f"{name}.lora_down"), factors.get(f"{name}.lora_up")
+        key = f"{name}.weight"
+        if down is None or up is None:
+            raise HypicError(f"adapter: {name} has one factor of two")
+        if key not in out:
+            raise HypicError(f"adapter: the checkpoint has no {key}; the adapter was trained for another model")
+        w = out[key]
+        if (up.shape[0], down.shape[1]) != tuple(w.shape):
+            raise HypicError(f"adapter: {key} is {tuple(w.shape)}, the adapter's correction {(up.shape[0], down.shape[1])}")
+        out[key] = (w.float() + up.float() @ down.float()).to(w.dtype)
+    return out
+
+
+def write_adapted(checkpoint: str | Path, adapter_dir: str | Path, target: str | Path, stamp: dict | None = None) -> Path:
+    """Write `checkpoint` with the adapter in `adapter_dir` merged into `target` (config, tokenizer
+    and other files copied, weights merged; atomic: built beside `target`, then renamed)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    checkpoint, target = Path(checkpoint), Path(target)
+    adapter_card(adapter_dir)
+    factors = load_file(str(Path(adapter_dir) / ADAPTER_FILE))
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(checkpoint, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json", "*.lock"))
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        weights.update(load_file(f))
+    if not weights:
+        raise HypicError(f"{checkpoint}: no safetensors weights to merge an adapter into")
+    save_file({k: v.contiguous() for k, v in merge_adapter(weights, factors).items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    if stamp is not None:
+        (tmp / "hypic-model.json").write_text(json.dumps(stamp, indent=1) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target

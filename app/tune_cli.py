@@ -1,0 +1,135 @@
+"""`hypic tune`: train a reuse adapter (LoRA) for a served model, in the background, resumable.
+
+The app layer's part of reuse training (training/reuse does the training): it builds each prompt
+exactly as /query lays it out for the model (app/service/prompter.py `Prompter.query`, the model's
+prompt settings) and picks the documents: `--data index` the chunks the user ingested (the
+gateway's index, `HYPIC_INDEX_DIR`), `--data docstrings` the docstring corpus's training split,
+`--data distill` the shipped teacher RAG samples (data/distill) mixed with the docstring corpus
+(how `smollm2-hybrid-135m-reuse` is trained). A rerun with the same `--out` resumes.
+
+    hypic tune --model smollm2-135m-instruct --out var/tune-smollm2 --minutes 60
+    hypic tune --model smollm2-hybrid-135m --teacher smollm2-135m-instruct --data distill --out var/reuse-hybrid --minutes 120
+
+The adapter is written to `<out>/adapter` (and refreshed at every checkpoint); serve it with
+`hypic serve --model '<model>+<out>/adapter'` (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Sequence
+
+import typer
+
+DATA = ("index", "docstrings", "distill")
+
+
+def gateway_layout(model_name: str, tokenizer, context: int = 8192):
+    """A `training.reuse.data.LayoutFn`: (question, documents) -> the /query layout for the named
+    model (its prompt settings when it is a named model, else the generic ones)."""
+    from app.service.prompter import Prompter
+    from app.service.settings import Settings
+    from hypic_core.models.registry import KNOWN_MODELS
+    from retrieval.document import Chunk, chunk_id_for
+    from retrieval.index import SearchHit
+    from training.reuse.data import Layout
+
+    known = KNOWN_MODELS.get(model_name)
+    layout = Settings(_env_file=None, model=model_name).prompt_layout(tokenizer, known.prompt if known else None)
+    prompter = Prompter(tokenizer, layout, context)
+
+    def build(question: str, docs: Sequence[str]) -> Layout:
+        hits = [SearchHit(float(i), Chunk(chunk_id_for(t), f"c{i}", "", "tune", 0, t, 0)) for i, t in enumerate(docs)]
+        prompt = prompter.query(question, hits, reserve=64)
+        if prompt.dropped:
+            raise ValueError(f"{prompt.dropped} of {len(docs)} documents did not fit the context of {context} tokens")
+        return Layout(tuple(tuple(s) for s in prompt.segments), prompt.exact_prefix)
+
+    return build
+
+
+def index_texts(index_dir: Path) -> list[str]:
+    """Every chunk's text in the gateway's index at `index_dir` (what the user ingested)."""
+    from app.service.settings import Settings
+    from retrieval.embedder import load_embedder
+    from retrieval.index import VectorIndex
+
+    settings = Settings(index_dir=index_dir)
+    index = VectorIndex(index_dir, load_embedder(settings.embedder))
+    texts = [c.text for d in index.list_documents() for c in index.chunks(d.document_id)]
+    if not texts:
+        raise typer.BadParameter(f"the index at {index_dir} holds no documents; ingest some first (hypic ingest)", param_hint="--index-dir")
+    return texts
+
+
+def tune_command(
+    out: Annotated[Path, typer.Option(help="Run directory: checkpoint, log.jsonl, adapter/ (a rerun resumes).")],
+    model: Annotated[str | None, typer.Option(help="The served model to tune (default: HYPIC_MODEL).")] = None,
+    teacher: Annotated[str | None, typer.Option(help="Teacher model (same tokenizer); default: the model's own full mode.")] = None,
+    data: Annotated[str, typer.Option(help=f"Where prompts come from: {', '.join(DATA)}.")] = "index",
+    index_dir: Annotated[Path | None, typer.Option(help="The index for --data index (default: HYPIC_INDEX_DIR).")] = None,
+    minutes: Annotated[float, typer.Option(help="Training time of this run (a rerun continues).")] = 30.0,
+    steps: Annotated[int, typer.Option(help="Stop at this many steps in all.")] = 1_000_000,
+    rank: Annotated[int, typer.Option(help="LoRA rank.")] = 16,
+    seam: Annotated[int | None, typer.Option(help="Seam trained for (default: HYPIC_SEAM).")] = None,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW).")] = 1e-4,
+    save_minutes: Annotated[float, typer.Option(help="Minutes between checkpoints.")] = 5.0,
+    threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
+    precision: Annotated[str, typer.Option(help="fp32, or bf16 autocast for the forwards.")] = "fp32",
+    seed: Annotated[int, typer.Option(help="Data and adapter seed.")] = 0,
+) -> None:
+    """Train a reuse adapter: KL(full || composed) + KL(full || full) on the answers, by self-distillation."""
+    import torch
+
+    from app.service.settings import Settings
+    from hypic_core.errors import HypicError
+    from hypic_core.models.loader import load_local
+    from hypic_core.models.registry import resolve
+    from training.reuse import data as D
+    from training.reuse.trainer import TrainConfig, Trainer, export_adapter, run, say
+
+    if data not in DATA:
+        raise typer.BadParameter(f"expected one of {', '.join(DATA)}, got {data!r}", param_hint="--data")
+    torch.set_num_threads(threads)
+    settings = Settings(_env_file=None) if model is None and index_dir is None else Settings()
+    name = model or settings.model
+    try:
+        student_dir = resolve(name, settings.models_dir, progress=say).path
+        student, tok = load_local(student_dir)
+        teacher_model = load_local(resolve(teacher, settings.models_dir, progress=say).path)[0] if teacher else None
+    except HypicError as exc:
+        typer.echo(f"hypic tune: {exc}", err=True)
+        raise typer.Exit(1) from None
+    layout = gateway_layout(name, tok)
+    cfg = TrainConfig(model=name, out=str(out), teacher=teacher, rank=rank, seam=settings.seam if seam is None else seam,
+                      lr=lr, minutes=minutes, steps=steps, save_minutes=save_minutes, seed=seed, precision=precision,
+                      sources={"data": data})
+    eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>",) if t in tok.get_vocab()]
+    trainer = Trainer(cfg, student, teacher_model, eos=[e for e in eos if e is not None])
+    corpus = [t for _, t in D.training_documents()] if data != "index" else index_texts(index_dir or settings.index_dir)
+    texts = D.passages(corpus, lo=30, hi=90) if data != "index" else corpus
+    if data == "distill":
+        weights = (0.7, 0.3)
+
+        def samples(cursor: int):
+            n = D.counts(cursor, weights, seed)
+            return D.mixed([D.distill_samples(tok, layout, texts, seed, n[0]), D.corpus_samples(texts, layout, seed, n[1])],
+                           weights, seed, cursor)
+    else:
+        def samples(cursor: int):
+            return ((i, s) for i, s in enumerate(D.corpus_samples(texts, layout, seed, cursor), cursor))
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "command.json").write_text(json.dumps({"model": name, "teacher": teacher, "data": data, "rank": rank,
+                                                   "seam": cfg.seam, "lr": lr, "threads": threads, "precision": precision}) + "\n")
+    run(trainer, samples, out, on_save=lambda t: export_adapter(t, out / "adapter", {"data": data}))
+    say(f"adapter written to {out / 'adapter'}; serve it with --model '{name}+{out / 'adapter'}'")
+
+
+def main() -> None:
+    typer.run(tune_command)
+
+
+if __name__ == "__main__":
+    main()

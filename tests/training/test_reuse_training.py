@@ -1,0 +1,139 @@
+"""Reuse-aware training (training/reuse) on tiny random models: the composed forward is the engine's
+(equal to full at a seam covering every segment), training lowers the loss, a resumed run is the
+uninterrupted one, and the merged export is the adapter-applied model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from helpers import random_segments
+from hypic_core.testing import tiny_model
+from training.reuse import lora
+from training.reuse.data import Layout, Sample, counts, mixed
+from training.reuse.modes import Composer, full_logits
+from training.reuse.trainer import TrainConfig, Trainer, kl, run
+
+FAMILIES = ["bamba", "llama"]
+
+
+def sample(seed: int = 0, lengths=(6, 20, 17, 23, 9), reply: int = 6) -> Sample:
+    """A leading segment, three documents, a question; then a reply (token ids of a tiny vocabulary)."""
+    segs = random_segments(lengths + (reply,), seed=seed)
+    return Sample(Layout(segs[:-1], exact_prefix=1), segs[-1], "test")
+
+
+def samples_from(cursor: int):
+    return ((i, sample(seed=i % 3)) for i in range(cursor, 10**6))
+
+
+def assert_close(name, ref, out, atol):
+    err = (ref - out).abs().max().item()
+    assert err <= atol, f"{name}: max abs error {err:.3g} > {atol}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_composed_equals_full_when_the_seam_covers_every_segment(family):
+    model = tiny_model(family)
+    s = sample()
+    lora.attach(model, rank=4)
+    with torch.no_grad():  # a non-zero adapter: the composed path runs through the LoRA modules too
+        for p in lora.parameters(model):
+            p.normal_(0, 0.05)
+    full = full_logits(model, s.layout, s.reply)
+    composed = Composer(model, seam=64).logits(s.layout, s.reply)
+    assert_close(f"{family} seam 64", full, composed, 2e-4)
+    assert kl(full, composed).item() < 1e-6
+    seam0 = Composer(model, seam=0).logits(s.layout, s.reply)
+    assert kl(full, seam0).item() > 1e-4, "composing with no seam changed nothing: the test would not see a wrong stitch"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_lowers_the_loss(family, tmp_path):
+    model = tiny_model(family)
+    trainer = Trainer(TrainConfig(model=family, out=str(tmp_path), rank=4, seam=0, lr=1e-3, warmup=1), model)
+    s = sample()
+    before = trainer.evaluate(s)
+    assert before[0] < 1e-9, "the base model is its own teacher: full starts at KL 0"
+    assert before[1] > 1e-4
+    for _ in range(15):
+        trainer.train_step(s)
+    after = trainer.evaluate(s)
+    assert sum(after) < 0.6 * sum(before), (before, after)
+
+
+def test_a_resumed_run_continues_the_uninterrupted_one(tmp_path):
+    def trainer(out, steps):
+        return Trainer(TrainConfig(model="bamba", out=str(out), rank=4, seam=2, lr=3e-3, warmup=2, steps=steps,
+                                   minutes=10, save_minutes=1000), tiny_model("bamba"))
+
+    whole = run(trainer(tmp_path / "a", 4), samples_from, tmp_path / "a", progress=lambda m: None)
+    first = run(trainer(tmp_path / "b", 2), samples_from, tmp_path / "b", progress=lambda m: None)
+    assert first.step == 2 and first.cursor == 2
+    seen = []
+    resumed = run(trainer(tmp_path / "b", 4), samples_from, tmp_path / "b", progress=seen.append)
+    assert any("resuming" in m and "step 2" in m for m in seen)
+    assert resumed.step == 4 and resumed.cursor == 4
+    a, b = lora.factors(whole.student), lora.factors(resumed.student)
+    for k in a:
+        assert_close(k, a[k], b[k], 1e-6)
+    lines = (tmp_path / "b" / "log.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+
+
+def test_resume_refuses_a_checkpoint_of_another_rank(tmp_path):
+    cfg = TrainConfig(model="bamba", out=str(tmp_path), rank=4, seam=2, steps=1, save_minutes=1000)
+    run(Trainer(cfg, tiny_model("bamba")), samples_from, tmp_path, progress=lambda m: None)
+    other = Trainer(TrainConfig(model="bamba", out=str(tmp_path), rank=8, seam=2, steps=2), tiny_model("bamba"))
+    with pytest.raises(ValueError, match="rank"):
+        run(other, samples_from, tmp_path, progress=lambda m: None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_merged_export_is_the_adapter_applied_model(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hypic_core.models.loader import write_adapted
+    from training.reuse.trainer import export_adapter
+
+    base = tiny_model(family)
+    base.save_pretrained(tmp_path / "base")
+    trainer = Trainer(TrainConfig(model=family, out=str(tmp_path), rank=4, seam=2, lr=1e-2, warmup=1), copy.deepcopy(base))
+    for i in range(3):
+        trainer.train_step(sample(i))
+    export_adapter(trainer, tmp_path / "adapter")
+    from safetensors.torch import load_file
+
+    lora.load_factors(trainer.student, {k: v.float() for k, v in load_file(tmp_path / "adapter" / "adapter.safetensors").items()})
+    write_adapted(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.tensor([sample(5).layout.ids])
+    trainer.student.eval()
+    with torch.no_grad():
+        ref = trainer.student(input_ids=ids).logits
+        out = merged(input_ids=ids).logits
+        untrained = base(input_ids=ids).logits
+    assert_close(f"{family} merged", ref, out, 1e-4)
+    assert (ref - untrained).abs().max().item() > 1e-3, "the adapter changed nothing: the comparison would not see a bad merge"
+    in_memory = copy.deepcopy(trainer.student)
+    lora.detach(in_memory)
+    assert not lora.modules(in_memory)
+    with torch.no_grad():
+        assert_close(f"{family} detached", ref, in_memory(input_ids=ids).logits, 1e-4)
+
+
+def test_mixed_sources_resume_where_they_left_off():
+    def source(tag, start):
+        i = start
+        while True:
+            yield f"{tag}{i}"
+            i += 1
+
+    weights, seed = (0.7, 0.3), 1
+    whole = [s for _, s in zip(range(20), mixed([source("a", 0), source("b", 0)], weights, seed))]
+    n = counts(8, weights, seed)
+    resumed = [s for _, s in zip(range(12), mixed([source("a", n[0]), source("b", n[1])], weights, seed, 8))]
+    assert [s for _, s in whole[8:]] == [s for _, s in resumed]
+    assert {s[0] for _, s in whole} == {"a", "b"}

@@ -1,0 +1,301 @@
+"""Reuse-aware self-distillation: a LoRA that keeps `full`'s answers when documents are reused.
+
+Each step takes one RAG sample (training/reuse/data.py) and runs it twice through the student
+(the served model with LoRA adapters, training/reuse/lora.py): in `full` mode and composed as the
+engine serves `hypic` (training/reuse/modes.py, same seam, entry prefix and exact-prefix rule).
+The loss on the reply span is
+
+    KL(teacher full || student composed) + KL(teacher full || student full)
+
+so reuse is trained towards full prefill's answer while full's own is kept (Block-Attention trains
+both masks). The teacher is a given model (SmolLM2 for the distilled hybrid) or the student's own
+base (adapters off) for a model tuned for itself. A sample without a reply gets the teacher's
+greedy reply in full mode first (`reply_tokens` tokens at most).
+
+`train` resumes from `<out>/checkpoint.pt` (adapter factors, optimiser, step, data cursor, time
+spent), written atomically every `save_minutes`; progress goes to stderr and every step's numbers
+(loss, both KLs, seconds) to `<out>/log.jsonl`. `export_adapter` writes the shippable adapter (bf16
+factors in safetensors and a JSON card), which hypic_core/models/loader.py merges on load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from hypic_core.adapters import adapter_for
+
+from . import lora
+from .data import Sample
+from .modes import Composer, full_logits
+
+CHECKPOINT = "checkpoint.pt"
+LOG = "log.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One reuse-training run. `model` is what the gateway serves (a name or checkpoint path,
+    recorded in the adapter); `teacher` None means the student's own base."""
+
+    model: str
+    out: str
+    teacher: str | None = None
+    rank: int = 16
+    seam: int = 8
+    entry_prefix: tuple[int, ...] = ()
+    lr: float = 1e-4
+    warmup: int = 10
+    minutes: float = 10.0
+    steps: int = 1_000_000
+    save_minutes: float = 5.0
+    reply_tokens: int = 32
+    seed: int = 0
+    precision: str = "fp32"  # or "bf16": forwards under CPU bf16 autocast (weights, optimiser, KL fp32)
+    sources: dict = field(default_factory=dict)  # what the data was (recorded only)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"rank must be >= 1, got {self.rank}")
+        if self.seam < 0:
+            raise ValueError(f"seam must be >= 0, got {self.seam}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        if self.reply_tokens < 1:
+            raise ValueError(f"reply_tokens must be >= 1, got {self.reply_tokens}")
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    kl_full: float
+    kl_composed: float
+    tokens: int
+    reply: int
+    seconds: float
+
+
+def kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(teacher || student), both [positions, vocab] logits, in fp32."""
+    t = torch.log_softmax(teacher.float(), -1)
+    return (t.exp() * (t - torch.log_softmax(student.float(), -1))).sum(-1).mean()
+
+
+def learning_rate(step: int, peak: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then `peak` (a function of the step: a resumed run continues it)."""
+    return peak * min(1.0, (step + 1) / max(1, warmup))
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+class Trainer:
+    """Owns the student (with adapters), the teacher, the optimiser and the composer.
+
+    `student` is mutated (adapters attached). `teacher` None: the student's base is the teacher.
+    Both must share the tokenizer's vocabulary."""
+
+    def __init__(self, config: TrainConfig, student, teacher=None, eos: Sequence[int] = ()) -> None:
+        self.config = config
+        self.student = student
+        lora.attach(student, config.rank, seed=config.seed)
+        self.teacher = teacher
+        if teacher is not None:
+            tv, sv = teacher.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0]
+            if tv != sv:
+                raise ValueError(f"teacher vocabulary {tv} != student vocabulary {sv}: a teacher must share the student's tokenizer")
+            for p in teacher.parameters():
+                p.requires_grad_(False)
+            teacher.eval()
+        self.params = lora.parameters(student)
+        self.opt = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
+        self.composer = Composer(student, config.seam, config.entry_prefix)
+        self.eos = set(int(e) for e in eos)
+        self.step = 0
+        self.cursor = 0
+        self.elapsed = 0.0
+
+    # --- the teacher -----------------------------------------------------------------------
+    def _teacher_forward(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
+        with torch.no_grad(), self._autocast():
+            if self.teacher is not None:
+                return self.teacher(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()
+            with lora.disabled(self.student):
+                return self.student(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()
+
+    def reply_for(self, sample: Sample) -> tuple[int, ...]:
+        """The sample's reply, or the teacher's greedy one in full mode (stops at EOS, kept)."""
+        if sample.reply is not None:
+            return tuple(sample.reply[: self.config.reply_tokens])
+        model = self.teacher if self.teacher is not None else self.student
+        ids = torch.tensor([sample.layout.ids], dtype=torch.long, device=model.device)
+        cache = adapter_for(model).new_cache()
+        out: list[int] = []
+        with torch.no_grad(), self._autocast(), (lora.disabled(self.student) if self.teacher is None else _null()):
+            logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+            for _ in range(self.config.reply_tokens):
+                tok = int(logits[0, -1].argmax())
+                out.append(tok)
+                if tok in self.eos or len(out) == self.config.reply_tokens:
+                    break
+                pos = torch.tensor([[ids.shape[1] + len(out) - 1]], device=model.device)
+                logits = model(input_ids=torch.tensor([[tok]], device=model.device), position_ids=pos,
+                               cache=cache, use_cache=True, logits_to_keep=1).logits
+        return tuple(out)
+
+    # --- one step ---------------------------------------------------------------------------
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.precision == "bf16")
+
+    def train_step(self, sample: Sample) -> StepResult:
+        t0 = time.time()
+        self.student.train()
+        reply = self.reply_for(sample)
+        if len(reply) < 1:
+            raise ValueError("a training sample needs a reply of at least one token")
+        prompt = sample.layout.ids
+        ids = torch.tensor([prompt + list(reply)[:-1]], dtype=torch.long, device=self.student.device)
+        target = self._teacher_forward(ids, len(reply))
+        self.opt.zero_grad(set_to_none=True)
+        with self._autocast():
+            s_full = full_logits(self.student, sample.layout, reply)
+        kl_full = kl(target, s_full)
+        kl_full.backward()  # the full graph is freed before the composed one is built (peak memory)
+        del s_full
+        with self._autocast():
+            s_comp = self.composer.logits(sample.layout, reply)
+        kl_comp = kl(target, s_comp)
+        kl_comp.backward()
+        del s_comp
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        for group in self.opt.param_groups:
+            group["lr"] = learning_rate(self.step, self.config.lr, self.config.warmup)
+        self.opt.step()
+        self.step += 1
+        return StepResult(self.step, kl_full.item() + kl_comp.item(), kl_full.item(), kl_comp.item(), len(ids[0]) + 1,
+                          len(reply), time.time() - t0)
+
+    def evaluate(self, sample: Sample) -> tuple[float, float]:
+        """(KL full, KL composed) of one sample, no update."""
+        self.student.eval()
+        reply = self.reply_for(sample)
+        ids = torch.tensor([sample.layout.ids + list(reply)[:-1]], dtype=torch.long, device=self.student.device)
+        target = self._teacher_forward(ids, len(reply))
+        with torch.no_grad(), self._autocast():
+            a = kl(target, full_logits(self.student, sample.layout, reply))
+            b = kl(target, self.composer.logits(sample.layout, reply))
+        return float(a), float(b)
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"factors": lora.factors(self.student), "opt": self.opt.state_dict(), "step": self.step,
+                "cursor": self.cursor, "elapsed": self.elapsed, "config": asdict(self.config),
+                "rng": torch.get_rng_state()}
+
+    def save(self, out: Path) -> None:
+        atomic_save(self.state(), out / CHECKPOINT)
+
+    def load(self, path: Path) -> None:
+        """Resume from a checkpoint. Raises ValueError when it was written for another rank or model."""
+        blob = torch.load(path, weights_only=False)
+        was = blob["config"]
+        for key in ("model", "rank", "teacher"):
+            if was.get(key) != getattr(self.config, key):
+                raise ValueError(f"{path}: written with {key}={was.get(key)!r}, this run has {getattr(self.config, key)!r}; "
+                                 "use another --out or the same settings")
+        lora.load_factors(self.student, blob["factors"])
+        self.opt.load_state_dict(blob["opt"])
+        self.step, self.cursor, self.elapsed = blob["step"], blob["cursor"], blob.get("elapsed", 0.0)
+        torch.set_rng_state(blob["rng"])
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def run(trainer: Trainer, samples: Callable[[int], Iterator[tuple[int, Sample]]], out: Path,
+        progress: Callable[[str], None] = say, on_save: Callable[[Trainer], None] | None = None) -> Trainer:
+    """Train until `minutes` or `steps` run out, resuming from `out`'s checkpoint when there is one.
+    `samples(cursor)` yields (cursor, sample) from that cursor on; `on_save` runs after every
+    checkpoint (the last one included). Returns the trainer."""
+    cfg = trainer.config
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / CHECKPOINT
+    if ckpt.is_file():
+        trainer.load(ckpt)
+        progress(f"resuming from {ckpt} at step {trainer.step} (data cursor {trainer.cursor})")
+    t_start = last_save = time.time()
+    deadline = t_start + cfg.minutes * 60
+    stream = samples(trainer.cursor)
+    while trainer.step < cfg.steps and time.time() < deadline:
+        cursor, sample = next(stream)
+        res = trainer.train_step(sample)
+        trainer.cursor = cursor + 1
+        trainer.elapsed += res.seconds
+        record = {"step": res.step, "loss": round(res.loss, 5), "kl_full": round(res.kl_full, 5),
+                  "kl_composed": round(res.kl_composed, 5), "tokens": res.tokens, "reply": res.reply,
+                  "source": sample.source, "seconds": round(res.seconds, 2), "steps_per_s": round(1 / res.seconds, 4),
+                  "elapsed": round(trainer.elapsed, 1), "time": round(time.time(), 1)}
+        with open(out / LOG, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        progress(f"step {res.step} {sample.source:7s} {res.tokens:4d} tok KL full {res.kl_full:.4f} composed "
+                 f"{res.kl_composed:.4f} ({res.seconds:.1f}s)")
+        if time.time() - last_save > cfg.save_minutes * 60:
+            trainer.save(out)
+            if on_save is not None:
+                on_save(trainer)
+            last_save = time.time()
+            progress(f"checkpoint at step {trainer.step}")
+    trainer.save(out)
+    if on_save is not None:
+        on_save(trainer)
+    progress(f"stopped at step {trainer.step}; checkpoint {ckpt}")
+    return trainer
+
+
+def export_adapter(trainer: Trainer, target: Path, card: dict | None = None) -> Path:
+    """Write the adapter into `target` (atomically): `adapter.safetensors` (bf16 factors, scale
+    folded in) and `adapter.json` (base model, rank, step, seam, ...)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from hypic_core.models.loader import ADAPTER_CARD, ADAPTER_FILE
+
+    target = Path(target)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    factors = {k: v.to(torch.bfloat16).contiguous() for k, v in lora.factors(trainer.student).items()}
+    save_file(factors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
+    info = {"base": trainer.config.model, "teacher": trainer.config.teacher, "rank": trainer.config.rank,
+            "seam": trainer.config.seam, "step": trainer.step, "train_seconds": round(trainer.elapsed, 1),
+            "lr": trainer.config.lr, "precision": trainer.config.precision, **(card or {})}
+    (tmp / ADAPTER_CARD).write_text(json.dumps(info, indent=1) + "\n")
+    keep = [p for p in target.iterdir() if p.name not in (ADAPTER_FILE, ADAPTER_CARD)] if target.is_dir() else []
+    for p in keep:  # a model card or other files beside the adapter stay
+        shutil.move(str(p), tmp / p.name)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
