@@ -12,39 +12,33 @@ kind (torch.profiler record_function ranges: module hooks on the HF path, the st
 on the lean one); "other" is what no range covers (embedding, rotary, masks, cache objects, the
 Python between modules). Sampling (argmax of the logits) is timed apart.
 
-With `--kernel native [native-f16]`, one more path per kernel: the lean step on that kernel
-(LeanDecodeStep.build(kernel=...): runner/decode_matmul.py's AVX2 matmuls, and its native ops for the
-norms, attention, Mamba2 and the MLP's gate), in the same lockstep; `native-matmuls` is the native
-matmuls with those other ops left in torch. Each path's logits' largest difference from the lean
-step's at the first timed step is printed beside it.
+With `--kernel native [native-f16 native-i8]`, one more path per kernel: the lean step on that op
+table (hypic_core/runner/ops.py `NativeOps`: runner/decode_matmul.py's matmuls and its native ops
+for the norms, attention, Mamba2 and the MLP's gate), in the same lockstep. Each path's logits'
+largest difference from the lean step's (torch's ops) at the first timed step is printed beside it.
 
-With `--compile`, a fourth path runs the lean step `torch.compile`d (LeanDecodeStep.compile; every
-`--streams` size compiled before the timed steps, the compile time printed).
+The paths are engines built with EngineConfig(decode_step=..., decode_kernel=...) and stepped through
+the runner's one benchmark seam, `ModelRunner.decoding` (bench/harness.py).
 
 Run:  .venv/bin/python bench/decode.py --model smollm2-135m-instruct --threads 2 [--streams 1 2 4 8]
-      [--steps 32 --context 256 --reps 3 --dtype float32 --split --packed --kernel native native-f16 --compile
-       --compile-options '{"cpp_wrapper": true}' --compile-dynamic]
+      [--steps 32 --context 256 --reps 3 --dtype float32 --split --kernel native native-f16]
 `--model` takes a directory or a registry name (hypic models list).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import json
+import contextlib
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from harness import Timer, decode_rows, engine as make_engine, load_average, model_path
 
-from hypic_core.config import EngineConfig, GenerationRequest  # noqa: E402
-from hypic_core.engine.engine import Engine  # noqa: E402
-from hypic_core.runner.decode_step import KERNELS  # noqa: E402
+from hypic_core.config import DECODE_KERNELS, GenerationRequest
+from hypic_core.engine.engine import Engine
 
 
 def bandwidth(mb: int = 512, reps: int = 5) -> tuple[float, float]:
@@ -118,29 +112,25 @@ class ModuleRanges:
 
 
 def run(engine: Engine, caches: list, positions: list[int], steps: int, profile: bool = False):
-    """Decode `steps` greedy steps of every row from copies of `caches` on `engine`'s decode batch.
+    """Decode `steps` greedy steps of every row from copies of `caches` on `engine`'s decode forward.
     Returns (per-step seconds, profiler or None)."""
-    batch = engine.runner.batch
     n = len(caches)
     pos, tokens = list(positions), [5] * n
-    times = []
-    with torch.inference_mode():
-        batch.sync(list(range(n)), {i: copy.deepcopy(c) for i, c in enumerate(caches)})
+    timer = Timer()
+    with decode_rows(engine, caches, ranges=profile) as step:
         for _ in range(2):  # warm: buffers grown, first-call costs paid
-            tokens = batch.forward(tokens, pos).argmax(-1).tolist()
+            tokens = step(tokens, pos).argmax(-1).tolist()
             pos = [p + 1 for p in pos]
         ctx = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
         prof = ctx.__enter__() if ctx is not None else None
         for _ in range(steps):
-            t0 = time.perf_counter()
-            logits = batch.forward(tokens, pos)
-            times.append(time.perf_counter() - t0)
+            with timer:
+                logits = step(tokens, pos)
             tokens = logits.argmax(-1).tolist()
             pos = [p + 1 for p in pos]
         if ctx is not None:
             ctx.__exit__(None, None, None)
-        batch.sync([], {})
-    return times, prof
+    return timer.seconds, prof
 
 
 def lockstep(engines: dict[str, Engine], caches: dict[str, list], positions: list[int], steps: int):
@@ -148,31 +138,24 @@ def lockstep(engines: dict[str, Engine], caches: dict[str, list], positions: lis
     a shared machine's load falls on all alike. Returns (seconds per step by path, sampling seconds, each
     path's logits at the first timed step)."""
     names = list(engines)
-    state = {}
-    with torch.inference_mode():
-        for name in names:
-            batch = engines[name].runner.batch
-            batch.sync(list(range(len(positions))), {i: copy.deepcopy(c) for i, c in enumerate(caches[name])})
-            state[name] = (list(positions), [5] * len(positions))
-        times = {name: [] for name in names}
-        sampling, first = [], {}
+    with contextlib.ExitStack() as stack:
+        steppers = {name: stack.enter_context(decode_rows(engines[name], caches[name])) for name in names}
+        state = {name: (list(positions), [5] * len(positions)) for name in names}
+        times = {name: Timer() for name in names}
+        sampling, first = Timer(), {}
         for k in range(steps + 2):  # the first two warm (buffers grown, first-call costs paid)
             for name in (names if k % 2 == 0 else names[::-1]):
                 pos, tokens = state[name]
                 t0 = time.perf_counter()
-                logits = engines[name].runner.batch.forward(tokens, pos)
-                t1 = time.perf_counter()
-                tokens = logits.argmax(-1).tolist()
-                t2 = time.perf_counter()
+                logits = steppers[name](tokens, pos)
+                if k >= 2:
+                    times[name].seconds.append(time.perf_counter() - t0)
+                with sampling:
+                    tokens = logits.argmax(-1).tolist()
                 if k == 2:
                     first[name] = logits.clone()
-                if k >= 2:
-                    times[name].append(t1 - t0)
-                    sampling.append(t2 - t1)
                 state[name] = ([p + 1 for p in pos], tokens)
-        for name in names:
-            engines[name].runner.batch.sync([], {})
-    return times, sampling, first
+    return {name: t.seconds for name, t in times.items()}, sampling.seconds, first
 
 
 def split(prof, steps: int, total_ms: float) -> dict[str, float]:
@@ -196,47 +179,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="multiplies --steps (kept for the command lines in docs)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--split", action="store_true", help="also split one profiled run per path by layer kind")
-    ap.add_argument("--packed", action="store_true", help="also run decode_step lean-packed (oneDNN-packed weights)")
-    ap.add_argument("--kernel", nargs="+", default=[], choices=[*(k for k in KERNELS if k != "torch"), "native-matmuls"],
-                    help="also run the lean step on these kernels (runner/decode_matmul.py); native-matmuls: the "
-                         "native matmuls with the step's other ops in torch (as before they had native ops)")
-    ap.add_argument("--compile", action="store_true", help="also run the lean step torch.compile'd (LeanDecodeStep.compile, "
-                    "every --streams size compiled before timing)")
-    ap.add_argument("--compile-options", default="{}", help="inductor options for --compile, JSON "
-                    "(e.g. '{\"cpp_wrapper\": true}' or '{\"freezing\": true}')")
-    ap.add_argument("--compile-dynamic", action="store_true", help="--compile with one graph for every batch size")
+    ap.add_argument("--kernel", nargs="+", default=[], choices=[k for k in DECODE_KERNELS if k != "torch"],
+                    help="also run the lean step on these op tables (EngineConfig.decode_kernel)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    path = Path(args.model)
-    if not path.exists():
-        from hypic_core.models.registry import resolve
-
-        path = resolve(args.model).path
-    # Two copies of the model: the lean step makes the modules' weights views of its fused, transposed
-    # ones, so the module path is measured on a model the step never touched (weights as loaded).
+    path = model_path(args.model)
+    # One engine (and model copy) per path: the lean step makes the modules' weights views of its fused
+    # ones, so the module path is measured on a model no step touched (weights as loaded).
     dtype = getattr(torch, args.dtype)
-    kinds = ("module", "lean", "lean-packed") if args.packed else ("module", "lean")
-    engines = {kind: Engine.from_pretrained(path, EngineConfig(max_running=max(args.streams), decode_step=kind), dtype=dtype)
-               for kind in kinds}
+    engines = {kind: make_engine(str(path), dtype, max_running=max(args.streams), decode_step=kind) for kind in ("module", "lean")}
     for k in args.kernel:
-        engines[f"lean+{k}"] = e = Engine.from_pretrained(path, EngineConfig(max_running=max(args.streams)), dtype=dtype)
-        kernel = "native" if k == "native-matmuls" else k
-        e.runner.use_decode_step("lean", kernel=kernel)
-        if e.runner.batch.step.kernel != kernel:
-            sys.exit(f"kernel {kernel} is not available here (see the warning above)")
-        if k == "native-matmuls":
-            e.runner.batch.step.ops = None
-    compile_seconds = None
-    if args.compile:
-        engines["lean-compiled"] = Engine.from_pretrained(
-            path, EngineConfig(max_running=max(args.streams), decode_step="lean"), dtype=dtype)
-        t0 = time.perf_counter()
-        engines["lean-compiled"].runner.batch.step.compile(args.streams, options=json.loads(args.compile_options),
-                                                           dynamic=args.compile_dynamic, progress=print)
-        compile_seconds = time.perf_counter() - t0
+        engines[f"lean+{k}"] = e = make_engine(str(path), dtype, max_running=max(args.streams), decode_step="lean",
+                                               decode_kernel=k)
+        if e.runner.decode_kernel != k:
+            sys.exit(f"kernel {k} is not available here (see the warning above)")
     engine = engines["module"]
-    lean = engines["lean"].runner.batch.step
-    if lean is None:
+    if engines["lean"].runner.decode_kernel is None:
         sys.exit(f"{path.name}: the lean step does not cover this model; nothing to compare")
     wbytes = weight_bytes(engine.model)
     bw_sum, bw_copy = bandwidth()  # best of 5; a busy machine reads slower, so the floor is then too high
@@ -244,7 +202,7 @@ def main() -> None:
     params = sum(p.numel() for p in engine.model.parameters()) / 1e6
     print(f"model: {path.name} ({params:.1f}M parameters, {args.dtype}), CPU, {args.threads} torch thread(s); "
           f"context {args.context} tokens per stream, {args.steps * args.reps} steps per path in lockstep; "
-          f"load average at start {open('/proc/loadavg').read().split()[0]}")
+          f"load average at start {load_average()}")
     print(f"bandwidth: sum {bw_sum:.1f} GB/s, copy {bw_copy:.1f} GB/s (read + write); weights read per step "
           f"{wbytes / 1e6:.0f} MB -> floor {floor_ms:.1f} ms per step")
     print()
@@ -253,7 +211,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
-    splits, packed_rows, compiled_rows, kernel_rows = {}, [], [], []
+    splits, kernel_rows = {}, []
     for b in args.streams:
         prompts = [GenerationRequest((tuple(torch.randint(10, vocab, (args.context,), generator=gen).tolist()),), mode="full")
                    for _ in range(b)]
@@ -265,54 +223,29 @@ def main() -> None:
         print(f"| {b} | {m:.1f} | {ln:.1f} | {m / ln:.2f}x | {m / b:.1f} | {ln / b:.1f} | {1e3 * b / m:.1f} | "
               f"{1e3 * b / ln:.1f} | {floor_ms:.1f} | {ln / floor_ms:.2f}x | {1e3 * statistics.median(samp):.2f} |",
               flush=True)
-        if "lean-packed" in got:
-            pk = 1e3 * statistics.median(got["lean-packed"])
-            packed_rows.append(f"| {b} | {m:.1f} | {ln:.1f} | {pk:.1f} | {m / pk:.2f}x | {ln / pk:.2f}x | "
-                               f"{pk / b:.1f} | {1e3 * b / pk:.1f} | {pk / floor_ms:.2f}x |")
         for k in args.kernel:
             kn = 1e3 * statistics.median(got[f"lean+{k}"])
             err = (first[f"lean+{k}"] - first["lean"]).abs().max().item()
             kernel_rows.append(f"| {b} | {k} | {ln:.1f} | {kn:.1f} | {ln / kn:.2f}x | {m / kn:.2f}x | {kn / b:.1f} | "
                                f"{1e3 * b / kn:.1f} | {kn / floor_ms:.2f}x | {err:.1e} |")
-        if "lean-compiled" in got:
-            cp = 1e3 * statistics.median(got["lean-compiled"])
-            compiled_rows.append(f"| {b} | {ln:.1f} | {cp:.1f} | {ln / cp:.2f}x | {cp / b:.1f} | {1e3 * b / cp:.1f} | "
-                                 f"{cp / floor_ms:.2f}x |")
         if args.split and b in (args.streams[0], args.streams[-1]):
             for name in ("module", "lean"):
                 hooks = ModuleRanges(engine.model, engine.adapter) if name == "module" else None
-                lean.ranges = name == "lean"
                 try:
                     times, prof = run(engines[name], caches[name], positions, min(args.steps, 8), profile=True)
                 finally:
                     if hooks is not None:
                         hooks.remove()
-                    lean.ranges = False
                 splits[(b, name)] = split(prof, len(times), 1e3 * sum(times) / len(times))
-    print(f"load average at end {open('/proc/loadavg').read().split()[0]}")
-    if packed_rows:
-        print()
-        print("lean-packed (the lean step on a second, oneDNN-packed copy of the weights), same lockstep runs:")
-        print("| streams | module ms/step | lean ms/step | packed ms/step | packed vs module | packed vs lean | "
-              "packed ms/token | packed tok/s | packed / floor |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        print("\n".join(packed_rows))
+    print(f"load average at end {load_average()}")
     if kernel_rows:
         print()
-        print("the lean step on other matmul kernels (runner/decode_matmul.py), same lockstep runs; max |logit "
-              "difference| from the lean step at the first timed step:")
+        print("the lean step on the native op tables (runner/ops.py NativeOps), same lockstep runs; max |logit "
+              "difference| from the lean step on torch's ops at the first timed step:")
         print("| streams | kernel | lean ms/step | kernel ms/step | kernel vs lean | kernel vs module | kernel ms/token | "
               "kernel tok/s | kernel / floor | max logit diff |")
         print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         print("\n".join(kernel_rows))
-    if compiled_rows:
-        print()
-        print(f"lean-compiled (LeanDecodeStep.compile, options {args.compile_options}, dynamic {args.compile_dynamic}; "
-              f"{compile_seconds:.0f} s to compile {len(args.streams)} batch size(s) before timing), same lockstep runs:")
-        print("| streams | lean ms/step | compiled ms/step | compiled vs lean | compiled ms/token | compiled tok/s | "
-              "compiled / floor |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
-        print("\n".join(compiled_rows))
     if splits:
         kinds = ["attention", "mamba2", "gated_deltanet", "mlp", "lm_head", "embed+rope", "other"]
         kinds = [k for k in kinds if any(k in s for s in splits.values())]

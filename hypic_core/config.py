@@ -12,7 +12,7 @@ from .errors import InvalidRequestError
 DEFAULT_SEAM = 8  # the reference implementation's default seam width
 COLD_PREFILL = ("stitch", "exact", "auto")  # EngineConfig.cold_prefill
 REPEATS = ("exact", "cheaper")  # EngineConfig.repeats
-DECODE_STEPS = ("module", "lean", "lean-packed")  # EngineConfig.decode_step
+DECODE_STEPS = ("module", "lean")  # EngineConfig.decode_step ("lean-packed" was measured and removed: docs/benchmarks.md)
 DECODE_KERNELS = ("torch", "native", "native-f16", "native-i8")  # EngineConfig.decode_kernel
 REUSE_KEY_SCOPES = ("prompt", "all")  # EngineConfig.reuse_key_scope
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias positive ones
@@ -146,8 +146,7 @@ class EngineConfig:
     # (hypic_core/engine/lookups.py); what has not returned by then is computed, and used from the next request.
     lookup_deadline_s: float = 1.0
     # The batched decode forward: "lean" (hypic_core/runner/decode_step.py: fused weights, closed-form
-    # one-token updates; a family it does not cover keeps the module path), "lean-packed" (the same on
-    # a second, oneDNN-packed copy of the weights: faster at 2-8 rows on AVX2 CPUs) or "module" (the HF modules).
+    # one-token updates; a family it does not cover keeps the module path) or "module" (the HF modules).
     decode_step: str = "module"
     # The lean step's matmuls: "torch" (torch's kernels), "native" (hypic_core/runner/decode_matmul.py: AVX2
     # kernels built once with the C++ compiler, on the fp32 weights; torch's when they cannot be had) or
@@ -197,7 +196,9 @@ class EngineConfig:
         if not self.lookup_deadline_s > 0:
             raise InvalidRequestError("lookup_deadline_s", f"must be > 0, got {self.lookup_deadline_s}")
         if self.decode_step not in DECODE_STEPS:
-            raise InvalidRequestError("decode_step", f"must be one of {', '.join(DECODE_STEPS)}, got {self.decode_step!r}")
+            gone = " (lean-packed was removed: measured, not kept, docs/benchmarks.md; lean replaces it)" \
+                if self.decode_step == "lean-packed" else ""
+            raise InvalidRequestError("decode_step", f"must be one of {', '.join(DECODE_STEPS)}, got {self.decode_step!r}{gone}")
         if self.decode_kernel not in DECODE_KERNELS:
             raise InvalidRequestError("decode_kernel", f"must be one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
         object.__setattr__(self, "entry_prefix", tuple(int(t) for t in self.entry_prefix))

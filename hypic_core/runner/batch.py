@@ -21,13 +21,28 @@ which tests/engine/test_batching.py compares step by step over joins and leaves.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from .layers import AttentionLayers, LinearLayers
 
 _GRAIN = 64  # K/V column capacity is a multiple of this
+
+
+class KVRows(NamedTuple):
+    """An attention layer's K/V row buffers, [row capacity, H_kv, column capacity, D] each: row r's first
+    `lengths[r]` columns are live; a step writes its new columns in place."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class StateRows(NamedTuple):
+    """A linear layer's live rows (views, advanced in place): conv [B, C, K] and recurrent state [B, ...]."""
+
+    conv: torch.Tensor
+    state: torch.Tensor
 
 
 class DecodeBatch:
@@ -55,6 +70,20 @@ class DecodeBatch:
     def capacity(self) -> tuple[int, int]:
         """(rows, columns) the K/V buffers hold now."""
         return (self._k[0].shape[0], self._k[0].shape[2]) if self._k else (0, 0)
+
+    def attention_layer(self, j: int) -> KVRows:
+        """Attention layer j's K/V row buffers (the batch's own: a decode step writes into them)."""
+        return KVRows(self._k[j], self._v[j])
+
+    def linear_layer(self, p: int) -> StateRows:
+        """Linear layer p's conv and state rows of the running sequences (views of the batch's buffers)."""
+        b = len(self.keys)
+        return StateRows(self._conv[p][:b], self._state[p][:b])
+
+    def advance(self, counts: Sequence[int]) -> None:
+        """Row r keeps `counts[r]` more K/V columns (written by a step): its length grows by as many."""
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        self._point(max(self.lengths))
 
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer the rows live in (tests check they stay in place)."""
@@ -174,8 +203,7 @@ class DecodeBatch:
         self.reserve(b, width)
         if self.step is not None:  # writes each row's new column into the buffers itself
             logits = self.step(self, token_ids, positions)
-            self.lengths = [n + 1 for n in self.lengths]
-            self._point(width)
+            self.advance([1] * b)
             return logits
         cols = torch.tensor(self.lengths, dtype=torch.long, device=dev)
         same = self.lengths[0] if min(self.lengths) == width - 1 else None  # every row writes the same column
@@ -188,8 +216,7 @@ class DecodeBatch:
                              attention_mask=self.adapter.mask_argument(mask), logits_to_keep=1)
         finally:
             self._step = None
-        self.lengths = [n + 1 for n in self.lengths]
-        self._point(width)
+        self.advance([1] * b)
         self._adopt()
         return out.logits[:, -1].float()
 

@@ -8,8 +8,9 @@ differentiable stitch calls `compute_entries_reference(keep_graph=True)` and `st
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -66,13 +67,40 @@ class ModelRunner:
     def use_decode_step(self, kind: str, kernel: str = "torch") -> str:
         """Run the batched decode on the lean step ("lean") or the HF modules ("module"); returns what runs
         (a family the lean step does not cover keeps "module": runner/decode_step.py `uncovered_reason`).
-        `kernel`: the lean step's matmuls (decode_step.KERNELS; what runs is `batch.step.kernel`)."""
+        `kernel`: the lean step's op table (config.DECODE_KERNELS; what runs is `batch.step.kernel`)."""
         from .decode_step import LeanDecodeStep
 
-        step = LeanDecodeStep.build(self.model, self.adapter, packed=kind == "lean-packed", kernel=kernel) if kind != "module" else None
-        self.batch.step = step
-        self.decode_step = "module" if step is None else "lean-packed" if step.packed else "lean"
+        if kind not in ("lean", "module"):
+            raise ValueError(f"decode step must be lean or module, got {kind!r}")
+        self.batch.step = LeanDecodeStep.build(self.model, self.adapter, kernel=kernel) if kind == "lean" else None
+        self.decode_step = "module" if self.batch.step is None else "lean"
         return self.decode_step
+
+    @property
+    def decode_kernel(self) -> str | None:
+        """The op table the lean step runs (config.DECODE_KERNELS; a native one may have fallen back to
+        "torch"), None on the module path."""
+        return None if self.batch.step is None else self.batch.step.kernel
+
+    @contextlib.contextmanager
+    def decoding(self, caches: Sequence, ranges: bool = False) -> Iterator[Callable[[Sequence[int], Sequence[int]], torch.Tensor]]:
+        """The batched decode forward as a benchmark drives it (bench/harness.py), with no scheduler: rows
+        0..n-1 join from `caches` (batch-1 prefill caches, taken over as the engine's own would be);
+        yields `step(token_ids, positions) -> logits [n, vocab]` (fp32), each row advanced by one token;
+        the rows leave at exit. `ranges`: the lean step marks each part with a torch.profiler range
+        (attention, mamba2, gated_deltanet, mlp, lm_head, embed+rope). Only while nothing else decodes."""
+        if len(self.batch):
+            raise RuntimeError("decoding() needs an idle decode batch; the engine has running sequences")
+        step = self.batch.step
+        self.batch.sync(list(range(len(caches))), dict(enumerate(caches)))
+        if step is not None:
+            step.ranges = ranges
+        try:
+            yield self.batch.forward
+        finally:
+            if step is not None:
+                step.ranges = False
+            self.batch.sync([], {})
 
     def forward(self, token_ids: Sequence[int], start: int, cache: DynamicCache, logits: bool = False):
         """Run `token_ids` at positions start.. on top of `cache` (mutated).

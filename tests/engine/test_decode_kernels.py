@@ -23,7 +23,8 @@ import torch
 from hypic_core.config import EngineConfig, GenerationRequest
 from hypic_core.engine.engine import Engine
 from hypic_core.runner import decode_matmul
-from hypic_core.runner.decode_step import LeanDecodeStep, _Native
+from hypic_core.runner.decode_step import LeanDecodeStep
+from hypic_core.runner.ops import NativeOps
 from hypic_core.runner.verify_step import VerifyStep
 from hypic_core.testing import tiny_model
 
@@ -112,7 +113,7 @@ def test_no_compiler_keeps_torch_matmuls_with_a_warning(monkeypatch, caplog, tmp
         decode_matmul.build(compiler="/nonexistent/g++", directory=tmp_path / "empty")
     engine = engine_on(tiny_model("bamba"), "native")
     step = engine.runner.batch.step
-    assert isinstance(step, LeanDecodeStep) and step.kernel == "torch" and not isinstance(step.lm_w, _Native)
+    assert isinstance(step, LeanDecodeStep) and step.kernel == "torch" and not isinstance(step.ops, NativeOps)
     reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
     worst, differ, _ = decode_against_module(engine, reqs, steps=3, join_at=1, leave_at=2)
     assert worst <= 1e-4 and differ == 0
@@ -132,8 +133,8 @@ def test_native_step_equals_module_path(family):
     model = tiny_model(family)
     engine = engine_on(model, "native")
     step = engine.runner.batch.step
-    assert step.kernel == "native" and isinstance(step.lm_w, _Native) and step.lm_w.w.dtype == torch.float32
-    assert model.get_output_embeddings().weight.data_ptr() == step.lm_w.w.data_ptr()
+    assert step.kernel == "native" and isinstance(step.ops, NativeOps) and step.lm_head.w.dtype == torch.float32
+    assert model.get_output_embeddings().weight.data_ptr() == step.lm_head.w.data_ptr()
     calls = collections.Counter()
     step.ops = CountingOps(step.ops, calls)  # the step's other ops run native too (tests/engine/test_decode_ops.py)
     reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
@@ -202,7 +203,7 @@ def test_native_f16_logits_stay_near_fp32(family):
     before = model.get_output_embeddings().weight.detach().clone()
     engine = engine_on(model, "native-f16")
     step = engine.runner.batch.step
-    assert step.kernel == "native-f16" and step.lm_w.w.dtype == torch.float16
+    assert step.kernel == "native-f16" and step.lm_head.w.dtype == torch.float16
     assert torch.equal(model.get_output_embeddings().weight, before) and model.dtype == torch.float32
     reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
     worst, _, _ = decode_against_module(engine, reqs, steps=6, join_at=2, leave_at=3)
@@ -218,7 +219,7 @@ def test_native_i8_logits_stay_near_fp32(family):
     before = model.get_output_embeddings().weight.detach().clone()
     engine = engine_on(model, "native-i8")
     step = engine.runner.batch.step
-    assert step.kernel == "native-i8" and step.lm_w.w.dtype == torch.int8 and step.lm_w.scales is not None
+    assert step.kernel == "native-i8" and step.lm_head.w.dtype == torch.int8 and step.lm_head.scales is not None
     assert torch.equal(model.get_output_embeddings().weight, before) and model.dtype == torch.float32
     reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
     worst, _, _ = decode_against_module(engine, reqs, steps=6, join_at=2, leave_at=3)

@@ -1,11 +1,13 @@
-"""The native decode step's other ops (hypic_core/runner/decode_matmul.py) against plain torch references.
+"""The decode step's op tables (hypic_core/runner/ops.py): `NativeOps` against `TorchOps`, its reference.
 
-With `kernel="native"` the lean step runs its norms, the MLP's gate, each attention layer (rotary, the
-K/V write, the attention itself) and each Mamba2 mixer between its projections as native calls. Each
-is checked here on its own against the torch code it replaces (the lean step's torch ops, or the
-plain formula), on shapes with tails: rows of different lengths, lengths across the kernel's blocks
-of 128 columns, head sizes off its fast paths, grouped heads, partial rotary. The whole step on them
-is checked against the module path in test_decode_kernels.py.
+With `kernel="native"` the lean step runs its matmuls, norms, the MLP's gate, each attention layer
+(rotary, the K/V write, the attention itself) and each Mamba2 mixer between its projections as
+native calls (hypic_core/runner/decode_matmul.py). Each op is checked here on its own against
+`TorchOps`' (or the native kernel against the plain formula), on shapes with tails: rows of
+different lengths, lengths across the kernel's blocks of 128 columns, head sizes off its fast
+paths, grouped heads, partial rotary, several tokens a row (speculation's verification). The
+whole step on each table is checked against the module path in test_decode_step.py (TorchOps) and
+test_decode_kernels.py (NativeOps).
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from types import SimpleNamespace
+
 from hypic_core.runner import decode_matmul
-from hypic_core.runner.decode_step import _Mamba2, _Norm, _rope
+from hypic_core.runner.batch import KVRows
+from hypic_core.runner.decode_step import Mamba2, Norm
+from hypic_core.runner.ops import NativeOps, Rows, TorchOps, rope as _rope
 from hypic_core.testing import tiny_model
 
 NATIVE = decode_matmul.native()
@@ -32,7 +38,7 @@ def test_add_rmsnorm_equals_the_norm(rows, n, residual):
     want_h = h + d if residual else h.clone()
     got = NATIVE.add_rmsnorm(h, d if residual else None, w, 1e-5)
     assert torch.equal(h, want_h)  # the residual added in place
-    torch.testing.assert_close(got, _Norm(norm)(want_h), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, Norm(norm)(want_h), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows,n", [(1, 1536), (4, 20)])
@@ -82,27 +88,89 @@ def test_attend_equals_the_reference(H, Hkv, D, rot):
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_mamba2_equals_the_torch_update(rows, groups):
-    """Between in_proj and out_proj: the conv shift, the state update and the gated group norm, against the lean
-    step's torch code (`_Mamba2.core`) from the same conv and state rows, over several tokens."""
+    """Between in_proj and out_proj: the conv shift, the state update and the gated group norm, `NativeOps.mamba2`
+    against `TorchOps.mamba2` (the mixer's torch code) from the same conv and state rows, over several tokens."""
     model = tiny_model("bamba", mamba_n_groups=groups)
     layer = next(layer.mamba for layer in model.model.layers if getattr(layer, "mamba", None) is not None)
-    mixer = _Mamba2(layer, 0)
-    conv_t, state_t = mixer.dummy_rows(rows)
+    mixer = Mamba2(layer, 0, TorchOps())
     g = torch.Generator().manual_seed(rows)
-    conv_t.normal_(generator=g)
-    state_t.normal_(generator=g)
+    conv_t = torch.randn(rows, mixer.C, mixer.conv_w.shape[-1], generator=g)
+    state_t = torch.randn(rows, mixer.H, mixer.P, mixer.N, generator=g)
     conv_n, state_n = conv_t.clone(), state_t.clone()
     with torch.inference_mode():
         for _ in range(4):
-            x = torch.randn(rows, model.config.hidden_size, generator=g)
-            want = mixer.core(x, conv_t, state_t)
-            zx = torch.mm(x, mixer.w) if mixer.b is None else torch.addmm(mixer.b, x, mixer.w)
-            y = NATIVE.mamba2(zx, conv_n, mixer.conv_w, mixer.conv_b, mixer.dt_bias, mixer.A, mixer.D, state_n,
-                              mixer.norm_w, mixer.norm_eps, mixer.H, mixer.P, mixer.G, mixer.N)
-            got = torch.mm(y, mixer.o_w) if mixer.o_b is None else torch.addmm(mixer.o_b, y, mixer.o_w)
+            zx = torch.randn(rows, mixer.I + mixer.C + mixer.H, generator=g)
+            want = TorchOps().mamba2(mixer, zx, conv_t, state_t)
+            got = NativeOps(NATIVE).mamba2(mixer, zx, conv_n, state_n)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(conv_n, conv_t, atol=0, rtol=0)
             torch.testing.assert_close(state_n, state_t, atol=1e-5, rtol=1e-4)
+
+
+def fake_batch(lengths):
+    return SimpleNamespace(lengths=list(lengths), model=SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32))
+
+
+@pytest.mark.parametrize("counts", [(1, 1, 1), (3, 1, 2)], ids=["one token a row", "several tokens a row"])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_native_attend_equals_torch_ops(counts, rotary):
+    """The attention op as the step and the verification call it (`Rows` of one or several tokens a row, rows
+    of different lengths): `NativeOps.attend` against `TorchOps.attend`, outputs and the K/V written."""
+    g = torch.Generator().manual_seed(sum(counts))
+    H, Hkv, D, cols = 6, 2, 32, 300
+    lengths = [129, 4, 200]
+    N = sum(counts)
+    q, k, v = torch.randn(N, H, D, generator=g), torch.randn(N, Hkv, D, generator=g), torch.randn(N, Hkv, D, generator=g)
+    kb, vb = torch.randn(3, Hkv, cols, D, generator=g), torch.randn(3, Hkv, cols, D, generator=g)
+    cos = sin = None
+    if rotary:
+        angle = torch.rand(N, D // 4, generator=g) * 6.3  # partial rotary: half the head
+        cos, sin = torch.cat([angle.cos()] * 2, dim=-1), torch.cat([angle.sin()] * 2, dim=-1)
+    out = {}
+    for name, ops in (("torch", TorchOps()), ("native", NativeOps(NATIVE))):
+        kv = KVRows(kb.clone(), vb.clone())
+        rows = ops.prepare(Rows(fake_batch(lengths), counts, cos, sin))
+        out[name] = (ops.attend(q.clone(), k.clone(), v.clone(), kv, rows, D ** -0.5), kv)
+    torch.testing.assert_close(out["native"][0], out["torch"][0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out["native"][1].keys, out["torch"][1].keys, atol=1e-6, rtol=1e-6)
+    assert torch.equal(out["native"][1].values, out["torch"][1].values)
+
+
+@pytest.mark.parametrize("weights,bound", [(torch.float32, 1e-5), (torch.float16, 2e-2), (torch.int8, 0.1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_equals_torch_ops(weights, bound, bias):
+    """The same linears fused by each table (TorchOps [in, out], NativeOps [out, in] or its fp16 / int8 copy): the
+    products agree (fp32 exactly up to summation order; the copies within their precision), 1 to 17 rows."""
+    g = torch.Generator().manual_seed(3)
+    lins = [torch.nn.Linear(40, n, bias=bias) for n in (24, 9)]
+    for lin in lins:
+        lin.weight.data = torch.randn(lin.weight.shape, generator=g) / 40 ** 0.5
+    native = NativeOps(NATIVE, weights)
+    w_n = native.linear_weight(lins)
+    w_t = TorchOps().linear_weight(lins)
+    for rows in (1, 3, 17):
+        x = torch.randn(rows, 40, generator=g)
+        torch.testing.assert_close(native.linear(x, w_n), TorchOps().linear(x, w_t), atol=bound, rtol=bound)
+
+
+def test_native_add_norm_and_gate_equal_torch_ops():
+    """The residual add + norm (plain and zero-centred norms) and silu(gate) * up on both tables."""
+    g = torch.Generator().manual_seed(5)
+    h, d = torch.randn(3, 48, generator=g), torch.randn(3, 48, generator=g)
+    plain = torch.nn.RMSNorm(48, eps=1e-6)
+    plain.weight.data = torch.randn(48, generator=g)
+    model = tiny_model("qwen3_5")  # its norms are zero-centred: (1 + w)
+    for norm in (Norm(plain), Norm(model.model.layers[0].input_layernorm)):
+        h_t, h_n = h.clone(), h.clone()
+        if norm.weight.shape[0] != 48:
+            h_t, h_n, d = (torch.randn(3, norm.weight.shape[0], generator=g) for _ in range(3))
+            h_n = h_t.clone()
+        want = TorchOps().add_rmsnorm(h_t, d, norm)
+        got = NativeOps(NATIVE).add_rmsnorm(h_n, d, norm)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(h_n, h_t, atol=0, rtol=0)
+    gu = torch.randn(2, 64, generator=g) * 4
+    torch.testing.assert_close(NativeOps(NATIVE).silu_mul(gu), TorchOps().silu_mul(gu), atol=1e-6, rtol=1e-5)
 
 
 def test_attend_several_tokens_of_a_row_attend_causally():

@@ -44,12 +44,12 @@ class EngineSettings(AreaSettings):
                                                              "prefill, when that costs less than computing the entries and "
                                                              "stitching; the entries are then computed after its first token), "
                                                              "exact (so whenever every entry is missing) or stitch (never).")
-    decode_step: Literal["lean", "lean-packed", "module"] = Field("lean", description="The batched decode forward: lean "
+    decode_step: Literal["lean", "module"] = Field("lean", description="The batched decode forward: lean "
                                                    "(one forward written for one token per sequence: fused weights, "
                                                    "closed-form linear-layer updates; llama, qwen3, qwen3_5, qwen3_next "
-                                                   "and bamba models, others keep module), lean-packed (the same on a second, "
-                                                   "oneDNN-packed copy of the weights: faster with several streams on "
-                                                   "AVX2 CPUs) or module (the transformers modules, the reference).")
+                                                   "and bamba models, others keep module) or module (the transformers "
+                                                   "modules, the reference). The former lean-packed was measured and "
+                                                   "removed; that value is refused.")
     decode_kernel: Literal["native", "torch", "native-f16", "native-i8"] = Field("native", description="The lean decode step's "
                                                                      "kernels: native (AVX2 kernels built once with "
                                                                      "the C++ compiler, on the fp32 weights, for the "
