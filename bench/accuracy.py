@@ -17,7 +17,7 @@ It also compares two seam-state semantics for hypic at the default seam:
     recomputed seam affecting outputs (K/V) only.
 
 Run:  .venv/bin/python bench/accuracy.py [--n 20] [--model models/hypic-tiny]
-Writes docs/accuracy.md and docs/accuracy_vs_seam.png.
+Writes bench/results/accuracy_bundled.md and bench/results/accuracy_vs_seam.png beside it.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[2, 5, 10])
     ap.add_argument("--seam", type=int, default=8, help="default seam (pic-naive and the semantics comparison)")
     ap.add_argument("--max-tokens", type=int, default=6)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "accuracy.md")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "accuracy_bundled.md")
     args = ap.parse_args()
     torch.manual_seed(0)
     results, cfgs, engine = evaluate(args)

@@ -1,13 +1,13 @@
 """`full` accuracy on data/real_qa by how far the gold passage sits from the question.
 
-Reads the raw rows bench/accuracy_real.py writes (docs/accuracy_real_*.json) and counts, for each
+Reads the raw rows bench/accuracy_real.py writes (bench/results/accuracy_real_*.json) and counts, for each
 file, the questions answered by one config (default `full`), grouped by the number of retrieved
 documents between the gold passage and the question (0: the gold passage is the last document,
 right before the question). A model whose linear layers forget a document over the ones after
 it loses the far groups first; attention does not care. Prints a markdown table; no model runs.
 
-    .venv/bin/python bench/accuracy_by_position.py docs/accuracy_real_smollm2-135m-instruct_84.json \\
-        docs/accuracy_real_smollm2-hybrid-135m_r9.json
+    .venv/bin/python bench/accuracy_by_position.py bench/results/accuracy_real_smollm2-135m-instruct_84.json \\
+        bench/results/accuracy_real_smollm2-hybrid-135m_r9.json
 """
 
 from __future__ import annotations

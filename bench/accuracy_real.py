@@ -31,7 +31,7 @@ Run:  .venv/bin/python bench/accuracy_real.py --model smollm2-135m-instruct
 `--set short` asks data/short_qa/'s 61 questions instead (six ~80-token documents each, in the
 prompter's retrieval order, the best next to the question; `--order shuffled` for a random order).
 Writes its section into docs/accuracy.md (between <!-- TAG:begin/end -->) and the raw rows to
-docs/accuracy_real_<model>.json; progress goes to stderr.
+bench/results/accuracy_real_<model>.json; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -439,14 +439,14 @@ def main() -> None:
                         "tests/engine/test_stitch.py checks it)")
     parser.add_argument("--partial", default=None, help="rewrite the rows so far to this JSON file after each question")
     parser.add_argument("--tag", default=None, help="docs/accuracy.md section tag (default: real-<model>)")
-    parser.add_argument("--raw", default=None, help="file name in docs/ of the raw rows (default: accuracy_real_<model>.json)")
+    parser.add_argument("--raw", default=None, help="file name in bench/results/ of the raw rows (default: accuracy_real_<model>.json)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--save", default=None, help="write this run's results (a share: --first, --n) to this JSON "
-                        "file instead of docs/; --join makes one run of the shares")
+                        "file instead of bench/results/; --join makes one run of the shares")
     parser.add_argument("--join", nargs="+", default=None, help="--save files of shares that tile the questions: "
                         "write the docs section and raw rows of them joined (give the run's other arguments)")
     parser.add_argument("--from-json", action="store_true", help="rewrite the docs section from the saved raw rows "
-                        "(docs/accuracy_real_<model>.json) instead of running; give the run's other arguments")
+                        "(bench/results/accuracy_real_<model>.json) instead of running; give the run's other arguments")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     name = Path(args.model).name
@@ -456,14 +456,14 @@ def main() -> None:
         for path, label in args.merge:
             merge(results, path, label)
         if "family" not in results:  # cut-short shares only: the model's shape from an earlier run's raw rows
-            for old in sorted((ROOT / "docs").glob(f"accuracy_real_{Path(args.model).name}*.json"),
+            for old in sorted((ROOT / "bench" / "results").glob(f"accuracy_real_{Path(args.model).name}*.json"),
                               key=lambda p: p.stat().st_mtime, reverse=True):  # the newest: the model file now
                 known = json.loads(old.read_text())
                 if "family" in known:
                     results.update({k: known[k] for k in ("family", "linear_layers", "attention_layers", "dtype")})
                     break
     elif args.from_json:
-        results = json.loads((ROOT / "docs" / raw).read_text())
+        results = json.loads((ROOT / "bench" / "results" / raw).read_text())
     else:
         results = evaluate(args)
         if args.save:
@@ -484,7 +484,7 @@ def main() -> None:
     print("\n".join(body))
     if args.no_write:
         return
-    (ROOT / "docs" / raw).write_text(json.dumps(results, indent=1))
+    (ROOT / "bench" / "results" / raw).write_text(json.dumps(results, indent=1))
     tag = args.tag or f"real-{name}"
     wanted = len(args.ids) if args.ids else args.n  # cut short: shares stopped before every question was asked
     cut = bool(results.get("partial")) and results["n"] < wanted
@@ -500,7 +500,7 @@ def main() -> None:
         + (f"a run cut short: only the questions its shares finished" if cut
            else "joined from the shares' `--partial` files, no wall time kept" if results.get("partial")
            else f"{results['seconds']} s on this machine's CPU")
-        + f"{_shares_note(results)}). Raw rows: `docs/{raw}`."
+        + f"{_shares_note(results)}). Raw rows: `bench/results/{raw}`."
         + (f" Merged: {', '.join(results['merged'])} (full's answers checked identical)." if results.get("merged") else ""),
         "",
         *body,

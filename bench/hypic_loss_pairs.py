@@ -7,8 +7,8 @@ between two such runs is paired on the sequence: it shows what a change of recip
 `--hypic-documents`) did to the reuse gap while training, with a 95% interval over the steps both
 runs logged. Reads the logs only; no model runs.
 
-    .venv/bin/python bench/hypic_loss_pairs.py docs/hybrid_hypic_loss_log.jsonl \\
-        docs/hybrid_hypic_documents_loss_log.jsonl
+    .venv/bin/python bench/hypic_loss_pairs.py bench/results/hybrid_hypic_loss_log.jsonl \\
+        bench/results/hybrid_hypic_documents_loss_log.jsonl
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ questions it is lower, and top-1 agreement; progress to stderr.
 
 Run:  .venv/bin/python bench/key_scale_scan.py --model smollm2-hybrid-135m --set short --n 30 \\
           --scales 0.8 0.9 0.95 1.0 1.1 [--json out.json]
-      .venv/bin/python bench/key_scale_scan.py --plot docs/accuracy_vs_key_scale.png --from A.json B.json ...
+      .venv/bin/python bench/key_scale_scan.py --plot bench/results/accuracy_vs_key_scale.png --from A.json B.json ...
       (one line per JSON: mean first-token KL against the scale, each relative to its scale 1.0)
 """
 

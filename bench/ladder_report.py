@@ -4,14 +4,14 @@ Accuracy: each config's answers on the real questions (bench/accuracy_real.py ra
 `full` on the same prompts; warm TTFT: bench/ladder_ttft.py's JSON, as full / config (higher is
 faster). Writes the `ladder-summary` section of docs/accuracy.md and the plot.
 
-    .venv/bin/python bench/ladder_report.py --ttft docs/ladder_ttft.json \\
-        --rows smollm2-hybrid-135m=docs/accuracy_real_smollm2-hybrid-135m_ladder.json \\
-               smollm2-135m-instruct=docs/accuracy_real_smollm2-135m-instruct_ladder.json \\
+    .venv/bin/python bench/ladder_report.py --ttft bench/results/ladder_ttft.json \\
+        --rows smollm2-hybrid-135m=bench/results/accuracy_real_smollm2-hybrid-135m_ladder.json \\
+               smollm2-135m-instruct=bench/results/accuracy_real_smollm2-135m-instruct_ladder.json \\
         --default "hypic s=8" --out docs/accuracy_vs_ttft.png
 
 `--rows MODEL=A.json,B.json` merges the configs of several runs of the same questions (their `full`
 answers must be identical). `--tag` writes another section (e.g. `short-summary` for data/short_qa's rows, with `--out
-docs/accuracy_short_vs_ttft.png`), leaving the ladder's summary as it is.
+bench/results/accuracy_short_vs_ttft.png`), leaving the ladder's summary as it is.
 """
 
 from __future__ import annotations

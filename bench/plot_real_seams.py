@@ -1,8 +1,8 @@
 """Plot bench/accuracy_real.py's seam sweeps: answer KL from full and agreement with full against
-the seam width, hypic and pic-naive, for every model given (raw rows in docs/accuracy_real_*.json).
+the seam width, hypic and pic-naive, for every model given (raw rows in bench/results/accuracy_real_*.json).
 
 Run:  .venv/bin/python bench/plot_real_seams.py smollm2-hybrid-135m smollm2-135m-instruct
-Writes docs/accuracy_real_vs_seam.png.
+Writes bench/results/accuracy_real_vs_seam.png.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def series(results: dict, mode: str, key: str) -> tuple[list[int], list[float], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="+")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "accuracy_real_vs_seam.png"))
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "accuracy_real_vs_seam.png"))
     args = parser.parse_args()
     import matplotlib
 
@@ -43,7 +43,7 @@ def main() -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name in args.models:
-        results = json.loads((ROOT / "docs" / f"accuracy_real_{name}.json").read_text())
+        results = json.loads((ROOT / "bench" / "results" / f"accuracy_real_{name}.json").read_text())
         for mode, style in (("hypic", "-o"), ("pic-naive", "--s")):
             for ax, key in zip(axes, ("cont_kl", "agree")):
                 xs, ys, err = series(results, mode, key)

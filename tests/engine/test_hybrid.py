@@ -550,7 +550,7 @@ def test_progress_counts_stage2_steps_across_machines_and_plots(tmp_path):
     assert [s for s, _ in validations(lines)] == [13, 28, 1029, 1029, 1031]
     assert layout_changes(lines) == [1029]
     (tmp_path / "log.jsonl").write_text("\n".join(lines))
-    plot(tmp_path / "log.jsonl", {28: pathlib.Path(__file__).parents[2] / "docs" / "accuracy_real_smollm2-hybrid-135m_r3.json"}, tmp_path / "p.png")
+    plot(tmp_path / "log.jsonl", {28: pathlib.Path(__file__).parents[2] / "bench" / "results" / "accuracy_real_smollm2-hybrid-135m_r3.json"}, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -8,8 +8,8 @@ at its step in the whole run. A `"stage": "relayer"` line (the run moved to anot
 attention layers, `distill relayer`) is drawn as a dotted line.
 Accuracy points come from `bench/accuracy_real.py --raw` files, each given as STEPS=FILE.
 
-    python -m training.hybrid.progress --accuracy 1890=docs/accuracy_real_smollm2-hybrid-135m_r2.json \\
-        3563=docs/accuracy_real_smollm2-hybrid-135m_r3.json 4970=docs/accuracy_real_smollm2-hybrid-135m_r4.json \\
+    python -m training.hybrid.progress --accuracy 1890=bench/results/accuracy_real_smollm2-hybrid-135m_r2.json \\
+        3563=bench/results/accuracy_real_smollm2-hybrid-135m_r3.json 4970=bench/results/accuracy_real_smollm2-hybrid-135m_r4.json \\
         --out docs/hybrid_progress.png
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LOG = ROOT / "models" / "smollm2-hybrid-135m" / "training_log.jsonl"
-TEACHER = ROOT / "docs" / "accuracy_real_smollm2-135m-instruct_84.json"
+TEACHER = ROOT / "bench" / "results" / "accuracy_real_smollm2-135m-instruct_84.json"
 
 
 def _walk(lines: list[str]):
