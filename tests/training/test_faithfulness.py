@@ -133,3 +133,19 @@ def test_the_release_card_reads_back_as_the_guard_reads_it(tiny_run, tmp_path):
     assert release.identical == 1.0 and release.low < 1.0 == release.high
     assert json.loads(card.read_text())["command"].startswith(".venv/bin/python bench/faithfulness.py")
     assert math.isfinite(json.loads(card.read_text())["kl_answer"])
+
+
+def test_the_accuracy_reports_give_the_exact_mcnemar_p_beside_lost_and_gained():
+    accuracy = load_script("bench_accuracy_real", ROOT / "bench" / "accuracy_real.py")
+    ladder = load_script("bench_ladder_report", ROOT / "bench" / "ladder_report.py")
+
+    def row(acc):
+        return {"id": "q", "answer": "a", "acc": acc, "f1": 1.0, "agree": True, "kl": 0.0, "cont_kl": 0.0, "top1": True, "ws": False}
+
+    full = [row(True)] * 8 + [row(False)] * 2
+    reused = [row(False)] * 8 + [row(False)] * 2  # the 8 full answered, lost; none gained
+    results = {"configs": [["full", "full", 0], ["hypic s=8", "hypic", 8]], "rows": {"full": full, "hypic s=8": reused}}
+    [line] = [x for x in accuracy.table(results) if x.startswith("| hypic s=8 | 8 | 0 |")]
+    assert line.startswith("| hypic s=8 | 8 | 0 | 0.00781 |")
+    [line] = [x for x in ladder.summary({"m": {"full": full, "hypic s=8": reused}}, {}, "hypic s=8") if "| 8 / 0 |" in x]
+    assert "| 8 / 0 | 0.00781 |" in line
