@@ -60,6 +60,7 @@ from hypic_core.models.registry import resolve  # noqa: E402
 from markdown_section import write_section  # noqa: E402
 from real_qa import build_context, load_real_qa, normalize_answer, score  # noqa: E402
 from short_qa import load_short_qa  # noqa: E402
+from stats import mcnemar_exact  # noqa: E402
 from retrieval.document import Chunk, chunk_id_for  # noqa: E402
 from retrieval.index import SearchHit  # noqa: E402
 
@@ -295,15 +296,15 @@ def table(results: dict) -> list[str]:
 
 
 def against_full_lines(results: dict) -> list[str]:
-    """Each config paired per question with `full` (answers lost, gained, the accuracy difference with a
-    paired 95% interval), and with `hypic s=8` where it ran (the first-token KL difference: what a rung
+    """Each config paired per question with `full` (answers lost, gained, the exact McNemar p-value of the two
+    counts, the accuracy difference with a paired 95% interval), and with `hypic s=8` where it ran (the first-token KL difference: what a rung
     adds over the old default); the mean seam tokens a prompt recomputed (warm cost)."""
     rows = results["rows"]
     full = rows["full"]
     base = rows.get("hypic s=8")
-    out = ["", "| paired, per question | answers lost to full | gained | acc - full, points (+-95%) "
+    out = ["", "| paired, per question | answers lost to full | gained | exact McNemar p | acc - full, points (+-95%) "
            "| first-token KL - hypic s=8 (+-95%) | lower than hypic s=8 on | seam tokens / prompt |",
-           "|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|"]
     for label, *_ in results["configs"]:
         if label == "full":
             continue
@@ -318,7 +319,8 @@ def against_full_lines(results: dict) -> list[str]:
             kl_cells = [f"{km:+.4f} (+-{khalf:.4f})", f"{sum(d < 0 for d in diff)}/{len(diff)}"]
         seam = [x["seam_tokens"] for x in r if "seam_tokens" in x]
         seam_cell = f"{statistics.fmean(seam):.0f}" if len(seam) == len(r) else "n/a"
-        out.append(f"| {label} | {lost} | {gained} | {m:+.1f} (+-{half:.1f}) | " + " | ".join(kl_cells) + f" | {seam_cell} |")
+        out.append(f"| {label} | {lost} | {gained} | {mcnemar_exact(lost, gained):.3g} | {m:+.1f} (+-{half:.1f}) | "
+                   + " | ".join(kl_cells) + f" | {seam_cell} |")
     return out
 
 

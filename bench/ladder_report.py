@@ -30,12 +30,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from markdown_section import write_section  # noqa: E402
+from stats import mcnemar_exact  # noqa: E402
 
 
 def summary(models: dict[str, dict], ttft: dict, default: str) -> list[str]:
-    """One row per (model, config): answers, paired against full, first-token KL, seam tokens, warm speed-up."""
-    lines = ["| model | config | n | answers (full's) | lost / gained vs full | same answer as full | first-token KL "
-             "| seam tokens / prompt | warm TTFT full / config |", "|---|---|---:|---|---|---:|---:|---:|---:|"]
+    """One row per (model, config): answers, paired against full (lost / gained, the exact McNemar p), first-token
+    KL, seam tokens, warm speed-up."""
+    lines = ["| model | config | n | answers (full's) | lost / gained vs full | McNemar p | same answer as full | first-token KL "
+             "| seam tokens / prompt | warm TTFT full / config |", "|---|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for model, rows in models.items():
         full = rows["full"]
         for label in sorted(rows, key=lambda k: k != default):  # the default first
@@ -51,7 +53,7 @@ def summary(models: dict[str, dict], ttft: dict, default: str) -> list[str]:
             speed_cell = f"{speed['full_over']:.1f}x" if speed else ""
             name = label + (" (default)" if label == default else "")
             lines.append(f"| {model} | {name} | {n} | {sum(x['acc'] for x in r)} ({sum(f['acc'] for f in full)}) "
-                         f"| {lost} / {gained} | {100 * sum(x['agree'] for x in r) / n:.0f}% | {sum(x['kl'] for x in r) / n:.4f} "
+                         f"| {lost} / {gained} | {mcnemar_exact(lost, gained):.3g} | {100 * sum(x['agree'] for x in r) / n:.0f}% | {sum(x['kl'] for x in r) / n:.4f} "
                          f"| {seam_cell} | {speed_cell} |")
     return lines
 
