@@ -66,7 +66,7 @@ def evaluate(args) -> dict:
     for kernel in args.kernels:  # each on its own copy of the model: a kernel's weight copies stay its own
         engine = Engine.from_pretrained(model.path, EngineConfig(seam=8, decode_step="lean", decode_kernel=kernel,
                                                                  speculation=False), model_id=settings.served_model_name)
-        if engine.runner.batch.step is None or engine.runner.batch.step.kernel != kernel:
+        if engine.runner.decode_kernel != kernel:
             sys.exit(f"kernel {kernel} is not available for {args.model} here (see the warning above)")
         engines[kernel] = engine
     ref = engines[args.kernels[0]]

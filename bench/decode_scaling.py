@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--churn", type=int, default=0, metavar="EVERY",
                     help="measure the decode batch under churn: a row leaves and one joins every EVERY steps")
     ap.add_argument("--steps", type=int, default=64, help="decode steps per --churn run")
-    ap.add_argument("--decode-step", default="module", choices=["module", "lean", "lean-packed"],
+    ap.add_argument("--decode-step", default="module", choices=["module", "lean"],
                     help="the batched decode forward (EngineConfig.decode_step; bench/decode.py compares the two)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -589,7 +589,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="send the measured requests to hypic first, chunks in another order (default: on for real)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1], help="concurrent requests per group (cells)")
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[128], help="forced answer tokens (cells)")
-    ap.add_argument("--decode-step", default="lean", choices=["lean", "lean-packed", "module"],
+    ap.add_argument("--decode-step", default="lean", choices=["lean", "module"],
                     help="the gateway's HYPIC_DECODE_STEP")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads and the gateway's torch threads")
     ap.add_argument("--llama-server", help="llama-server binary")

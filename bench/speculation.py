@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from app.service.prompter import Prompter  # noqa: E402
 from app.service.settings import Settings  # noqa: E402
-from hypic_core.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
+import harness  # noqa: E402  (bench/ is the script directory)
+from hypic_core.config import GenerationRequest, SamplingParams  # noqa: E402
 from hypic_core.engine.engine import Engine  # noqa: E402
 from hypic_core.models.registry import resolve  # noqa: E402
 from markdown_section import write_section  # noqa: E402
@@ -103,7 +104,6 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--decode-step", default="lean", choices=["lean", "lean-packed"])
     parser.add_argument("--decode-kernel", default="native", choices=["torch", "native", "native-f16", "native-i8"],
                         help="the lean step's matmuls (EngineConfig.decode_kernel; the gateway's default is native)")
     parser.add_argument("--write", default=None, help="write the table into this markdown file's section")
@@ -115,9 +115,9 @@ def main() -> None:
     lines = ["| model | workload | streams | drafts kept | tokens / step (off / **on**) | TPOT ms (off / **on**) | "
              "aggregate tok/s (off / **on**) | same greedy tokens |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for name in args.models:
-        config = EngineConfig(seam=8, decode_step=args.decode_step, decode_kernel=args.decode_kernel)
-        engine = Engine.from_pretrained(resolve(name).path, config)
-        assert engine.runner.decode_step == args.decode_step, f"{name}: no lean decode step, nothing to speculate on"
+        engine = harness.engine(name, seam=8, decode_step="lean", decode_kernel=args.decode_kernel)
+        engine_kernel = engine.runner.decode_kernel
+        assert engine_kernel is not None, f"{name}: no lean decode step, nothing to speculate on"
         settings = Settings(_env_file=None, model=name)
         known = resolve(name).known
         prompter = Prompter(engine.tokenizer, settings.prompt_layout(engine.tokenizer, known.prompt if known else None),
@@ -132,8 +132,8 @@ def main() -> None:
                     print(lines[-1], flush=True)
         del engine
     command = "python bench/speculation.py " + " ".join(sys.argv[1:])
-    text = "\n".join(lines) + f"\n\nCommand: `{command}`, {args.threads} threads, decode step {args.decode_step} on the " \
-        f"{args.decode_kernel} kernels, " \
+    text = "\n".join(lines) + f"\n\nCommand: `{command}`, {args.threads} threads, lean decode step on the " \
+        f"{engine_kernel} kernels, " \
         f"{args.questions} prompts per workload, {args.tokens} forced greedy tokens each.{(' ' + args.note) if args.note else ''}\n"
     print(text)
     if args.write:
