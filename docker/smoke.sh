@@ -41,8 +41,12 @@ PROJECT=hypic-smoke   # never the `hypic` project of a real deployment: `down -v
 export HYPIC_CACHE_SECRET="${HYPIC_CACHE_SECRET:-$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')}"
 CORPUS=data/docs_corpus.jsonl   # the default model's demo corpus (app/service/settings/retrieval.py)
 KERNELS_DIR=/opt/hypic/kernels   # where the image keeps its native kernels (docker/Dockerfile, HYPIC_KERNELS_DIR)
-QUESTION="Which server holds the shared cache tier?"   # one of README.md's example questions
-EXPECTED="Redis"   # a word README.md's answer holds (compared case-insensitively)
+# One of README.md's example questions, asked as README.md checked it (top_k 3, greedy, max_tokens 24), and a word
+# of the answer README.md gives (compared case-insensitively).
+QUESTION="Under which license is the project released?"
+EXPECTED="Apache"
+TOP_K=3
+MAX_TOKENS=24
 
 log() { printf '[smoke %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 fail() { log "FAIL: $*"; exit 1; }
@@ -175,9 +179,9 @@ expect() {  # expect STATUS KEY METHOD PATH [JSON BODY]: fails unless the gatewa
 field() {  # field PYTHON-EXPRESSION: evaluated on the last reply's JSON (r)
     python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$WORK/body.json" "$1"
 }
-query() {  # query KEY [COLLECTIONS JSON] [QUESTION]: prints answer <TAB> sources <TAB> composed_tokens <TAB>
+query() {  # query KEY [COLLECTIONS JSON] [QUESTION] [MAX_TOKENS]: prints answer <TAB> sources <TAB> composed_tokens <TAB>
            # cached_tokens <TAB> prompt_tokens <TAB> the sources' collection/document ids (comma-separated)
-    expect 200 "$1" POST /query "{\"question\": \"${3:-$QUESTION}\", \"top_k\": 5, \"max_tokens\": 48${2:+, \"collections\": $2}}"
+    expect 200 "$1" POST /query "{\"question\": \"${3:-$QUESTION}\", \"top_k\": $TOP_K, \"max_tokens\": ${4:-$MAX_TOKENS}${2:+, \"collections\": $2}}"
     python3 - "$WORK/body.json" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -259,7 +263,7 @@ SECRET_Q="What is the vault code of Brill?"
 SECRET="The vault code of Brill is 4417. Tam Oke keeps the key of the vault in the cafe by the bridge."
 expect 201 "$A_KEY" POST "/documents?collection=vault" "{\"id\": \"brill-vault\", \"title\": \"Brill\", \"text\": \"$SECRET\"}"
 log "teams: team-a uploaded brill-vault into its own collection 'vault' ($(field 'r["chunks"]') chunk)"
-query "$A_KEY" '["vault"]' "$SECRET_Q" > "$WORK/q.tsv"
+query "$A_KEY" '["vault"]' "$SECRET_Q" 8 > "$WORK/q.tsv"   # the checks below read the sources, not the answer
 IFS=$'\t' read -r ANSWER _ _ _ _ DOCS < "$WORK/q.tsv"
 [ "$DOCS" = vault/brill-vault ] || fail "team-a's query over 'vault' had the sources $DOCS"
 log "teams: team-a's query over 'vault' is answered from it: '$ANSWER'; sources $DOCS"
@@ -273,7 +277,7 @@ expect 400 "$B_KEY" POST /search '{"query": "vault code of Brill", "collections"
 expect 400 "$B_KEY" POST /query "{\"question\": \"$SECRET_Q\", \"collections\": [\"vault\"]}"
 log "teams: team-b cannot list, read, delete, search or query team-a's collection (each a 4xx: $(field 'r["error"]["message"]'))"
 for collections in "" '["demo"]' '["default", "demo"]'; do
-    query "$B_KEY" "$collections" "$SECRET_Q" > "$WORK/q.tsv"
+    query "$B_KEY" "$collections" "$SECRET_Q" 8 > "$WORK/q.tsv"
     IFS=$'\t' read -r ANSWER _ _ _ _ DOCS < "$WORK/q.tsv"
     case "$DOCS $ANSWER" in *brill-vault*|*4417*) fail "team-b was answered from team-a's document: '$ANSWER' ($DOCS)" ;; esac
 done
@@ -283,7 +287,7 @@ expect 200 "$B_KEY" POST /search '{"query": "vault code of Brill 4417", "collect
 log "teams: team-b's queries and searches over its own and the shared collections never show team-a's document"
 for team in a b; do
     key="$A_KEY"; [ "$team" = a ] || key="$B_KEY"
-    query "$key" '["demo"]' > "$WORK/q.tsv"
+    query "$key" '["demo"]' "" 8 > "$WORK/q.tsv"
     IFS=$'\t' read -r ANSWER SOURCES _ _ _ DOCS < "$WORK/q.tsv"
     [ "$SOURCES" -gt 0 ] || fail "team-$team: no sources from the shared demo corpus"
     [ -z "$(printf '%s' "$DOCS" | tr ',' '\n' | grep -v '^demo/')" ] || fail "team-$team: sources not from 'demo': $DOCS"

@@ -401,3 +401,26 @@ def test_the_image_serves_the_default_model_and_carries_what_it_needs(compose):
     assert corpus == _workdir_path(source, at, copied[-1]) + "/" + Path(corpus).name
     assert f"data/{Path(corpus).name}" in copied and (ROOT / "data" / Path(corpus).name).is_file()
     assert Path(corpus).name == Path(Settings.model_fields["corpus_path"].default).name  # the model's demo corpus
+
+
+def test_the_smoke_run_asks_a_readme_question_and_checks_the_native_step():
+    """docker/smoke.sh asks one of README.md's example questions, as README.md checked them, expects a word
+    of README.md's answer, and fails unless the gateway's log and GET /health show the native kernels loaded
+    from the image's kernels directory."""
+    smoke = (DOCKER / "smoke.sh").read_text()
+    question = re.search(r'^QUESTION="([^"]+)"$', smoke, re.M).group(1)
+    expected = re.search(r'^EXPECTED="([^"]+)"$', smoke, re.M).group(1)
+    readme = (ROOT / "README.md").read_text()
+    row = next((line for line in readme.splitlines() if line.startswith(f"| {question} |")), None)
+    assert row is not None, f"{question!r} is not one of README.md's example questions"
+    assert expected.lower() in row.split("|")[2].lower()  # README.md's answer holds the expected word
+    assert re.search(r"^TOP_K=3$", smoke, re.M) and "top_k 3" in readme  # asked the way README.md checked it
+    assert re.search(r"^CORPUS=(\S+)", smoke, re.M).group(1) == str(Settings.model_fields["corpus_path"].default)
+    kernels_dir = _env(_stages()["runtime"])["HYPIC_KERNELS_DIR"]
+    assert f"KERNELS_DIR={kernels_dir} " in smoke
+    assert "decode kernels: variant" in smoke and "decode kernels unavailable" in smoke  # the loader's log lines
+    from hypic_core.runner import decode_matmul
+
+    assert set(decode_matmul.kernel_status()) >= {"state", "variant", "library"}  # what the smoke run reads in /health
+    loader = Path(decode_matmul.__file__).read_text()
+    assert '"decode kernels: variant %s' in loader and '"decode kernels unavailable' in loader  # the lines it greps
