@@ -263,6 +263,8 @@ def test_gateway_setting_reads_hypic_decode_kernel(monkeypatch):
     assert Settings(_env_file=None, torch_threads=None).decode_kernel == "native-f16"
     monkeypatch.setenv("HYPIC_DECODE_KERNEL", "native-i8")
     assert Settings(_env_file=None, torch_threads=None).decode_kernel == "native-i8"
+    monkeypatch.setenv("HYPIC_DECODE_KERNEL", "native-bf16")
+    assert Settings(_env_file=None, torch_threads=None).decode_kernel == "native-bf16"
     monkeypatch.setenv("HYPIC_DECODE_KERNEL", "avx9")
     with pytest.raises(ValidationError, match="decode_kernel"):
         Settings(_env_file=None, torch_threads=None)

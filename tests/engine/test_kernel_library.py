@@ -301,6 +301,29 @@ def test_a_gateway_with_a_hostile_kernel_directory_starts_answers_and_says_why(m
         assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
 
 
+# --- bf16 weights in the decode step --------------------------------------------------------------------
+@needs_cxx
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "bamba"])
+def test_native_bf16_logits_stay_near_fp32(family):
+    """kernel="native-bf16" (bf16 copies of the weights; on avx512bf16 the activations rounded too): lossy,
+    so bounded, not exact (measured 2e-3 to 3.5e-2 here, fp16's 1.8e-4 to 2.8e-3); the fp32 weights the
+    modules and the prefill use are untouched."""
+    from engines import random_segments
+    from hypic_core.config import GenerationRequest
+    from hypic_core.testing import tiny_model
+    from test_decode_kernels import MODES, SHAPES, decode_against_module, engine_on
+
+    model = tiny_model(family)
+    before = model.get_output_embeddings().weight.detach().clone()
+    engine = engine_on(model, "native-bf16")
+    step = engine.runner.batch.step
+    assert step.kernel == "native-bf16" and step.lm_head.w.dtype == torch.bfloat16
+    assert torch.equal(model.get_output_embeddings().weight, before) and model.dtype == torch.float32
+    reqs = [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
+    worst, _, _ = decode_against_module(engine, reqs, steps=6, join_at=2, leave_at=3)
+    assert 2e-5 < worst < 0.1, f"{family}: max |logit diff| {worst:.3g}"
+
+
 # --- the build CLI (what the Docker image runs) -----------------------------------------------------------
 def test_the_build_cli_writes_each_variant_beside_its_manifest_and_names_a_bad_variant(built, tmp_path):
     """`python -m hypic_core.runner.native build --dir D --variants generic`: the library and its manifest in
