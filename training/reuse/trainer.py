@@ -289,6 +289,7 @@ def export_adapter(trainer: Trainer, target: Path, card: dict | None = None) -> 
     tmp.mkdir(parents=True)
     factors = {k: v.to(torch.bfloat16).contiguous() for k, v in lora.factors(trainer.student).items()}
     save_file(factors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
+    (tmp / ADAPTER_FILE).chmod(0o644)
     info = {"base": trainer.config.model, "teacher": trainer.config.teacher, "rank": trainer.config.rank,
             "seam": trainer.config.seam, "step": trainer.step, "train_seconds": round(trainer.elapsed, 1),
             "lr": trainer.config.lr, "precision": trainer.config.precision, **(card or {})}

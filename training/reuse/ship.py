@@ -1,0 +1,119 @@
+"""Ship a reuse-training run's adapter as a named model's files, with its model card.
+
+    python -m training.reuse.ship var/reuse-hybrid models/smollm2-hybrid-135m-reuse
+
+copies `<run>/adapter/` (bf16 LoRA factors, `adapter.json`) into the model's directory and writes
+its README.md: what the run was (base, teacher, rank, seam, steps, training time, CPU) and the curve
+from `<run>/log.jsonl` (`curve`: mean loss and KLs per block of steps).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+from hypic_core.models.loader import ADAPTER_CARD, ADAPTER_FILE
+
+
+def read_log(path: Path) -> list[dict]:
+    """Every readable line of a run's log.jsonl (a torn last line is skipped); the last record of each step."""
+    by_step: dict[int, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        by_step[rec["step"]] = rec
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def curve(records: list[dict], block: int) -> list[dict]:
+    """Mean loss, KL full, KL composed and seconds per step over blocks of `block` steps."""
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    rows = []
+    for i in range(0, len(records), block):
+        part = records[i:i + block]
+        mean = lambda k: sum(r[k] for r in part) / len(part)  # noqa: E731
+        rows.append({"steps": f"{part[0]['step']}-{part[-1]['step']}", "loss": mean("loss"), "kl_full": mean("kl_full"),
+                     "kl_composed": mean("kl_composed"), "seconds": mean("seconds")})
+    return rows
+
+
+def curve_table(rows: list[dict]) -> str:
+    lines = ["| steps | loss | KL full | KL composed | composed - full | s/step |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['steps']} | {r['loss']:.4f} | {r['kl_full']:.4f} | {r['kl_composed']:.4f} | "
+                     f"{r['kl_composed'] - r['kl_full']:+.4f} | {r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its wide vector units (from /proc/cpuinfo)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown CPU")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+    units = [u for u, f in (("AVX-512", "avx512f"), ("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_tile")) if f in flags]
+    return f"{name} ({', '.join(units)})" if units else name
+
+
+def ship(run: Path, target: Path, name: str, notes: str = "") -> Path:
+    """Copy `run`'s adapter into `target` and write its README.md (see the module docstring)."""
+    run, target = Path(run), Path(target)
+    src = run / "adapter"
+    if not (src / ADAPTER_FILE).is_file():
+        raise FileNotFoundError(f"{src}: no {ADAPTER_FILE}; the run has not written a checkpoint yet")
+    card = json.loads((src / ADAPTER_CARD).read_text())
+    records = [r for r in read_log(run / "log.jsonl") if r["step"] <= card["step"]]
+    target.mkdir(parents=True, exist_ok=True)
+    for f in (ADAPTER_FILE, ADAPTER_CARD):
+        tmp = target / (f + ".tmp")
+        shutil.copyfile(src / f, tmp)
+        tmp.chmod(0o644)
+        tmp.replace(target / f)
+    block = max(1, len(records) // 12)
+    hours = card["train_seconds"] / 3600
+    text = f"""# {name}
+
+`{card['base']}` with a reuse adapter: LoRA (rank {card['rank']}) on every attention layer's q, k, v, o
+and every Mamba2 mixer's in/out projection, trained so that `hypic` reuse (documents computed alone,
+seam {card['seam']}) keeps the answer `full` prefill gives. Served by name (`hypic serve --model {name}`):
+the base is built as usual and the factors in `{ADAPTER_FILE}` (bf16) are merged into its weights once
+(hypic_core/models/loader.py `write_adapted`), so the served checkpoint keeps the base's layout.
+
+Recipe (docs/training.md, "Reuse-aware training"): each step one RAG prompt laid out as /query lays it
+out (3-8 documents in a random order: the teacher's shipped RAG samples with distractor passages, and
+templated questions over the docstring corpus's training split), run through the student in `full` and
+composed as the engine serves `hypic`; loss on the reply = KL(teacher full || student composed) +
+KL(teacher full || student full); teacher `{card['teacher'] or 'the base itself'}`; AdamW lr {card['lr']}, {card['precision']}.
+
+This checkpoint: step {card['step']}, {hours:.2f} h of training on one thread of an {cpu_name()}
+(2 cores shared with other jobs the whole time, so seconds per step are not a speed measurement).
+{notes}
+Curve (`{run.name}/log.jsonl`; mean per block of steps; one sample per step, so single blocks are noisy):
+
+{curve_table(curve(records, block))}
+
+Reproduce: `hypic tune --model {card['base']} --teacher {card['teacher']} --data {card.get('data', 'distill')} --out var/reuse-hybrid --minutes N`
+(a rerun resumes), then `python -m training.reuse.ship var/reuse-hybrid models/{name}`.
+"""
+    (target / "README.md").write_text(text)
+    return target
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        raise SystemExit("usage: python -m training.reuse.ship RUN_DIR MODEL_DIR")
+    run, target = Path(argv[0]), Path(argv[1])
+    print(ship(run, target, target.name))
+
+
+if __name__ == "__main__":
+    main()
