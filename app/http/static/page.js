@@ -218,12 +218,22 @@
     if (!a || !b || !a.timings || !b.timings) { box.hidden = true; return; }
     const ratio = a.timings.ttft_ms && b.timings.ttft_ms ? b.timings.ttft_ms / a.timings.ttft_ms : null;
     const work = (r) => r.usage.prompt_tokens - r.usage.cached_tokens - r.usage.composed_tokens;
-    const same = a.answer.trim() === b.answer.trim();
+    const x = a.answer.trim(), y = b.answer.trim();
+    let common = 0;
+    while (common < x.length && common < y.length && x[common] === y[common]) common++;
+    const atWordEnd = (s) => common >= s.length || /\s/.test(s[common]);
+    let agreed = x.slice(0, common);
+    if (!(atWordEnd(x) && atWordEnd(y))) agreed = agreed.replace(/\S*$/, "");  // whole words only
+    agreed = agreed.trim();
+    const short = agreed.length > 80 ? agreed.slice(0, 80) + "…" : agreed;
+    const same = x === y;
     box.replaceChildren(
       `First token: ${a.mode} ${ms(a.timings.ttft_ms)}, full ${ms(b.timings.ttft_ms)}`,
       ratio ? el("b", { text: ` (${ratio.toFixed(1)}× ${ratio >= 1 ? "sooner" : "later"})` }) : "",
       `. Prompt tokens computed: ${work(a)} of ${a.usage.prompt_tokens} against ${work(b)} of ${b.usage.prompt_tokens}. `,
-      el("span", { class: same ? "same" : "differs", text: same ? "Same answer." : "The answers differ." }));
+      same ? el("span", { class: "same", text: "Same answer." })
+        : agreed ? el("span", { class: "differs", text: `The answers agree on “${short}”, then differ.` })
+          : el("span", { class: "differs", text: "The answers differ from their first word." }));
     box.hidden = false;
   }
 
