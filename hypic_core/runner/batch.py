@@ -1,19 +1,15 @@
 """The decode batch: every running sequence as one row of preallocated slots, advanced by one forward per step.
 
-Layout. Row r holds sequence r. Each attention layer's K/V live in one buffer [rows, H_kv,
-columns, D] with room to spare; row r's `lengths[r]` real columns are its first ones. A step
-writes each row's new key and value in place at column `lengths[r]` (one slice write when every
-row writes the same column) and attention reads the live columns only, [0, max length + 1),
-a 4D mask hiding each row's unused ones; each row gets its own `position_ids` (keys were
-rotated at their absolute positions when computed, so column order does not matter to
-attention). Linear layers' conv and recurrent states live in row buffers too, which the forward
-updates in place (the transformers linear cache layers copy each step's state into the tensor
-they hold). So a step copies no K/V, a sequence that joins copies only its own K/V and states
-into the next free row, and one that leaves has the last row moved into its place (one row
-copied, nothing when it was the last). Buffers grow by half when full (rows or columns), a copy
-amortised over the steps that filled them, and are freed when nothing runs. A family whose
-cache replaces a linear state with a new tensor each step (MiniMax) has that tensor adopted as
-the layer's buffer after the step; a join then regrows it (as stacking would).
+Row r holds sequence r. Each attention layer's K/V live in one buffer [rows, H_kv, columns, D] with
+room to spare, row r's `lengths[r]` real columns first; a step writes each row's new key and value in
+place at column `lengths[r]` and attention reads the live columns [0, max length + 1) under a mask,
+each row at its own `position_ids` (keys were rotated at their absolute positions). Linear layers'
+conv and recurrent states live in row buffers the forward updates in place. So a step copies no K/V,
+a sequence that joins copies only its own K/V and states into the next free row, and one that leaves
+has the last row moved into its place. Buffers grow by half when full (rows or columns) and are freed
+when nothing runs. A family whose cache replaces a linear state with a new tensor each step
+(MiniMax) has that tensor adopted as the layer's buffer. A lean decode step (runner/decode_step.py)
+reads and writes the buffers through `attention_layer(j)` / `linear_layer(p)` and `advance`.
 
 The plain reference is one sequence per forward on its own cache (`ModelRunner.forward`),
 which tests/engine/test_batching.py compares step by step over joins and leaves.
@@ -21,6 +17,7 @@ which tests/engine/test_batching.py compares step by step over joins and leaves.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -162,9 +159,9 @@ class DecodeBatch:
             if i >= len(cache.layers):  # a lazily built cache makes its layers on a first update
                 cache.update(self._k[j][:1, :, :0], self._v[j][:1, :, :0], i)
             layer = cache.layers[i]
-            if not isinstance(layer.__dict__.get("update"), _SlotUpdate):
+            if getattr(layer.__dict__.get("update"), "func", None) != self._write:
                 layer.is_initialized, layer.device = True, self.model.device
-                layer.update = _SlotUpdate(self, j)  # the instance's update writes into the buffers
+                layer.update = functools.partial(self._write, j)  # the instance's update writes into the buffers
         self._point(max(self.lengths))
 
     def reserve(self, rows: int, cols: int) -> None:
@@ -220,7 +217,7 @@ class DecodeBatch:
         self._adopt()
         return out.logits[:, -1].float()
 
-    def _write(self, j: int, key_states: torch.Tensor, value_states: torch.Tensor):
+    def _write(self, j: int, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Attention layer j's cache update during a forward: each row's new column in place; returns
         the live columns attention reads."""
         rows, cols, width, same = self._step
@@ -249,12 +246,3 @@ class DecodeBatch:
             if conv.numel() and conv.data_ptr() != self._conv[p].data_ptr():
                 self._conv[p] = conv
 
-
-class _SlotUpdate:
-    """Bound as a cache layer's `update`: the batch writes the step's K/V into its buffers."""
-
-    def __init__(self, batch: DecodeBatch, j: int):
-        self.batch, self.j = batch, j
-
-    def __call__(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return self.batch._write(self.j, key_states, value_states)

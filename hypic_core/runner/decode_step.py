@@ -1,35 +1,25 @@
 """The lean decode step: one forward of B sequences x 1 token, written for decode instead of the HF module graph.
 
-What it does per step that the module path does per layer or per token:
-- weights fused once at construction (QKV; gate-up; a Gated DeltaNet layer's qkv/z/b/a projections),
-  the modules' own parameters made views into the fused ones, so memory is not doubled and the
-  module path (the reference) reads the same numbers;
-- rotary cos/sin (and, on torch's ops, the padding mask) built once per step and shared by every
-  attention layer;
-- each attention layer writes its new key/value column straight into the `DecodeBatch` row
-  buffers (`batch.attention_layer(j)`) and attends over their live columns (no cache object, no
-  mask builder);
-- every linear layer advances its rows (`batch.linear_layer(p)`) in place with the closed-form
-  one-token update: conv state shifted by one column and the depthwise conv as one multiply-sum;
-  Mamba2 S <- exp(dt a) S + dt x B^T; Gated DeltaNet S <- exp(g)(I - b k k^T) S + b k v^T.
+Per step it does what the module path does per layer or per token once: weights fused at construction
+(QKV; gate-up; a Gated DeltaNet layer's qkv/z/b/a), the modules' parameters made views into them (one
+copy in memory; the module path, the reference, reads the same numbers); rotary (and on torch's ops
+the padding mask) built once and shared by every attention layer; each attention layer writes its
+new K/V column straight into the `DecodeBatch` row buffers (`batch.attention_layer(j)`) and attends
+over their live columns; each linear layer advances its rows (`batch.linear_layer(p)`) in place with
+the closed-form one-token update (conv shifted by one column; Mamba2 S <- exp(dt a) S + dt x B^T;
+Gated DeltaNet S <- exp(g)(I - b k k^T) S + b k v^T).
 
 Every op runs through an op table chosen once, at construction (runner/ops.py): `TorchOps`, the
-reference (torch's kernels), or `NativeOps` (the native kernels of runner/decode_matmul.py: fp32
-weights, or an fp16 or int8 copy; each residual add with the norm after it, the MLP's gate, an
-attention layer's rotary + K/V write + attention, a Mamba2 mixer between its projections, one call
-each). Each mixer is one class with one `__call__(x, rows, ops)`; speculation's verification forward
-(runner/verify_step.py) runs the same layers, projections and ops on several tokens a row, with its
-own multi-token recurrences only.
+reference, or `NativeOps` (runner/decode_matmul.py's kernels). Each mixer is one class with one
+`__call__(x, rows, ops)`; speculation's verification forward (runner/verify_step.py) runs the same
+layers and ops on several tokens a row, with only its multi-token recurrences its own.
 
-Families it covers (`LeanDecodeStep.build` returns None with the reason otherwise, and the batch
-keeps the module path): dense llama / qwen3, Gated DeltaNet qwen3_5 (+ its MoE variant) and
-qwen3_next (its grouped projections reordered into a copy; sparse MLPs run as their modules), Mamba2
-bamba. Not covered: olmo_hybrid (post-norms), granitemoehybrid, nemotron_h, zamba2, falcon_h1
-(Mamba2 with multipliers, shared or parallel blocks), kimi_linear (KDA + MLA), minimax (lightning).
-
-The module path (`DecodeBatch.forward` without a step) stays the reference:
-tests/engine/test_decode_step.py holds fp32 logits within 1e-4 and greedy tokens identical step for
-step over joins and leaves. docs/benchmarks.md measures each op table.
+Covered (`LeanDecodeStep.build` returns None otherwise, and the batch keeps the module path): dense
+llama / qwen3, Gated DeltaNet qwen3_5 (+ MoE) and qwen3_next (its grouped projections reordered into
+a copy; sparse MLPs run as their modules), Mamba2 bamba. Not covered: olmo_hybrid (post-norms),
+granitemoehybrid, nemotron_h, zamba2, falcon_h1 (Mamba2 with multipliers, shared or parallel blocks),
+kimi_linear (KDA + MLA), minimax (lightning). tests/engine/test_decode_step.py holds fp32 logits
+within 1e-4 of the module path and greedy tokens identical over joins and leaves.
 """
 
 from __future__ import annotations
@@ -40,7 +30,6 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..config import DECODE_KERNELS
 from .ops import Rows, TorchOps, ops_for
 
 _COVERED = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "bamba")
@@ -116,14 +105,32 @@ class Attention:
         return ops.linear(out, self.o)
 
 
-def conv_step(conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Shift x [B, C] into the conv state rows `conv` [B, C, K] (in place); return silu(depthwise conv) [B, C]."""
-    window = torch.cat([conv[:, :, 1:], x[:, :, None].to(conv.dtype)], dim=-1)
-    conv.copy_(window)
-    out = (window.to(weight.dtype) * weight).sum(-1)
+def causal_conv(conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Depthwise causal conv of new inputs x [B, T, C] after the conv rows `conv` [B, C, K] (not changed):
+    (silu of it [B, T, C], the old state then the new inputs [B, C, K + T]: the state after token t is
+    its K columns ending at K + t)."""
+    K = conv.shape[-1]
+    seq = torch.cat([conv, x.transpose(1, 2).to(conv.dtype)], dim=-1)
+    out = (seq.unfold(-1, K, 1)[:, :, 1:].to(weight.dtype) * weight[:, None, :]).sum(-1)  # [B, C, T]
     if bias is not None:
-        out = out + bias
-    return F.silu(out)
+        out = out + bias[:, None]
+    return F.silu(out).transpose(1, 2), seq
+
+
+def conv_step(conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One token a row, x [B, C]: `causal_conv` with the conv rows advanced in place; [B, C]."""
+    out, seq = causal_conv(conv, x[:, None], weight, bias)
+    conv.copy_(seq[..., 1:])
+    return out[:, 0]
+
+
+def _linear_mixer_parts(mixer, m: torch.nn.Module, ops: TorchOps) -> None:
+    """What a Mamba2 and a Gated DeltaNet mixer both read off their module: the depthwise conv (weight
+    [C, K], bias), dt_bias, the gated norm's weight and eps, and out_proj."""
+    mixer.conv_w, mixer.conv_b = m.conv1d.weight.detach()[:, 0], None if m.conv1d.bias is None else m.conv1d.bias.detach()
+    mixer.dt_bias = m.dt_bias.detach()
+    mixer.norm_w, mixer.norm_eps = m.norm.weight.detach(), float(m.norm.variance_epsilon)
+    mixer.out_proj = ops.linear_weight([m.out_proj])
 
 
 class Mamba2:
@@ -134,12 +141,8 @@ class Mamba2:
         self.in_proj = ops.linear_weight([m.in_proj])
         self.I, self.C, self.H, self.P = int(m.intermediate_size), int(m.conv_dim), int(m.num_heads), int(m.head_dim)
         self.G, self.N = int(m.n_groups), int(m.ssm_state_size)
-        self.conv_w = m.conv1d.weight.detach()[:, 0]  # [C, K]
-        self.conv_b = None if m.conv1d.bias is None else m.conv1d.bias.detach()
-        self.A = -torch.exp(m.A_log.detach().float())
-        self.dt_bias, self.D = m.dt_bias.detach(), m.D.detach()
-        self.norm_w, self.norm_eps = m.norm.weight.detach(), float(m.norm.variance_epsilon)
-        self.out_proj = ops.linear_weight([m.out_proj])
+        self.A, self.D = -torch.exp(m.A_log.detach().float()), m.D.detach()
+        _linear_mixer_parts(self, m, ops)
 
     def __call__(self, x: torch.Tensor, rows: Rows, ops: TorchOps) -> torch.Tensor:
         conv, state = rows.batch.linear_layer(self.p)
@@ -185,28 +188,25 @@ class GatedDeltaNet:
         self.in_proj = ops.linear_weight(parts)
         self.Hk, self.Hv, self.dk, self.dv = int(m.num_k_heads), int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim)
         self.key_dim, self.value_dim, self.C = int(m.key_dim), int(m.value_dim), int(m.conv_dim)
-        self.conv_w = m.conv1d.weight.detach()[:, 0]
-        self.conv_b = None if m.conv1d.bias is None else m.conv1d.bias.detach()
         self.neg_A = -m.A_log.detach().float().exp()
-        self.dt_bias = m.dt_bias.detach()
-        self.norm_w, self.norm_eps = m.norm.weight.detach(), float(m.norm.variance_epsilon)
-        self.out_proj = ops.linear_weight([m.out_proj])
+        _linear_mixer_parts(self, m, ops)
 
     def __call__(self, x: torch.Tensor, rows: Rows, ops: TorchOps) -> torch.Tensor:
-        B, Hv, dv = x.shape[0], self.Hv, self.dv
         conv, state = rows.batch.linear_layer(self.p)
-        qkv, z, b, a = ops.linear(x, self.in_proj).split([self.C, self.value_dim, Hv, Hv], dim=-1)
-        q, k, v, beta, g = self.heads(conv_step(conv, qkv, self.conv_w, self.conv_b)[:, None], b, a)
-        q, k, v, beta, g = q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0]
-        S = state if state.dtype == torch.float32 else state.float()
-        S.mul_(g.exp()[..., None, None])
-        kv_mem = torch.matmul(k[:, :, None, :], S)[:, :, 0]  # [B, Hv, dv]
-        delta = (v - kv_mem) * beta[..., None]
-        S.add_(k[..., None] * delta[:, :, None, :])
-        out = torch.matmul(q[:, :, None, :], S)[:, :, 0]  # [B, Hv, dv]
-        if S is not state:
-            state.copy_(S)
+        qkv, z, b, a = ops.linear(x, self.in_proj).split([self.C, self.value_dim, self.Hv, self.Hv], dim=-1)
+        q, k, v, beta, g = (t[:, 0] for t in self.heads(conv_step(conv, qkv, self.conv_w, self.conv_b)[:, None], b, a))
+        S, out = self.delta(state.float(), q, k, v, beta, g)
+        state.copy_(S)
         return self.output(out, z, ops)
+
+    @staticmethod
+    def delta(S: torch.Tensor, q, k, v, beta, g) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token of the gated delta rule on S [B, Hv, dk, dv] (fp32; a new S is returned) and its
+        output S^T q [B, Hv, dv], for q, k [B, Hv, dk], v [B, Hv, dv], beta and g [B, Hv]."""
+        S = (S * g.exp()[..., None, None]).float()
+        delta = (v - torch.matmul(k[:, :, None, :], S)[:, :, 0]) * beta[..., None]
+        S = S + k[..., None] * delta[:, :, None, :]
+        return S, torch.matmul(q[:, :, None, :], S)[:, :, 0]
 
     def heads(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
         """The conv's output qkv [B, T, C] and the b, a projections ([B, T, Hv] or flat [B, Hv]) as the
@@ -313,8 +313,6 @@ class LeanDecodeStep:
         """The step for `model` on the op table of decode kernel `kernel` (ops.ops_for: "torch", "native",
         "native-f16", "native-i8"; a native one where it cannot run keeps "torch" and logs why), or None
         when its family is not covered (`uncovered_reason`)."""
-        if kernel not in DECODE_KERNELS:
-            raise ValueError(f"decode kernel must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
         return None if uncovered_reason(model) else cls(model, adapter, ops_for(kernel, model))
 
     def _range(self, name: str):

@@ -1,27 +1,24 @@
-"""The decode step's op table: what the lean decode step (runner/decode_step.py) and its verification
-forward (runner/verify_step.py) compute with, chosen once when the step is built.
+"""The op table the lean decode step (runner/decode_step.py) and its verification forward
+(runner/verify_step.py) compute with, chosen once when the step is built by `ops_for(kernel, model)`
+(EngineConfig.decode_kernel, HYPIC_DECODE_KERNEL): past it no kernel or precision name is read.
 
-- `TorchOps`, the reference: torch's kernels. Fused weights kept transposed [in, out] (x @ W with W
-  [in, out] contiguous ran 1.5-2x faster than x @ W^T for 1-2 rows with torch's MKL on an AVX2 CPU,
-  docs/benchmarks.md), attention as grouped matmuls under a mask, the norms and gates as torch
-  formulas, the Mamba2 update as its mixer's torch code.
-- `NativeOps`: the native kernels of runner/decode_matmul.py (`NativeMatmul`) on an fp32 model on the
-  CPU. Weights kept [out, in] (the modules' own rows, or an fp16 or per-row int8 copy of them), each
-  residual add fused with the norm after it, the MLP's silu(gate) * up, an attention layer's rotary +
-  K/V write + attention over each token's own columns (no mask), and a Mamba2 mixer between its
-  projections: one native call each.
+- `TorchOps`, the reference: torch's kernels; fused weights kept transposed [in, out] (x @ W ran
+  1.5-2x faster than x @ W^T for 1-2 rows with torch's MKL, docs/benchmarks.md), attention as
+  grouped matmuls under a mask, norms, gates and the Mamba2 update as torch code.
+- `NativeOps`: runner/decode_matmul.py's `NativeMatmul` on an fp32 model on the CPU: weights kept
+  [out, in] (the modules' own rows, or an fp16 / bf16 / int8 copy), each residual add fused with the
+  norm after it, the MLP's gate, an attention layer's rotary + K/V write + attention, a Mamba2 mixer
+  between its projections: one native call each.
 
-`ops_for(kernel, model)` maps a decode kernel name (EngineConfig.decode_kernel, HYPIC_DECODE_KERNEL)
-to one of them; past it no kernel or precision name is read. Every op of `NativeOps` is held to
-`TorchOps`'s by tests/engine/test_decode_ops.py, and the step on `TorchOps` to the HF modules by
-tests/engine/test_decode_step.py.
+tests/engine/test_decode_ops.py holds every `NativeOps` op to `TorchOps`'; test_decode_step.py the
+step on `TorchOps` to the HF modules.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,14 +33,13 @@ log = logging.getLogger("hypic.decode_step")
 NATIVE_ROWS = 16
 
 
-class Linear:
+class Linear(NamedTuple):
     """A fused weight as its ops keep it: `w` (TorchOps: the model's dtype, [in, out]; NativeOps: [out, in],
     fp32, fp16, bf16 or int8), `bias` (or None) and, for int8, its rows' fp32 `scales`."""
 
-    __slots__ = ("w", "bias", "scales")
-
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor | None = None):
-        self.w, self.bias, self.scales = w, bias, scales
+    w: torch.Tensor
+    bias: torch.Tensor | None
+    scales: torch.Tensor | None = None
 
 
 def fuse(linears: Sequence[torch.nn.Linear], transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -242,7 +238,7 @@ def ops_for(kernel: str, model: torch.nn.Module) -> TorchOps:
     "native-i8" (a per-row int8 copy: a quarter of the bytes, lossier), on an fp32 model on the CPU
     where the kernels could be built; elsewhere `TorchOps`, and a warning says why."""
     if kernel != "torch" and kernel not in _NATIVE_WEIGHTS:
-        raise ValueError(f"decode kernel must be torch or one of {', '.join(_NATIVE_WEIGHTS)}, got {kernel!r}")
+        raise ValueError(f"decode kernel must be one of torch, {', '.join(_NATIVE_WEIGHTS)}, got {kernel!r}")
     if kernel == "torch":
         return TorchOps()
     if model.dtype != torch.float32 or model.device.type != "cpu":

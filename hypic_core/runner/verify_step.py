@@ -1,31 +1,24 @@
 """The verification forward of speculative decoding: row r of a `DecodeBatch` fed n_r tokens at once.
 
-Row r's tokens are its last sampled token followed by its draft tokens (hypic_core/engine/drafting.py).
-One forward computes next-token logits after each of them; the engine then keeps, per row, the
-longest prefix the model agrees with (`commit`). Everything before that point must be exactly
-what plain decoding would have left, and nothing after it may survive:
+Row r's tokens are its last sampled token and its draft (hypic_core/engine/drafting.py); one forward
+gives the logits after each, and the engine keeps per row the longest prefix the model agrees with
+(`commit`). Everything before that point must be exactly what plain decoding would have left, and
+nothing after it may survive:
 
-- **attention**: row r's new keys and values are written at columns lengths[r].. and read under a
-  causal mask; keeping a prefix is setting `lengths[r]` (later columns are hidden and overwritten).
-- **linear layers** cannot be un-applied, so the forward leaves their state buffers as they were
-  and `commit` writes the state after the row's last kept token. Mamba2 (SSD) needs no per-token
-  state for that: the state after any token t is the old state decayed plus a weighted sum of
-  the new tokens' x_t B_t^T, so the outputs come from one [T, T] product per head and `commit`
-  forms only the one state each row keeps (`_SSDStates`). Gated DeltaNet's delta rule has no such
-  short form; it is stepped token by token with the lean step's update and keeps the state after
-  every token (`_TokenStates`, T states per layer, for one forward). The conv state after token t
-  is the last K inputs up to t, read off the concatenation of the old conv state and the new
-  inputs. Neither keeps a snapshot to re-run the kept tokens from: no second forward.
+- **attention**: row r's new K/V are written at columns lengths[r].. and read causally; keeping a
+  prefix is setting `lengths[r]` (later columns are hidden, then overwritten).
+- **linear layers** cannot be un-applied: the forward leaves their rows as they were and `commit`
+  writes the state after the row's last kept token. Mamba2 (SSD) in closed form: the state after
+  token t is the old one decayed plus a weighted sum of the new x_t B_t^T, so the outputs are one
+  [T, T] product per head and `commit` forms only the state each row keeps (`_SSDStates`). Gated
+  DeltaNet's delta rule has no such form: stepped token by token with the lean step's update, every
+  state kept (`_TokenStates`). The conv state after token t is read off the old conv state and the
+  new inputs. No snapshot, no second forward.
 
-The forward is the lean decode step's own (`LeanDecodeStep.forward`: the same layers, projections,
-norms, attention and MLPs on the same op table, runner/ops.py), fed the flat list of real tokens (no
-padding), every weight matrix run once on them; attention runs each token over its row's live
-columns up to its own. Only the linear mixers' multi-token recurrences are this module's: they step
-a padded [B, T] layout. Families: those of the lean decode step; the engine does not speculate on
-the others.
-
-Reference: feeding the same tokens one at a time through the lean step. tests/engine/test_speculation.py
-compares logits and the kept states on every covered family.
+The forward is the lean step's own (`LeanDecodeStep.forward`: the same layers, projections, norms,
+attention and MLPs on the same op table, runner/ops.py) on the flat list of real tokens; only the
+linear mixers' multi-token recurrences are this module's (on a padded [B, T] layout). Reference: the
+same tokens fed one at a time through the lean step (tests/engine/test_speculation.py, every family).
 """
 
 from __future__ import annotations
@@ -36,7 +29,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .decode_step import LeanDecodeStep, Mamba2
+from .decode_step import LeanDecodeStep, Mamba2, causal_conv
 
 
 @dataclass
@@ -94,13 +87,6 @@ class _Layout:
         steps = torch.arange(self.t, device=device)
         real = steps[None, :] < torch.tensor(list(counts), device=device)[:, None]  # [B, T]
         self.flat = real.reshape(-1).nonzero()[:, 0]  # grid index of each real token
-        self._lower: dict[int, torch.Tensor] = {}
-
-    def lower(self, n: int) -> torch.Tensor:
-        """[n, n] bool: token t sees tokens s <= t."""
-        if n not in self._lower:
-            self._lower[n] = torch.ones(n, n, dtype=torch.bool, device=self.flat.device).tril_()
-        return self._lower[n]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Flat [N, ...] -> padded [B, T, ...] (zeros where a row has no token)."""
@@ -161,16 +147,10 @@ class VerifyStep:
     # --- the linear mixers' multi-token recurrences ------------------------------------------------
     @staticmethod
     def _conv(conv: torch.Tensor, x: torch.Tensor, weight, bias, conv_out: list) -> torch.Tensor:
-        """Depthwise causal conv of the new inputs x [B, T, C] after the conv rows `conv` [B, C, K] (left as
-        they were); silu of it [B, T, C]."""
-        K = conv.shape[-1]
-        seq = torch.cat([conv, x.transpose(1, 2).to(conv.dtype)], dim=-1)  # [B, C, K + T]
+        """`causal_conv` of the new inputs x [B, T, C] after the conv rows (left as they were), its inputs kept."""
+        out, seq = causal_conv(conv, x, weight, bias)
         conv_out.append(seq)
-        windows = seq.unfold(-1, K, 1)[:, :, 1:]  # [B, C, T, K]: the window ending at each new token
-        out = (windows.to(weight.dtype) * weight[:, None, :]).sum(-1)  # [B, C, T]
-        if bias is not None:
-            out = out + bias[:, None]
-        return F.silu(out).transpose(1, 2)
+        return out
 
     def _mamba2(self, m: Mamba2, x, batch, lay: _Layout, conv_out: list, states_out: list) -> torch.Tensor:
         """The SSD recurrence over each row's T new tokens in closed form, not token by token: with
@@ -188,7 +168,7 @@ class VerifyStep:
         ssd = _SSDStates(state, dt, m.A, hs.reshape(B, T, H, P), Bm.reshape(B, T, G, N), H // G)
         Ch = Cm.reshape(B, T, G, N).float().permute(0, 2, 1, 3).repeat_interleave(H // G, dim=1)  # [B, H, T, N]
         Bh = ssd.Bh.permute(0, 2, 1, 3)  # [B, H, T, N]
-        decay = (ssd.cum[..., :, None] - ssd.cum[..., None, :]).masked_fill_(~lay.lower(T), float("-inf")).exp_()  # [B, H, t, s]
+        decay = (ssd.cum[..., :, None] - ssd.cum[..., None, :]).masked_fill_(~torch.ones(T, T, dtype=torch.bool, device=x.device).tril_(), float("-inf")).exp_()  # [B, H, t, s]
         mix = torch.matmul(Ch, Bh.transpose(-1, -2)) * decay * ssd.dt[..., None, :]  # [B, H, t, s]: C_t.B_s exp(c_t - c_s) dt_s
         y = torch.matmul(mix, ssd.x)  # [B, H, T, P]
         y = y + torch.matmul(Ch, ssd.S0.float().transpose(-1, -2)) * ssd.cum.exp()[..., None]  # S_0's share: exp(c_t) C_t S_0
@@ -208,11 +188,8 @@ class VerifyStep:
         S = state.float()
         states, outs = [], []
         for t in range(T):
-            S = (S * g[:, t].exp()[..., None, None]).float()
-            kv_mem = torch.matmul(k[:, t, :, None, :], S)[:, :, 0]  # [B, Hv, dv]
-            delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
-            S = S + k[:, t, ..., None] * delta[:, :, None, :]
+            S, out = m.delta(S, q[:, t], k[:, t], v[:, t], beta[:, t], g[:, t])
             states.append(S)
-            outs.append(torch.matmul(q[:, t, :, None, :], S)[:, :, 0])  # [B, Hv, dv]
+            outs.append(out)
         states_out.append(_TokenStates(states))
         return m.output(lay.unpad(torch.stack(outs, dim=1)), z, ops)
