@@ -2,11 +2,12 @@
 
 Two sources of real text that no model here was distilled or tuned on:
 
-- `docstrings`: a held-out slice of the hybrid's distillation corpus (training/hybrid/data.py: CPython's
-  standard-library docstrings and pydoc topics, PSF-2.0). A source file (or pydoc topic) is held out when
-  `held_out(where)` says so: the first 8 bytes of sha256("faithfulness-v1:" + file), as an integer, are
-  0 modulo 8 (one file in eight). Reuse tuning must leave these files out; the distilled hybrid shipped
-  today was distilled on the whole corpus, these files included.
+- `docstrings`: the held-out slice of the hybrid's docstring corpus (training/hybrid/data.py: CPython's
+  standard-library docstrings and pydoc topics, PSF-2.0) that reuse training never sees:
+  training/reuse/data.py `heldout_documents()` (one document in ten, by a hash of its origin). The held-out
+  documents of one source file are joined in corpus order before they are cut into units, so long units
+  exist; a paragraph sharing an 8-word run with a training document (a docstring repeated elsewhere) is dropped. The distilled hybrid shipped before reuse training was distilled on the whole corpus, these
+  documents included; SmolLM2 may have read CPython's source in pretraining.
 - `debian`: prose paragraphs of the README, FAQ and plain-text documentation files Debian packages install
   under /usr/share/doc (written by each package's authors), each unit with the licence its package's
   `copyright` file names (DEP-5 `License:` fields, the first three distinct ones; a free-form copyright file
@@ -22,7 +23,6 @@ under 60 words are dropped. The committed file is what the benchmark reads, so C
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import re
 import sys
@@ -30,18 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent / "faithfulness_docs.jsonl.gz"
-SPLIT_SALT = "faithfulness-v1:"
 UNIT_WORDS, MIN_WORDS = 230, 60
 DEBIAN_DOC = Path("/usr/share/doc")
 DEBIAN_PER_PACKAGE = 6  # units per package at most, so no one package's style dominates
 DEBIAN_UNITS = 900
-
-
-def held_out(where: str) -> bool:
-    """Whether a distillation-corpus item (`path:name` as training/hybrid/data.py names it, or a pydoc topic)
-    belongs to the faithfulness set's held-out slice: decided by its file (the part before ':')."""
-    key = where.split(":", 1)[0] if not where.startswith("pydoc_data.topics:") else where
-    return int.from_bytes(hashlib.sha256((SPLIT_SALT + key).encode()).digest()[:8], "big") % 8 == 0
 
 
 def _prose(paragraph: str) -> bool:
@@ -68,13 +60,17 @@ def _units(paragraphs: list[str]) -> list[str]:
 
 def docstring_units() -> list[dict]:
     sys.path.insert(0, str(ROOT))
-    from training.hybrid.data import _paragraphs, pydoc_topics, stdlib_docstrings
+    from training.hybrid.data import shingles
+    from training.reuse.data import heldout_documents, training_documents
 
+    trained: set = set()
+    for _, text in training_documents():
+        trained |= shingles(text)
     by_file: dict[str, list[str]] = {}
-    for where, text in stdlib_docstrings() + pydoc_topics():
-        if held_out(where):
-            key = where.split(":", 1)[0] if not where.startswith("pydoc_data.topics:") else where
-            by_file.setdefault(key, []).extend(_paragraphs(text))
+    for where, text in heldout_documents():
+        key = where.split(":", 1)[0] if not where.startswith("pydoc_data.topics:") else where
+        # a docstring repeated in a trained module (shared 8-word runs) is not unseen text: dropped
+        by_file.setdefault(key, []).extend(p for p in text.split("\n\n") if not shingles(p) & trained)
     return [{"source": "docstrings", "where": key, "licence": "PSF-2.0", "text": unit}
             for key in sorted(by_file) for unit in _units(by_file[key])]
 
