@@ -275,6 +275,29 @@ def test_the_page_in_a_browser(server, client):
         assert not page.find("#error").is_displayed()
 
 
+def test_the_page_without_a_key_asks_and_uploads_a_file(tiny_tokenizer, tmp_path):
+    """A gateway without a key (the default): no key asked for; the page's writes pass the Origin
+    check (same origin), a file goes up as multipart and is listed."""
+    import gateways
+
+    corpus = [{"id": "city-varo", "title": "Varo", "text": "Varo is a city on the river Alna. Its mayor is Ines Kell."}]
+    with gateways.gateway(tmp_path / "gw", tiny_tokenizer, corpus) as live, browser_or_skip() as driver:
+        page = Page(driver, live.url)
+        page.wait.until(lambda d: page.find("#status").get_attribute("data-state") == "ready")
+        assert page.find("#key-state").text == ""
+        page.ask("Who is the mayor of Varo?", top_k=1)
+        assert page.sources() == ["city-varo"] and len(page.chunks("#run-main")) == 1
+        notes = tmp_path / "alna-notes.md"
+        notes.write_text("# Alna notes\n\nThe Alna freezes every winter near Varo.\n")
+        page.find("#doc-file").send_keys(str(notes))
+        page.find("#doc-add").click()
+        page.wait.until(lambda d: page.find("#doc-state").text not in ("", "Adding…"))
+        assert page.find("#doc-state").text.startswith("Added alna-notes.md: 1 chunk"), page.find("#doc-state").text
+        page.wait.until(lambda d: page.all('#doc-list li.new[data-document="alna-notes.md"]'))
+        assert "Alna notes" in page.find('#doc-list li.new[data-document="alna-notes.md"]').text
+        assert httpx.get(f"{live.url}/documents/alna-notes.md").json()["title"] == "Alna notes"
+
+
 # --- the screenshot ---------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     """Serve `--model` (default: the bundled hypic-tiny on its demo corpus; with `--documents PATH...`,
