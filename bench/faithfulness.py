@@ -262,11 +262,22 @@ def table(runs: list[dict]) -> list[str]:
     return lines
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the machine type."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def write_card(results: dict, path: Path, argv: str) -> None:
     """The release measurement of `results`' first configuration as the model card's faithfulness.json
     (app/service/guard/release.py reads it: the accuracy guard's default threshold is its `low`)."""
-    import platform
-
     config = results["configs"][0]
     s = summary(results, config)
     card = {"model": results["model"], "config": config, "answer_tokens": results["max_tokens"], "n": s["n"],
@@ -274,7 +285,7 @@ def write_card(results: dict, path: Path, argv: str) -> None:
             "high": round(s["identical_wilson"].high, 4), "interval": "Wilson 95%",
             "matched_tokens": round(s["matched"].mean, 2), "kl_answer": round(s["kl_answer"].mean, 5),
             "command": f".venv/bin/python bench/faithfulness.py {argv}", "measured": time.strftime("%Y-%m-%d"),
-            "cpu": platform.processor() or platform.machine(), "threads": results.get("threads")}
+            "cpu": cpu_name(), "threads": results.get("threads")}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(card, indent=1) + "\n")
 
