@@ -12,6 +12,7 @@ from .errors import InvalidRequestError
 DEFAULT_SEAM = 8  # the reference implementation's default seam width
 COLD_PREFILL = ("stitch", "exact", "auto")  # EngineConfig.cold_prefill
 REPEATS = ("exact", "cheaper")  # EngineConfig.repeats
+ENTRY_BATCHING = ("padded", "alone")  # EngineConfig.entry_batching
 DECODE_STEPS = ("module", "lean")  # EngineConfig.decode_step ("lean-packed" was measured and removed: docs/benchmarks.md)
 DECODE_KERNELS = ("torch", "native", "native-f16", "native-bf16", "native-i8")  # EngineConfig.decode_kernel
 REUSE_KEY_SCOPES = ("prompt", "all")  # EngineConfig.reuse_key_scope
@@ -145,6 +146,9 @@ class EngineConfig:
     # With a store that reads disk or Redis: the longest an arriving request waits for its stored-tier lookups
     # (hypic_core/engine/lookups.py); what has not returned by then is computed, and used from the next request.
     lookup_deadline_s: float = 1.0
+    # Whole cold entries computed "padded" (misses batched together: fastest) or "alone" (one forward each: the
+    # cache's bytes, and so greedy answers, do not depend on which segments missed together; engine/entry_builder.py).
+    entry_batching: str = "padded"
     # The batched decode forward: "lean" (hypic_core/runner/decode_step.py: fused weights, closed-form
     # one-token updates; a family it does not cover keeps the module path) or "module" (the HF modules).
     decode_step: str = "module"
@@ -195,6 +199,8 @@ class EngineConfig:
             raise InvalidRequestError("background_tokens", f"must be >= 0, got {self.background_tokens}")
         if not self.lookup_deadline_s > 0:
             raise InvalidRequestError("lookup_deadline_s", f"must be > 0, got {self.lookup_deadline_s}")
+        if self.entry_batching not in ENTRY_BATCHING:
+            raise InvalidRequestError("entry_batching", f"must be one of {', '.join(ENTRY_BATCHING)}, got {self.entry_batching!r}")
         if self.decode_step not in DECODE_STEPS:
             gone = " (lean-packed was removed: measured, not kept, docs/benchmarks.md; lean replaces it)" \
                 if self.decode_step == "lean-packed" else ""

@@ -61,7 +61,7 @@ def load_engine(settings: Settings, model: ResolvedModel | None = None) -> Engin
                           decode_step=settings.decode_step, decode_kernel=settings.decode_kernel,
                           speculation=settings.speculation, reuse_key_scale=settings.reuse_key_scale,
                           reuse_key_scope=settings.reuse_key_scope, recompute_ratio=settings.recompute_ratio,
-                          lookup_deadline_s=settings.lookup_deadline_s)
+                          lookup_deadline_s=settings.lookup_deadline_s, entry_batching=settings.entry_batching)
     return Engine.from_pretrained(model.path, config, store_from_settings(settings), dtype=settings.dtype, device=settings.device,
                                   model_id=settings.served_model_name, prefill_workers=settings.prefill_workers,
                                   prefill_backend=settings.prefill_backend, prefill_threads=settings.prefill_worker_threads,

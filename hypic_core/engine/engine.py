@@ -36,7 +36,7 @@ from ..cache.store import MemorySegmentStore, SegmentStore
 from ..config import EngineConfig, GenerationRequest
 from ..runner.model_runner import ModelRunner
 from .cache_manager import CacheManager, EntryLookup
-from .entry_builder import LocalEntryBuilder, builder_for
+from .entry_builder import builder_for
 from .executor import Executor
 from .lookups import Lookups
 from .output import OutputProcessor, eos_ids, move_cursors
@@ -83,7 +83,7 @@ class Engine:
         store = store if store is not None else MemorySegmentStore(config.memory_budget_bytes)
         self.cache_manager = self.context = CacheManager(self.runner, store, config, self.fingerprint)  # context: former name
         self.cache_manager.cost = CostModel.of(model, self.adapter, state_elements)
-        self.cache_manager.builder = builder_for(self.runner, prefill_pool, config.max_cold_batch_tokens)
+        self.cache_manager.builder = builder_for(self.runner, prefill_pool, config)
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, config.max_step_tokens, config.running_budget_bytes),
                                    self.cache_manager, config.scheduling)
         self.speculator = Speculator(config, self.max_positions)
@@ -141,7 +141,7 @@ class Engine:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-            self.cache_manager.builder = LocalEntryBuilder(self.runner, self.config.max_cold_batch_tokens)
+            self.cache_manager.builder = builder_for(self.runner, None, self.config)
 
     # --- requests -------------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:

@@ -4,8 +4,8 @@ An `EntryJob` is one missing entry, shared by every sequence that needs it. A bu
 jobs; the engine picks ONE builder when it is made (`builder_for`) and never asks which:
 
 - `LocalEntryBuilder` computes them in this thread, inside a token budget: whole segments batched
-  together (per seam width), a segment longer than what is left of the budget piece by piece
-  over steps (`ModelRunner.start_entry` / `advance_entry`);
+  together (per seam width) or one forward each (`alone`), a segment longer than what is left of the
+  budget piece by piece over steps (`ModelRunner.start_entry` / `advance_entry`);
 - `PoolEntryBuilder` hands them to a prefill pool (hypic_core/prefill_pool), whole, outside the
   budget (its replicas are other processes), and takes back what has arrived.
 
@@ -22,6 +22,7 @@ from typing import Protocol, Sequence
 
 from ..algebra.entry import SegmentEntry
 from ..algebra.keys import SegmentKey
+from ..config import EngineConfig
 from ..runner.model_runner import ModelRunner, PartialEntry
 
 
@@ -96,12 +97,20 @@ class EntryBuilder(Protocol):
 
 
 class LocalEntryBuilder:
-    """Entries computed in this thread: the single copy of "batched whole, piece by piece when long"."""
+    """Entries computed in this thread: the single copy of "batched whole, piece by piece when long".
+
+    `alone` (EngineConfig.entry_batching "alone"): each whole entry in a forward of its own, as a prefill
+    pool replica computes it. In a padded batch beside other misses a row's entry differs from the same
+    segment's computed alone (the linear layers' chunked scans read a padded row's end mid-chunk: up to
+    ~1e-6 on the tiny hybrids, 9e-5 on smollm2-hybrid-135m), so which segments happened to miss together
+    (timing) changes the cache's bytes and, at a near tie, a greedy answer; alone, an entry is a function
+    of its segment and seam only (tests/cache/test_batch_invariance.py), at ~2.2-2.6x the time of the
+    batch (measured on the hybrid, four segments of 200-260 tokens, 2 threads on a loaded machine)."""
 
     workers = 1
 
-    def __init__(self, runner: ModelRunner, max_batch_tokens: int):
-        self.runner, self.max_batch_tokens = runner, max_batch_tokens
+    def __init__(self, runner: ModelRunner, max_batch_tokens: int, alone: bool = False):
+        self.runner, self.max_batch_tokens, self.alone = runner, max_batch_tokens, alone
 
     def advance(self, groups, budgets, sink, opening=0, wait=False) -> list[Built]:
         built = [Built(left=b) for b in budgets]
@@ -147,6 +156,8 @@ class LocalEntryBuilder:
         return built
 
     def compute(self, segments, seam) -> list[SegmentEntry]:
+        if self.alone:
+            return [self.runner.compute_entries([segment], seam, self.max_batch_tokens)[0] for segment in segments]
         return self.runner.compute_entries(list(segments), seam, self.max_batch_tokens)
 
     def cancel(self, job: EntryJob) -> None:
@@ -196,6 +207,9 @@ class PoolEntryBuilder:
             self.pool.cancel(job.ticket)
 
 
-def builder_for(runner: ModelRunner, pool, max_batch_tokens: int) -> EntryBuilder:
-    """The builder of an engine: on `pool` when there is one, else here."""
-    return PoolEntryBuilder(pool, max_batch_tokens) if pool is not None else LocalEntryBuilder(runner, max_batch_tokens)
+def builder_for(runner: ModelRunner, pool, config: EngineConfig) -> EntryBuilder:
+    """The builder of an engine: on `pool` when there is one (each entry alone there), else here, batched as
+    `config.entry_batching` says (chosen when the engine is made)."""
+    if pool is not None:
+        return PoolEntryBuilder(pool, config.max_cold_batch_tokens)
+    return LocalEntryBuilder(runner, config.max_cold_batch_tokens, alone=config.entry_batching == "alone")

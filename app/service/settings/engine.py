@@ -44,6 +44,11 @@ class EngineSettings(AreaSettings):
                                                              "prefill, when that costs less than computing the entries and "
                                                              "stitching; the entries are then computed after its first token), "
                                                              "exact (so whenever every entry is missing) or stitch (never).")
+    entry_batching: Literal["padded", "alone"] = Field("padded", description="How missing chunks' cache entries are "
+                                                       "computed: padded (together in padded batches, fastest) or alone (one "
+                                                       "forward each, ~2.5x the time measured on the hybrid: an entry's bytes, "
+                                                       "and so greedy answers, then do not depend on which chunks missed "
+                                                       "together, i.e. on timing).")
     decode_step: Literal["lean", "module"] = Field("lean", description="The batched decode forward: lean "
                                                    "(one forward written for one token per sequence: fused weights, "
                                                    "closed-form linear-layer updates; llama, qwen3, qwen3_5, qwen3_next "
