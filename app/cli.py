@@ -151,11 +151,19 @@ def demo_command(
     documents: Annotated[int, typer.Option(help="Documents in the request (sources + distractors).")] = 3,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate per mode.")] = 16,
 ) -> None:
-    """Run one multi-segment request in every mode on the bundled model and compare TTFT and answers."""
+    """Run one multi-segment request in every mode on the served model (HYPIC_MODEL) and compare TTFT and answers."""
     from app.demo import run_demo
-    from app.service.settings import Settings
 
-    run_demo(Settings(), n_docs=documents, max_tokens=max_tokens)
+    run_demo(demo_settings(), n_docs=documents, max_tokens=max_tokens)
+
+
+def demo_settings():
+    """`hypic demo`'s settings: the served model's, with hypic-tiny's synthetic world as the corpus unless
+    HYPIC_CORPUS_PATH names one: its questions (data/demo_questions.md, beside it) name that world's documents."""
+    from app.service.settings import TINY_CORPUS_PATH, Settings
+
+    settings = Settings()
+    return settings if "corpus_path" in settings.model_fields_set else Settings(corpus_path=TINY_CORPUS_PATH)
 
 
 @cli.command("query")

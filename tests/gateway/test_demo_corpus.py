@@ -48,3 +48,18 @@ def test_every_readme_example_answer_is_in_the_corpus():
         assert all(n in text for n in re.findall(r"\d+(?:\.\d+)?", answer)), (question, answer)
         words = [w for w in re.findall(r"[a-z][a-z-]{4,}", answer.lower())]
         assert sum(w in text for w in words) >= 0.6 * len(words), (question, answer)
+
+
+def test_hypic_demo_asks_its_questions_of_the_world_they_name(monkeypatch, tmp_path):
+    from app.cli import demo_settings
+    from app.demo import demo_questions
+
+    monkeypatch.setenv("HYPIC_MODEL", "smollm2-hybrid-135m")  # the default model, whose demo corpus is the FAQ
+    settings = demo_settings()
+    assert str(settings.corpus_path) == TINY_CORPUS_PATH
+    ids = {json.loads(line)["id"] for line in (ROOT / settings.corpus_path).read_text().splitlines()}
+    _, _, sources = demo_questions(ROOT / settings.corpus_path.with_name("demo_questions.md"))[0]
+    assert set(sources) <= ids
+    mine = tmp_path / "mine.jsonl"
+    monkeypatch.setenv("HYPIC_CORPUS_PATH", str(mine))
+    assert demo_settings().corpus_path == mine  # a corpus the user names is kept
