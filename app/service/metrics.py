@@ -78,6 +78,12 @@ class Metrics:
         """Export the engine's speculative-decoding counters (`Engine.speculation`, read at each scrape)."""
         self.registry.register(_SpeculationCollector(stats))
 
+    def watch_lookups(self, lookups) -> None:
+        """Export the engine's stored-tier lookups (`Engine.lookups`, hypic_core/engine/lookups.py; None: a store
+        all in memory): requests waiting for them, and requests laid out at their deadline without them."""
+        if lookups is not None:
+            self.registry.register(_LookupsCollector(lookups))
+
     def watch_store(self, store: SegmentStore) -> None:
         """Export `store.stats()` (hits by tier, misses, evictions, corrupt entries, bytes by tier)."""
         self.registry.register(_StoreCollector(store.stats))
@@ -123,6 +129,18 @@ class _SpeculationCollector:
                                   "emitted without a decode step of its own).", value=s.accepted)
         yield CounterMetricFamily("hypic_speculation_verify_steps", "Decode steps run as one verification forward.",
                                   value=s.verify_steps)
+
+
+class _LookupsCollector:
+    def __init__(self, lookups) -> None:
+        self._lookups = lookups
+
+    def collect(self):
+        yield GaugeMetricFamily("hypic_cache_lookup_waiting_requests", "Requests waiting for their disk or Redis "
+                                "lookups (off the engine thread) before they are scheduled.", value=self._lookups.pending)
+        yield CounterMetricFamily("hypic_cache_lookup_late_requests", "Requests laid out at their lookup deadline "
+                                  "(HYPIC_LOOKUP_DEADLINE_S) with stored-tier lookups still out: a slow or stopped tier.",
+                                  value=self._lookups.late)
 
 
 class _StoreCollector:

@@ -182,6 +182,7 @@ class Runtime:
                 self.model_name = self.settings.model_name or engine.model_id
                 self.metrics.model_name = self.model_name
             self.metrics.watch_store(engine.store)
+            self.metrics.watch_lookups(engine.lookups)
             self.metrics.watch_speculation(engine.speculation)
             self.guard = Guard.for_engine(self.settings, engine, self.model_name, self.metrics.registry, wake=self.engine_thread.wake,
                                           release=release,

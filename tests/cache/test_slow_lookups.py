@@ -195,11 +195,14 @@ def test_a_stopped_redis_costs_the_new_request_its_deadline_not_the_timeout(redi
                     first, gap, cold = run_beside_slow_lookups(g)
             finally:
                 os.kill(redis.process.pid, signal.SIGCONT)
+            metrics = httpx.get(f"{g.url}/metrics", timeout=30).text
     finally:
         store.close()
     # Before: WARM waited ~5 s for a lookup thread, and each cold request out the 5 s timeout.
     assert first < STREAM_BOUND_S and gap < STREAM_BOUND_S, (first, gap, cold)
     assert cold < 4.0, cold  # its 1 s deadline and its own prefill, well under the 5 s timeout
+    late = [line for line in metrics.splitlines() if line.startswith("hypic_cache_lookup_late_requests_total")]
+    assert late and float(late[0].rsplit(" ", 1)[1]) >= 2, late  # both cold requests went on without Redis
     assert health.count >= 10 and health.worst < 0.2, (health.worst, first, gap, cold)
 
 
