@@ -35,7 +35,6 @@ def run(case):
     proxy = DelayingProxy(server.port) if case == "slow" else None
     app, store = stores.gateway(root / "g", TOK, CORPUS, redis_url=proxy.url if proxy else server.url,
                                 redis_timeout_s=5.0, **_secret())
-    app.state.runtime.settings  # noqa
     try:
         with LiveServer(app) as g:
             g.wait_ready()
