@@ -164,3 +164,20 @@ def test_gateway_setting_reads_hypic_decode_step(monkeypatch):
     monkeypatch.setenv("HYPIC_DECODE_STEP", "lean-packed")  # measured and removed: refused, naming the setting
     with pytest.raises(ValidationError, match="decode_step"):
         Settings(_env_file=None, torch_threads=None)
+
+
+def test_decoding_seam_steps_the_rows_and_leaves_the_batch_empty():
+    """`ModelRunner.decoding` (the benchmarks' seam, bench/harness.py): each row advanced by one token as the
+    module path advances it alone, nothing left in the batch after, and refused while rows are decoding."""
+    engine = engines.engine(3, "bamba", decode_step="lean")
+    pre = [engine.prefill(GenerationRequest(random_segments(s, seed=i), mode="full")) for i, s in enumerate(SHAPES[:2])]
+    ref = [copy.deepcopy(p.cache) for p in pre]
+    with torch.inference_mode():
+        with engine.runner.decoding([p.cache for p in pre]) as step:
+            got = step([3, 4], [p.position for p in pre])
+            with pytest.raises(RuntimeError, match="idle decode batch"):
+                with engine.runner.decoding([]):
+                    pass
+        assert len(engine.runner.batch) == 0
+        for i, p in enumerate(pre):
+            assert_close(f"row {i}", engine.runner.forward([3 + i], p.position, ref[i], logits=True), got[i])
