@@ -26,6 +26,9 @@ the same numbers for about a third less time; the test checks the two agree).
         [--save bench/results/faithfulness_smollm2-hybrid-135m.json]
     .venv/bin/python bench/faithfulness.py --report A.json B.json   # one table of saved runs; B vs A per prompt
 
+Two processes (one torch thread each) share a run: `--n 500 --save a.json` and `--first 500 --save b.json`, then
+`--join a.json b.json --save run.json`.
+
 Progress goes to stderr, the markdown table to stdout; `--save` writes the rows (rewritten every 10
 prompts, `"partial": true` until the run ends, so a run cut short keeps what it measured).
 """
@@ -198,23 +201,25 @@ def run(args) -> dict:
     prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
     words = dict(zip(LENGTHS, args.words))
     prompts = build_prompts(load_docs(args.docs), args.n, args.seed, args.pool, words)
-    results = {"model": args.model, "family": engine.adapter.family, "n": 0, "seed": args.seed, "pool": args.pool, "words": words,
+    results = {"model": args.model, "family": engine.adapter.family, "n": 0, "first": args.first, "seed": args.seed, "pool": args.pool, "words": words,
                "max_tokens": args.max_tokens, "configs": [f"{m}:{s}" for m, s in configs], "forced": args.forced,
                "threads": torch.get_num_threads(), "dtype": str(engine.runner.model.dtype), "partial": True, "rows": []}
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
+        if i < args.first:  # another process's share: the same prompt list, this one measures from --first on
+            continue
         if args.max_minutes and time.perf_counter() - t0 > 60 * args.max_minutes:
             print(f"--max-minutes {args.max_minutes}: stopping after {i} prompts", file=sys.stderr, flush=True)
             break
         row = measure_prompt(engine, prompter, prompt, configs, args.max_tokens, args.forced)
         results["rows"].append({"id": prompt.id, "source": prompt.source, "length": prompt.length, "k": len(prompt.doc_ids),
                                 "docs": list(prompt.doc_ids), "question": prompt.question, **row})
-        results["n"], results["seconds"] = i + 1, round(time.perf_counter() - t0, 1)
+        results["n"], results["seconds"] = len(results["rows"]), round(time.perf_counter() - t0, 1)
         first = results["configs"][0]
-        same = sum(r[first]["identical"] for r in results["rows"])
+        same, done = sum(r[first]["identical"] for r in results["rows"]), len(results["rows"])
         el = time.perf_counter() - t0
-        print(f"[{i + 1}/{len(prompts)}] {el:.0f} s, ~{el / (i + 1) * (len(prompts) - i - 1):.0f} s left; "
-              f"{first} identical {same}/{i + 1}; full: {row['full']['answer'][:50]!r}", file=sys.stderr, flush=True)
+        print(f"[{i + 1}/{len(prompts)}] {el:.0f} s, ~{el / done * (len(prompts) - i - 1):.0f} s left; "
+              f"{first} identical {same}/{done}; full: {row['full']['answer'][:50]!r}", file=sys.stderr, flush=True)
         if args.save and (i + 1) % 10 == 0:
             Path(args.save).write_text(json.dumps(results))
     results["partial"] = False
@@ -290,6 +295,21 @@ def write_card(results: dict, path: Path, argv: str) -> None:
     path.write_text(json.dumps(card, indent=1) + "\n")
 
 
+def join(shares: list[dict]) -> dict:
+    """One run from the `--save` files of processes that measured consecutive shares of the same prompt list
+    (`--first`): rows in prompt order, the slowest share's wall time. Raises SystemExit unless they tile it."""
+    shares = sorted(shares, key=lambda r: r.get("first", 0))
+    for a, b in zip(shares, shares[1:]):
+        if any(a.get(k) != b.get(k) for k in ("model", "configs", "seed", "pool", "words", "max_tokens", "forced")):
+            raise SystemExit("shares of different runs (model, configs, seed, pool, words, max tokens or --forced differ)")
+        if a.get("first", 0) + a["n"] != b.get("first", 0):
+            raise SystemExit(f"shares do not tile the prompts: {a.get('first', 0)}+{a['n']} then {b.get('first', 0)}")
+    out = dict(shares[0], rows=[r for sh in shares for r in sh["rows"]], first=0)
+    out["n"], out["seconds"], out["processes"] = len(out["rows"]), max(sh["seconds"] for sh in shares), len(shares)
+    out["partial"] = any(sh.get("partial") for sh in shares)
+    return out
+
+
 def _paired_rows(a: dict, b: dict) -> tuple[list[dict], list[dict]]:
     """The rows of two runs on the prompts both measured; raises SystemExit unless they are the same prompts."""
     if any(a.get(k) != b.get(k) for k in ("seed", "pool", "words", "max_tokens")):
@@ -321,6 +341,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--card", default=None, help="also write the first configuration's identical share as the model's "
                     "release measurement (models/<name>/faithfulness.json, read by the accuracy guard)")
     ap.add_argument("--save", default=None, help="write the results (rows included) to this JSON file")
+    ap.add_argument("--first", type=int, default=0, help="start at this prompt (a share of the run for a second process)")
+    ap.add_argument("--join", nargs="+", default=None, help="--save files of shares (--first) that tile the prompts: "
+                    "one run, written to --save")
     ap.add_argument("--report", nargs="+", default=None, help="print the table of saved runs instead of running")
     return ap
 
@@ -329,6 +352,10 @@ def main() -> None:
     args = parser().parse_args()
     if args.report:
         runs = [json.loads(Path(p).read_text()) for p in args.report]
+    elif args.join:
+        runs = [join([json.loads(Path(p).read_text()) for p in args.join])]
+        if args.save:
+            Path(args.save).write_text(json.dumps(runs[0], indent=1))
     else:
         if args.n < 1:
             raise SystemExit(f"--n must be >= 1, got {args.n}")

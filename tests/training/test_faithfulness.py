@@ -153,3 +153,14 @@ def test_the_accuracy_reports_give_the_exact_mcnemar_p_beside_lost_and_gained():
     assert line.startswith("| hypic s=8 | 8 | 0 | 0.00781 |")
     [line] = [x for x in ladder.summary({"m": {"full": full, "hypic s=8": reused}}, {}, "hypic s=8") if "| 8 / 0 |" in x]
     assert "| 8 / 0 | 0.00781 |" in line
+
+
+def test_shares_of_a_run_join_in_prompt_order(tiny_run):
+    a = dict(tiny_run, rows=tiny_run["rows"][:2], n=2, first=0, seconds=5)
+    b = dict(tiny_run, rows=tiny_run["rows"][2:], n=4, first=2, seconds=7)
+    joined = faith.join([b, a])
+    assert joined["rows"] == tiny_run["rows"] and (joined["n"], joined["seconds"], joined["processes"]) == (6, 7, 2)
+    with pytest.raises(SystemExit, match="tile"):
+        faith.join([a, dict(b, first=3)])
+    with pytest.raises(SystemExit, match="different runs"):
+        faith.join([a, dict(b, seed=1)])
