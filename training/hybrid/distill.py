@@ -62,18 +62,13 @@ from typing import Sequence
 import torch
 
 from hypic_core.models import hybrid as C
+from training.hybrid.teacher import load_teacher, teacher_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "smollm2-hybrid-135m"
 SAMPLES = ROOT / "data" / "distill"  # the teacher's samples, shipped (ship-samples)
 # stage 2's draw per step: (pool, weight); an empty pool's weight goes to the others
 MIXTURE = (("docs", 0.15), ("docs-prompt", 0.15), ("continue", 0.15), ("chat", 0.15), ("rag", 0.4), ("rag-long", 0.0))
-
-
-def teacher_dir() -> Path:
-    from hypic_core.models.registry import resolve
-
-    return resolve("smollm2-135m-instruct").path
 
 
 def _log(out: Path, record: dict) -> None:
@@ -89,16 +84,6 @@ def _save(obj, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
     tmp.replace(path)
-
-
-def _load_teacher():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = teacher_dir()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return path, model, AutoTokenizer.from_pretrained(path)
 
 
 # ---------------------------------------------------------------- data
@@ -761,7 +746,7 @@ def stage2(args, teacher, tok, cfg, tsd, out: Path, states: dict | None) -> None
 def validate(args) -> None:
     """KL(teacher || hybrid) on each pool's held-back sequences for the latest checkpoint."""
     out = Path(args.out)
-    path, teacher, tok = _load_teacher()
+    path, teacher, tok = load_teacher()
     blob = torch.load(out / "stage2.pt") if (out / "stage2.pt").is_file() else {"states": torch.load(out / "stage1.pt"), "step": 0}
     cfg = C.bamba_config(json.loads((path / "config.json").read_text()))
     model, _ = build_student(cfg, C.load_teacher_state(path), blob["states"])
@@ -795,7 +780,7 @@ def train(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    path, teacher, tok = _load_teacher()
+    path, teacher, tok = load_teacher()
     cfg = C.bamba_config(json.loads((path / "config.json").read_text()))
     tsd = C.load_teacher_state(path)
     states = None  # stage 2 resumes its checkpoint, else starts from stage 1's mixers, else from the shipped ones

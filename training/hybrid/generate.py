@@ -124,11 +124,11 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=None, help="default: from the lines already written (a rerun continues)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from training.hybrid.distill import _load_teacher
+    from training.hybrid.teacher import load_teacher
 
     out = Path(args.out) / "gen"
     out.mkdir(parents=True, exist_ok=True)
-    _, model, tok = _load_teacher()
+    _, model, tok = load_teacher()
     tok.padding_side = "left"
     rag_prompt = RagPrompter(tok, 2048)
     bad = excluded_shingles()

@@ -30,6 +30,7 @@ import torch
 
 from hypic_core.models import hybrid as C
 from training.hybrid import distill as D
+from training.hybrid.teacher import load_teacher
 
 
 def answer_kl(teacher_logp: list[torch.Tensor], model, seqs: list[torch.Tensor], spans: list[tuple[list[int], list[int]]]) -> dict[str, float]:
@@ -63,7 +64,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.time()
-    path, teacher, tok = D._load_teacher()
+    path, teacher, tok = load_teacher()
     teacher_cfg = json.loads((path / "config.json").read_text())
     tsd = C.load_teacher_state(path)
     ckpt = Path(args.run) / "stage2.pt"

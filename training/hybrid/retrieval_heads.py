@@ -68,7 +68,8 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hypic_core.models import hybrid as C
-    from training.hybrid.distill import _unique_samples, non_answer, reply_text, teacher_dir
+    from training.hybrid.distill import _unique_samples, non_answer, reply_text
+    from training.hybrid.teacher import teacher_dir
 
     path = teacher_dir()
     tok = AutoTokenizer.from_pretrained(path)

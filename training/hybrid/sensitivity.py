@@ -129,9 +129,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from training.hybrid.data import build_sequences
-    from training.hybrid.distill import _load_teacher
+    from training.hybrid.teacher import load_teacher
 
-    path, teacher, tok = _load_teacher()
+    path, teacher, tok = load_teacher()
     cfg = C.bamba_config(json.loads((path / "config.json").read_text()), attn=[])
     tsd = C.load_teacher_state(path)
     seqs, _ = build_sequences(tok, args.tokens, seed=7)
