@@ -50,13 +50,15 @@ def gateway_layout(model_name: str, tokenizer, context: int = 8192):
 
 
 def index_texts(index_dir: Path) -> list[str]:
-    """Every chunk's text in the gateway's index at `index_dir` (what the user ingested)."""
-    from app.service.settings import Settings
+    """Every chunk's text in the gateway's index at `index_dir` (what the user ingested), opened
+    with the embedder it was built with (its manifest names it)."""
     from retrieval.embedder import load_embedder
-    from retrieval.index import VectorIndex
+    from retrieval.index import MANIFEST_NAME, Manifest, VectorIndex
 
-    settings = Settings(index_dir=index_dir)
-    index = VectorIndex(index_dir, load_embedder(settings.embedder))
+    if not (Path(index_dir) / MANIFEST_NAME).is_file():
+        raise typer.BadParameter(f"{index_dir} is not an index (no {MANIFEST_NAME}); ingest documents first (hypic ingest)",
+                                 param_hint="--index-dir")
+    index = VectorIndex(index_dir, load_embedder(Manifest.read(Path(index_dir) / MANIFEST_NAME).embedder))
     texts = [c.text for d in index.list_documents() for c in index.chunks(d.document_id)]
     if not texts:
         raise typer.BadParameter(f"the index at {index_dir} holds no documents; ingest some first (hypic ingest)", param_hint="--index-dir")
@@ -92,7 +94,7 @@ def tune_command(
     if data not in DATA:
         raise typer.BadParameter(f"expected one of {', '.join(DATA)}, got {data!r}", param_hint="--data")
     torch.set_num_threads(threads)
-    settings = Settings(_env_file=None) if model is None and index_dir is None else Settings()
+    settings = Settings()
     name = model or settings.model
     try:
         student_dir = resolve(name, settings.models_dir, progress=say).path

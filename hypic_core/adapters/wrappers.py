@@ -108,8 +108,10 @@ def stitch_delta_scan(spans: list[StitchSpan], transition: bool, scan_fn: Callab
         calls[0] += 1
         kwargs.pop("chunk_size", None)
         B, _, hv, dv = value.shape
+        # a copy of the cache's state: the layer writes its final state back into that tensor in
+        # place, which autograd cannot go back through when the stitch is trained (training/reuse)
         state = (value.new_zeros(B, hv, key.shape[-1], dv, dtype=torch.float32) if initial_state is None
-                 else initial_state.float())
+                 else initial_state.to(torch.float32, copy=True))
         outs = []
         for span in spans:
             a, b = span.start, span.end

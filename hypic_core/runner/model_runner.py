@@ -260,15 +260,20 @@ class ModelRunner:
 
     # --- stitching --------------------------------------------------------------------------
     def stitch(self, cache, context: Sequence[tuple[int, ...]], entries: Sequence[SegmentEntry],
-               question: tuple[int, ...], transition: bool = True, start: int = 0, key_scale: float = 1.0) -> torch.Tensor:
+               question: tuple[int, ...], transition: bool = True, start: int = 0, key_scale: float = 1.0,
+               keep: int | None = None) -> torch.Tensor:
         """Stitched prefill of `context` (with their entries) then `question` on `cache`, which is
         empty (`start` 0) or holds an exactly computed prefix of `start` tokens. The bodies' keys are
         multiplied by `key_scale` (`EngineConfig.reuse_key_scale`); seam heads and the question are not.
 
-        Returns the first-token logits. Uses the fused path (one forward for every seam head
-        and the question) when the adapter supports it, else `stitch_sequential`.
+        Returns the first-token logits; with `keep`, the last `keep` positions' logits ([keep, vocab]:
+        training runs a question and its reply as one stitched `question`, training/reuse/modes.py).
+        Uses the fused path (one forward for every seam head and the question) when the adapter
+        supports it, else `stitch_sequential` (which has no `keep`: ValueError).
         """
         if not self.adapter.supports_fused_stitch:
+            if keep is not None:
+                raise ValueError(f"{type(self.adapter).__name__} has no fused stitch: stitch(keep=...) needs one")
             return self.stitch_sequential(cache, context, entries, question, transition, start, key_scale)
         adapter = self.adapter
         run_ids: list[int] = []
@@ -305,9 +310,9 @@ class ModelRunner:
         ids = torch.tensor([run_ids], dtype=torch.long, device=self.device)
         with adapter.stitch(spans, transition) as cap:
             out = self.model(input_ids=ids, position_ids=qpos[None].to(self.device), cache=cache, use_cache=True,
-                             attention_mask=adapter.mask_argument(mask), logits_to_keep=1)
+                             attention_mask=adapter.mask_argument(mask), logits_to_keep=keep or 1)
         adapter.finish_stitch(cache, cap)
-        return out.logits[0, -1].float()
+        return out.logits[0, -1].float() if keep is None else out.logits[0].float()
 
     def body_columns(self, context: Sequence[tuple[int, ...]], entries: Sequence[SegmentEntry], start: int = 0) -> list[tuple[int, int]]:
         """The cache columns [a, b) that `stitch` fills with the entries' bodies (their keys are the

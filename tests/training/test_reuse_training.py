@@ -16,7 +16,7 @@ from training.reuse.data import Layout, Sample, counts, mixed
 from training.reuse.modes import Composer, full_logits
 from training.reuse.trainer import TrainConfig, Trainer, kl, run
 
-FAMILIES = ["bamba", "llama"]
+FAMILIES = ["bamba", "qwen3_5", "llama"]  # Mamba2, Gated DeltaNet, dense
 
 
 def sample(seed: int = 0, lengths=(6, 20, 17, 23, 9), reply: int = 6) -> Sample:
@@ -158,3 +158,48 @@ def test_the_reuse_models_are_named_over_their_bases():
     for name, base in REUSE_BASES.items():
         assert name in KNOWN_MODELS and base in KNOWN_MODELS
         assert KNOWN_MODELS[name].prompt == KNOWN_MODELS[base].prompt  # served with the layout it was trained on
+
+
+def test_hypic_tune_trains_on_the_ingested_documents_resumes_and_its_adapter_loads(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+    from hypic_core.models.loader import load_local
+    from hypic_core.models.registry import resolve
+    from training.reuse.ship import read_log
+
+    monkeypatch.setenv("HYPIC_MODELS_DIR", str(tmp_path / "models"))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, (city, river) in enumerate([("Seinaim", "Peiryas"), ("Gripaith", "Nukreix"), ("Jasteirk", "Oulmar"), ("Tavrel", "Ismor")]):
+        (docs / f"d{i}.txt").write_text(f"{city} is a city on the river {river}. It was founded long ago by traders.\n\n"
+                                        f"The people of {city} fish in the {river} and sell what they catch.\n")
+    runner = CliRunner()
+    ingest = runner.invoke(cli, ["ingest", str(docs), "--index-dir", str(tmp_path / "index"), "--embedder", "hashing",
+                                 "--model", "hypic-tiny"])
+    assert ingest.exit_code == 0, ingest.output
+    out = tmp_path / "run"
+    args = ["tune", "--model", "hypic-tiny", "--out", str(out), "--index-dir", str(tmp_path / "index"), "--rank", "4",
+            "--lr", "1e-2", "--save-minutes", "1000"]
+    first = runner.invoke(cli, args + ["--steps", "2"])
+    assert first.exit_code == 0, first.output
+    assert [r["step"] for r in read_log(out / "log.jsonl")] == [1, 2]
+    again = runner.invoke(cli, args + ["--steps", "3"])
+    assert again.exit_code == 0, again.output
+    assert [r["step"] for r in read_log(out / "log.jsonl")] == [1, 2, 3]
+
+    base, _ = load_local(resolve("hypic-tiny").path)
+    tuned, _ = load_local(resolve(f"hypic-tiny+{out / 'adapter'}").path)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 8, 120]])
+    with torch.no_grad():
+        assert (base(input_ids=ids).logits - tuned(input_ids=ids).logits).abs().max().item() > 1e-4
+
+
+def test_hypic_tune_names_an_index_that_is_not_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+
+    res = CliRunner().invoke(cli, ["tune", "--model", "hypic-tiny", "--out", str(tmp_path / "run"), "--index-dir", str(tmp_path)])
+    assert res.exit_code == 2
+    assert "not an index" in " ".join(res.output.replace("│", " ").split())  # the message, unwrapped from its box

@@ -51,36 +51,23 @@ class Composer:
 
     def logits(self, layout: Layout, reply: Sequence[int]) -> torch.Tensor:
         """[len(reply), vocab]: the logits predicting each reply token, the prompt's context
-        composed. The stitch runs the whole question, as the engine's prefill does, and the reply
-        runs on its cache; no forward is a single token (a model's one-token path updates its
-        linear states in place, which autograd cannot go back through): with a two-token reply the
-        question's last token runs with the reply. Raises ValueError for a layout without context,
-        a question under 3 tokens, or an empty reply."""
+        composed. The question and the reply run in the stitch's own forward (`stitch(keep=...)`),
+        as one question would: a second forward on the stitched cache would update its linear
+        states in place, which autograd cannot go back through. Raises ValueError for a layout
+        without context or an empty reply."""
         *context, question = layout.segments
-        if not context or len(question) < 3 or not reply:
-            raise ValueError("a composed sample needs context segments, a question of >= 3 tokens and a reply")
+        if not context or not question or not reply:
+            raise ValueError("a composed sample needs context segments, a question and a reply")
         request = GenerationRequest(tuple(layout.segments), mode=Mode.HYPIC, seam=self.seam, exact_prefix=layout.exact_prefix)
         exact = leading_exact(request, self.config)
-        runner, device = self.runner, self.model.device
-        tail = list(question) + list(reply)[:-1]
-        split = len(question) - 1 if len(reply) == 2 else len(question)
+        runner = self.runner
+        tail = tuple(question) + tuple(reply)[:-1]
         with torch.enable_grad():
             # the exact prefix is stitched with a seam covering it (computed in context from position 0:
-            # the same K/V and states as its exact forward) instead of run first on the cache: the
-            # stitch then starts from its own zero state, never from a cache tensor that later
-            # forwards update in place under autograd
+            # the same K/V and states as its exact forward) rather than run first on the cache, so
+            # the stitch starts from its own zero state, not from a cache tensor it updates in place
             lead = tuple(tuple(s) for s in context[:exact])
-            rest_ctx = tuple(tuple(s) for s in context[exact:])
+            rest = tuple(tuple(s) for s in context[exact:])
             entries = (runner.compute_entries_reference(lead, max(map(len, lead)), keep_graph=True) if lead else []) + \
-                (runner.compute_entries_reference(rest_ctx, self.seam, keep_graph=True) if rest_ctx else [])
-            cache = runner.new_cache()
-            first = runner.stitch(cache, lead + rest_ctx, entries, tuple(tail[:split]), True)
-            parts = [first[None]] if split == len(question) else []
-            if split < len(tail):
-                at = len(layout.ids) - len(question) + split
-                ids = torch.tensor([tail[split:]], dtype=torch.long, device=device)
-                pos = torch.arange(at, at + len(tail) - split, device=device)[None]
-                parts.append(self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).logits[0])
-        out = torch.cat([p.float() for p in parts])
-        assert out.shape[0] == len(reply), (out.shape, len(reply))
-        return out
+                (runner.compute_entries_reference(rest, self.seam, keep_graph=True) if rest else [])
+            return runner.stitch(runner.new_cache(), lead + rest, entries, tail, True, keep=len(reply))

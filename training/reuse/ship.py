@@ -1,6 +1,6 @@
 """Ship a reuse-training run's adapter as a named model's files, with its model card.
 
-    python -m training.reuse.ship var/reuse-hybrid models/smollm2-hybrid-135m-reuse
+    python -m training.reuse.ship var/reuse-hybrid models/smollm2-hybrid-135m-reuse ["a note for the card"]
 
 copies `<run>/adapter/` (bf16 LoRA factors, `adapter.json`) into the model's directory and writes
 its README.md: what the run was (base, teacher, rank, seam, steps, training time, CPU) and the curve
@@ -109,10 +109,10 @@ Reproduce: `hypic tune --model {card['base']} --teacher {card['teacher']} --data
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        raise SystemExit("usage: python -m training.reuse.ship RUN_DIR MODEL_DIR")
+    if len(argv) not in (2, 3):
+        raise SystemExit("usage: python -m training.reuse.ship RUN_DIR MODEL_DIR [NOTE]  (NOTE: a paragraph for the model card)")
     run, target = Path(argv[0]), Path(argv[1])
-    print(ship(run, target, target.name))
+    print(ship(run, target, target.name, argv[2] if len(argv) == 3 else ""))
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ class StepResult:
     tokens: int
     reply: int
     seconds: float
+    phases: dict  # seconds by phase: reply (the teacher writing it, when needed), teacher, full, composed (with the update)
 
 
 def kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
@@ -166,19 +167,29 @@ class Trainer:
 
     def train_step(self, sample: Sample) -> StepResult:
         t0 = time.time()
+        phases: dict[str, float] = {}
+
+        def lap(name: str, since: float) -> float:
+            now = time.time()
+            phases[name] = round(now - since, 3)
+            return now
+
         self.student.train()
         reply = self.reply_for(sample)
         if len(reply) < 1:
             raise ValueError("a training sample needs a reply of at least one token")
+        t = lap("reply", t0)
         prompt = sample.layout.ids
         ids = torch.tensor([prompt + list(reply)[:-1]], dtype=torch.long, device=self.student.device)
         target = self._teacher_forward(ids, len(reply))
+        t = lap("teacher", t)
         self.opt.zero_grad(set_to_none=True)
         with self._autocast():
             s_full = full_logits(self.student, sample.layout, reply)
         kl_full = kl(target, s_full)
         kl_full.backward()  # the full graph is freed before the composed one is built (peak memory)
         del s_full
+        t = lap("full", t)
         with self._autocast():
             s_comp = self.composer.logits(sample.layout, reply)
         kl_comp = kl(target, s_comp)
@@ -188,9 +199,10 @@ class Trainer:
         for group in self.opt.param_groups:
             group["lr"] = learning_rate(self.step, self.config.lr, self.config.warmup)
         self.opt.step()
+        lap("composed", t)
         self.step += 1
         return StepResult(self.step, kl_full.item() + kl_comp.item(), kl_full.item(), kl_comp.item(), len(ids[0]) + 1,
-                          len(reply), time.time() - t0)
+                          len(reply), time.time() - t0, phases)
 
     def evaluate(self, sample: Sample) -> tuple[float, float]:
         """(KL full, KL composed) of one sample, no update."""
@@ -256,7 +268,8 @@ def run(trainer: Trainer, samples: Callable[[int], Iterator[tuple[int, Sample]]]
         record = {"step": res.step, "loss": round(res.loss, 5), "kl_full": round(res.kl_full, 5),
                   "kl_composed": round(res.kl_composed, 5), "tokens": res.tokens, "reply": res.reply,
                   "source": sample.source, "seconds": round(res.seconds, 2), "steps_per_s": round(1 / res.seconds, 4),
-                  "elapsed": round(trainer.elapsed, 1), "time": round(time.time(), 1)}
+                  "lr": trainer.opt.param_groups[0]["lr"], "phases": res.phases, "elapsed": round(trainer.elapsed, 1),
+                  "time": round(time.time(), 1)}
         with open(out / LOG, "a") as f:
             f.write(json.dumps(record) + "\n")
         progress(f"step {res.step} {sample.source:7s} {res.tokens:4d} tok KL full {res.kl_full:.4f} composed "
