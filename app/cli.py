@@ -11,8 +11,11 @@ import typer
 import retrieval.cli as retrieval_cli
 from retrieval.cli import ingest_command
 
+from app.tune_cli import tune_command
+
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help="hypic-gateway: RAG serving with position-independent caching for hybrid LLMs.")
 cli.command("ingest")(ingest_command)
+cli.command("tune")(tune_command)  # app/tune_cli.py: a reuse adapter for a served model
 
 
 def _ingest_defaults(model: str | None) -> retrieval_cli.IngestDefaults:
