@@ -80,6 +80,9 @@ def tune_command(
     threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
     precision: Annotated[str, typer.Option(help="fp32, or bf16 autocast for the forwards.")] = "fp32",
     seed: Annotated[int, typer.Option(help="Data and adapter seed.")] = 0,
+    evaluate: Annotated[int, typer.Option(help="Instead of training: the mean KLs of this many prompts with the "
+                                               "checkpoint's adapter and without it, into <out>/evaluation.json "
+                                               "(held-out docstring documents; with --data index, the index's).")] = 0,
 ) -> None:
     """Train a reuse adapter: KL(full || composed) + KL(full || full) on the answers, by self-distillation."""
     import torch
@@ -89,7 +92,7 @@ def tune_command(
     from hypic_core.models.loader import load_local
     from hypic_core.models.registry import resolve
     from training.reuse import data as D
-    from training.reuse.trainer import TrainConfig, Trainer, export_adapter, run, say
+    from training.reuse.trainer import CHECKPOINT, TrainConfig, Trainer, export_adapter, run, say
 
     if data not in DATA:
         raise typer.BadParameter(f"expected one of {', '.join(DATA)}, got {data!r}", param_hint="--data")
@@ -122,6 +125,15 @@ def tune_command(
         def samples(cursor: int):
             return ((i, s) for i, s in enumerate(D.corpus_samples(texts, layout, seed, cursor), cursor))
 
+    if evaluate > 0:
+        if (out / CHECKPOINT).is_file():
+            trainer.load(out / CHECKPOINT)
+        held = D.passages([t for _, t in D.heldout_documents()], lo=30, hi=90) if data != "index" else texts
+        stream = D.corpus_samples(held, layout, seed + 1_000_003)
+        result = trainer.measure([next(stream) for _ in range(evaluate)])
+        (out / "evaluation.json").write_text(json.dumps(result, indent=1) + "\n")
+        typer.echo(json.dumps(result))
+        return
     out.mkdir(parents=True, exist_ok=True)
     (out / "command.json").write_text(json.dumps({"model": name, "teacher": teacher, "data": data, "rank": rank,
                                                    "seam": cfg.seam, "lr": lr, "threads": threads, "precision": precision}) + "\n")

@@ -5,6 +5,7 @@ uninterrupted one, and the merged export is the adapter-applied model."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -187,6 +188,13 @@ def test_hypic_tune_trains_on_the_ingested_documents_resumes_and_its_adapter_loa
     again = runner.invoke(cli, args + ["--steps", "3"])
     assert again.exit_code == 0, again.output
     assert [r["step"] for r in read_log(out / "log.jsonl")] == [1, 2, 3]
+
+    measured = runner.invoke(cli, args + ["--evaluate", "2"])
+    assert measured.exit_code == 0, measured.output
+    result = json.loads((out / "evaluation.json").read_text())
+    assert result["step"] == 3 and result["samples"] == 2
+    assert result["base"]["kl_full"] < 1e-9  # its own base is the teacher
+    assert result["tuned"]["kl_full"] > 0 and result["tuned"]["kl_composed"] != result["base"]["kl_composed"]
 
     base, _ = load_local(resolve("hypic-tiny").path)
     tuned, _ = load_local(resolve(f"hypic-tiny+{out / 'adapter'}").path)

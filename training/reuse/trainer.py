@@ -215,6 +215,22 @@ class Trainer:
             b = kl(target, self.composer.logits(sample.layout, reply))
         return float(a), float(b)
 
+    def measure(self, samples: Sequence[Sample]) -> dict:
+        """Mean KL(teacher full || student full) and KL(teacher full || student composed) on the
+        reply spans of `samples`, with the adapters on (`tuned`) and off (`base`); no update."""
+        res = {}
+        for label in ("base", "tuned"):
+            rows = []
+            for sample in samples:
+                if label == "base":
+                    with lora.disabled(self.student):
+                        rows.append(self.evaluate(sample))
+                else:
+                    rows.append(self.evaluate(sample))
+            res[label] = {"kl_full": sum(r[0] for r in rows) / len(rows), "kl_composed": sum(r[1] for r in rows) / len(rows)}
+        res["samples"], res["step"] = len(samples), self.step
+        return res
+
     # --- checkpoints ------------------------------------------------------------------------
     def state(self) -> dict:
         return {"factors": lora.factors(self.student), "opt": self.opt.state_dict(), "step": self.step,
