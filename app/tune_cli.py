@@ -11,7 +11,8 @@ gateway's index, `HYPIC_INDEX_DIR`), `--data docstrings` the docstring corpus's 
     hypic tune --model smollm2-hybrid-135m --teacher smollm2-135m-instruct --data distill --out var/reuse-hybrid --minutes 120
 
 The adapter is written to `<out>/adapter` (and refreshed at every checkpoint); serve it with
-`hypic serve --model '<model>+<out>/adapter'` (docs/training.md).
+`hypic serve --model '<model>+<out>/adapter'` (docs/training.md). `--evaluate N` measures the
+checkpoint instead of training (mean KLs with and without the adapter).
 """
 
 from __future__ import annotations
