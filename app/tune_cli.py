@@ -81,6 +81,9 @@ def tune_command(
     threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
     precision: Annotated[str, typer.Option(help="fp32, or bf16 autocast for the forwards.")] = "fp32",
     seed: Annotated[int, typer.Option(help="Data and adapter seed.")] = 0,
+    init: Annotated[Path | None, typer.Option(help="With no checkpoint in --out: continue this exported adapter "
+                                              "(its factors, step and data cursor; e.g. a shipped models/<name>/), "
+                                              "so a run goes on on another machine.")] = None,
     evaluate: Annotated[int, typer.Option(help="Instead of training: the mean KLs of this many prompts with the "
                                                "checkpoint's adapter and without it, into <out>/evaluation.json "
                                                "(held-out docstring documents; with --data index, the index's).")] = 0,
@@ -138,7 +141,7 @@ def tune_command(
     out.mkdir(parents=True, exist_ok=True)
     (out / "command.json").write_text(json.dumps({"model": name, "teacher": teacher, "data": data, "rank": rank,
                                                    "seam": cfg.seam, "lr": lr, "threads": threads, "precision": precision}) + "\n")
-    run(trainer, samples, out, on_save=lambda t: export_adapter(t, out / "adapter", {"data": data}))
+    run(trainer, samples, out, on_save=lambda t: export_adapter(t, out / "adapter", {"data": data}), init=init)
     say(f"adapter written to {out / 'adapter'}; serve it with --model '{name}+{out / 'adapter'}'")
 
 

@@ -84,6 +84,36 @@ def test_a_resumed_run_continues_the_uninterrupted_one(tmp_path):
     assert len(lines) == 4
 
 
+def test_a_run_continues_an_exported_adapter_on_another_machine(tmp_path):
+    """No checkpoint at hand (a new machine), only the shipped adapter: the run starts from its factors,
+    step and data cursor, and refuses an adapter of another rank."""
+    from training.reuse.trainer import export_adapter
+
+    def trainer(out, steps, rank=4):
+        return Trainer(TrainConfig(model="bamba", out=str(out), rank=rank, seam=2, lr=3e-3, warmup=2, steps=steps,
+                                   minutes=10, save_minutes=1000), tiny_model("bamba"))
+
+    first = run(trainer(tmp_path / "a", 2), samples_from, tmp_path / "a", progress=lambda m: None)
+    shipped = export_adapter(first, tmp_path / "shipped")
+    assert json.loads((shipped / "adapter.json").read_text())["cursor"] == 2
+    seen = []
+    fresh = trainer(tmp_path / "b", 2)  # steps=2: nothing left to train, the warm start alone
+    run(fresh, samples_from, tmp_path / "b", progress=seen.append, init=shipped)
+    assert any("continuing" in m and "step 2" in m for m in seen)
+    assert fresh.step == 2 and fresh.cursor == 2
+    a, b = lora.factors(first.student), lora.factors(fresh.student)
+    for k in a:  # shipped in bf16
+        assert_close(k, a[k].to(torch.bfloat16).float(), b[k], 1e-6)
+    more = run(trainer(tmp_path / "c", 3), samples_from, tmp_path / "c", progress=lambda m: None, init=shipped)
+    assert more.step == 3 and more.cursor == 3
+    with pytest.raises(ValueError, match="rank"):
+        run(trainer(tmp_path / "d", 3, rank=8), samples_from, tmp_path / "d", progress=lambda m: None, init=shipped)
+    # a checkpoint in --out wins over the adapter
+    seen.clear()
+    run(trainer(tmp_path / "a", 2), samples_from, tmp_path / "a", progress=seen.append, init=shipped)
+    assert any("resuming" in m for m in seen)
+
+
 def test_resume_refuses_a_checkpoint_of_another_rank(tmp_path):
     cfg = TrainConfig(model="bamba", out=str(tmp_path), rank=4, seam=2, steps=1, save_minutes=1000)
     run(Trainer(cfg, tiny_model("bamba")), samples_from, tmp_path, progress=lambda m: None)

@@ -48,3 +48,21 @@ def test_reuse_training_imports_neither_the_gateway_nor_the_benchmarks():
     for path in (ROOT / "training" / "reuse").rglob("*.py"):
         bad = sorted(i for i in _imports(path) if i.split(".")[0] in ("app", "bench"))
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_installed_hypic_command_reaches_the_training_package(tmp_path):
+    """`hypic tune` from the installed console script, run outside the repository: the training package is
+    installed with the project (pyproject.toml's packages), so the command gets as far as checking its
+    options (a 2 naming --data), never a ModuleNotFoundError."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    hypic = Path(sys.executable).with_name("hypic")
+    assert hypic.is_file(), f"{hypic} missing: the project is not installed in this environment"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(hypic), "tune", "--out", str(tmp_path / "run"), "--data", "nowhere"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert "ModuleNotFoundError" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "--data" in proc.stderr, (proc.returncode, proc.stderr[-2000:])

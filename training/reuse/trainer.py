@@ -253,6 +253,31 @@ class Trainer:
         self.step, self.cursor, self.elapsed = blob["step"], blob["cursor"], blob.get("elapsed", 0.0)
         torch.set_rng_state(blob["rng"])
 
+    def warm_start(self, adapter_dir: Path) -> None:
+        """Continue from an exported adapter (`export_adapter`: bf16 factors and adapter.json) where
+        no checkpoint is at hand: its factors, step, training time and data cursor (the step when the
+        card predates the cursor); the optimiser starts anew. Raises ValueError when it was trained
+        for another base, teacher, rank or seam."""
+        from safetensors.torch import load_file
+
+        from hypic_core.models.loader import ADAPTER_FILE
+
+        card = _adapter_card(adapter_dir)
+        for key, field in (("base", "model"), ("teacher", "teacher"), ("rank", "rank"), ("seam", "seam")):
+            if card.get(key) != getattr(self.config, field):
+                raise ValueError(f"{adapter_dir}: trained with {key}={card.get(key)!r}, this run has "
+                                 f"{getattr(self.config, field)!r}")
+        lora.load_factors(self.student, {k: v.float() for k, v in load_file(str(adapter_dir / ADAPTER_FILE)).items()})
+        self.step = int(card["step"])
+        self.cursor = int(card.get("cursor", self.step))
+        self.elapsed = float(card.get("train_seconds", 0.0))
+
+
+def _adapter_card(path: Path) -> dict:
+    from hypic_core.models.loader import ADAPTER_CARD
+
+    return json.loads((path / ADAPTER_CARD).read_text())
+
 
 class _null:
     def __enter__(self):
@@ -263,16 +288,22 @@ class _null:
 
 
 def run(trainer: Trainer, samples: Callable[[int], Iterator[tuple[int, Sample]]], out: Path,
-        progress: Callable[[str], None] = say, on_save: Callable[[Trainer], None] | None = None) -> Trainer:
-    """Train until `minutes` or `steps` run out, resuming from `out`'s checkpoint when there is one.
-    `samples(cursor)` yields (cursor, sample) from that cursor on; `on_save` runs after every
-    checkpoint (the last one included). Returns the trainer."""
+        progress: Callable[[str], None] = say, on_save: Callable[[Trainer], None] | None = None,
+        init: Path | None = None) -> Trainer:
+    """Train until `minutes` or `steps` run out, resuming from `out`'s checkpoint when there is one,
+    else from the exported adapter `init` when given (`Trainer.warm_start`: how a run continues on
+    another machine from what was shipped). `samples(cursor)` yields (cursor, sample) from that
+    cursor on; `on_save` runs after every checkpoint (the last one included). Returns the trainer."""
     cfg = trainer.config
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / CHECKPOINT
     if ckpt.is_file():
         trainer.load(ckpt)
         progress(f"resuming from {ckpt} at step {trainer.step} (data cursor {trainer.cursor})")
+    elif init is not None:
+        trainer.warm_start(Path(init))
+        progress(f"continuing the exported adapter {init} at step {trainer.step} (data cursor {trainer.cursor}; "
+                 "a new optimiser)")
     t_start = last_save = time.time()
     deadline = t_start + cfg.minutes * 60
     stream = samples(trainer.cursor)
@@ -320,7 +351,7 @@ def export_adapter(trainer: Trainer, target: Path, card: dict | None = None) -> 
     save_file(factors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
     (tmp / ADAPTER_FILE).chmod(0o644)
     info = {"base": trainer.config.model, "teacher": trainer.config.teacher, "rank": trainer.config.rank,
-            "seam": trainer.config.seam, "step": trainer.step, "train_seconds": round(trainer.elapsed, 1),
+            "seam": trainer.config.seam, "step": trainer.step, "cursor": trainer.cursor, "train_seconds": round(trainer.elapsed, 1),
             "lr": trainer.config.lr, "precision": trainer.config.precision, **(card or {})}
     (tmp / ADAPTER_CARD).write_text(json.dumps(info, indent=1) + "\n")
     keep = [p for p in target.iterdir() if p.name not in (ADAPTER_FILE, ADAPTER_CARD)] if target.is_dir() else []
