@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from accuracy_real import continuation_logits, kl, mean_kl, prompt_segments  # noqa: E402
 from stats import mcnemar_exact, paired_bootstrap_ci, wilson_interval  # noqa: E402
+from harness import cpu_name  # noqa: E402
 
 DOCS = ROOT / "bench" / "data" / "faithfulness_docs.jsonl.gz"
 LENGTHS = {"short": 60, "long": 225}  # words kept of a document (~80 and ~300 SmolLM2 tokens)
@@ -265,19 +266,6 @@ def table(runs: list[dict]) -> list[str]:
             lines.append(f"| {res['model']} | {config} | {len(a)} | {lost} / {gained} | {mcnemar_exact(lost, gained):.3g} "
                          f"| {diff.cell('+.1f', 100)} | {kld.cell('+.4f')} |")
     return lines
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else the machine type."""
-    import platform
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def write_card(results: dict, path: Path, argv: str) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -25,19 +24,11 @@ from pathlib import Path
 
 import httpx
 
+from harness import cpu_name  # bench/, the script's own folder
+
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "Which port does the gateway listen on?"  # the README's first curl
 STATE = ("data/index", "data/cache", "data/collections")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> int:

@@ -27,6 +27,19 @@ from hypic_core.engine.engine import Engine  # noqa: E402
 from markdown_section import write_section  # noqa: E402,F401  (re-exported: the one section writer)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else the machine type: what a result file records."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def model_path(model: str) -> Path:
     """A checkpoint directory, or the path of a registry name (hypic models list)."""
     path = Path(model)
