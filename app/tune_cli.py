@@ -81,6 +81,10 @@ def tune_command(
     threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
     precision: Annotated[str, typer.Option(help="fp32, or bf16 autocast for the forwards.")] = "fp32",
     seed: Annotated[int, typer.Option(help="Data and adapter seed.")] = 0,
+    consistency: Annotated[float, typer.Option(help="Weight of KL(student full || student composed), full held fixed: "
+                                                    "composed pulled towards the student's own full answer.")] = 10.0,
+    reply: Annotated[str, typer.Option(help="The answer span trained on: student (its own greedy full answer, what "
+                                            "the gateway compares with) or sample (the sample's, else the teacher's).")] = "student",
     init: Annotated[Path | None, typer.Option(help="With no checkpoint in --out: continue this exported adapter "
                                               "(its factors, step and data cursor; e.g. a shipped models/<name>/), "
                                               "so a run goes on on another machine.")] = None,
@@ -88,7 +92,8 @@ def tune_command(
                                                "checkpoint's adapter and without it, into <out>/evaluation.json "
                                                "(held-out docstring documents; with --data index, the index's).")] = 0,
 ) -> None:
-    """Train a reuse adapter: KL(full || composed) + KL(full || full) on the answers, by self-distillation."""
+    """Train a reuse adapter by self-distillation: KL(teacher full || composed) + KL(teacher full || full)
+    + consistency * KL(own full || composed) on the answers."""
     import torch
 
     from app.service.settings import Settings
@@ -111,9 +116,11 @@ def tune_command(
         typer.echo(f"hypic tune: {exc}", err=True)
         raise typer.Exit(1) from None
     layout = gateway_layout(name, tok)
+    if reply not in ("student", "sample"):
+        raise typer.BadParameter(f"expected student or sample, got {reply!r}", param_hint="--reply")
     cfg = TrainConfig(model=name, out=str(out), teacher=teacher, rank=rank, seam=settings.seam if seam is None else seam,
                       lr=lr, minutes=minutes, steps=steps, save_minutes=save_minutes, seed=seed, precision=precision,
-                      sources={"data": data})
+                      consistency=consistency, reply=reply, sources={"data": data})
     eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>",) if t in tok.get_vocab()]
     trainer = Trainer(cfg, student, teacher_model, eos=[e for e in eos if e is not None])
     corpus = [t for _, t in D.training_documents()] if data != "index" else index_texts(index_dir or settings.index_dir)
@@ -140,7 +147,8 @@ def tune_command(
         return
     out.mkdir(parents=True, exist_ok=True)
     (out / "command.json").write_text(json.dumps({"model": name, "teacher": teacher, "data": data, "rank": rank,
-                                                   "seam": cfg.seam, "lr": lr, "threads": threads, "precision": precision}) + "\n")
+                                                   "seam": cfg.seam, "lr": lr, "threads": threads, "precision": precision,
+                                                   "consistency": consistency, "reply": reply}) + "\n")
     run(trainer, samples, out, on_save=lambda t: export_adapter(t, out / "adapter", {"data": data}), init=init)
     say(f"adapter written to {out / 'adapter'}; serve it with --model '{name}+{out / 'adapter'}'")
 

@@ -65,6 +65,47 @@ def test_training_lowers_the_loss(family, tmp_path):
     assert sum(after) < 0.6 * sum(before), (before, after)
 
 
+def test_the_consistency_term_closes_the_gap_between_composed_and_full_that_the_teacher_terms_leave():
+    """With a teacher the student cannot match (another random model), the teacher terms alone leave
+    composed and full with different residuals; KL(full || composed) as a third term is what lowers
+    that gap, the quantity the faithfulness measure counts."""
+    s = sample()
+
+    def gap_after(consistency: float) -> float:
+        torch.manual_seed(0)
+        teacher = tiny_model("bamba", seed=1)
+        trainer = Trainer(TrainConfig(model="bamba", out="-", rank=4, seam=0, lr=1e-2, warmup=1,
+                                      consistency=consistency), tiny_model("bamba"), teacher)
+        before = trainer.evaluate(s)
+        for _ in range(12):
+            step = trainer.train_step(s)
+        assert step.gap >= 0 and step.loss == pytest.approx(step.kl_full + step.kl_composed + consistency * step.gap, rel=1e-5)
+        return before[2], trainer.evaluate(s)[2]
+
+    base_before, plain = gap_after(0.0)
+    _, tuned = gap_after(32.0)
+    assert base_before > 1e-4
+    assert tuned < 0.5 * plain, (base_before, plain, tuned)
+
+
+def test_the_student_reply_is_its_own_greedy_full_answer():
+    model = tiny_model("bamba")
+    teacher = tiny_model("bamba", seed=1)
+    s = sample()
+    trainer = Trainer(TrainConfig(model="bamba", out="-", rank=4, seam=2, reply="student", reply_tokens=5), model, teacher)
+    reply = trainer.reply_for(s)
+    ids = list(s.layout.ids)
+    with torch.no_grad():
+        for _ in range(5):
+            ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    assert list(reply) == ids[len(s.layout.ids):], "not the student's greedy continuation (adapters on, full mode)"
+    teacher_reply = Trainer(TrainConfig(model="bamba", out="-", rank=4, seam=2, reply_tokens=5), tiny_model("bamba"),
+                            teacher).reply_for(Sample(s.layout, None, "test"))
+    assert teacher_reply != reply, "the two replies coincide: the test would not tell them apart"
+    with pytest.raises(ValueError, match="reply"):
+        TrainConfig(model="bamba", out="-", reply="teacher")
+
+
 def test_a_resumed_run_continues_the_uninterrupted_one(tmp_path):
     def trainer(out, steps):
         return Trainer(TrainConfig(model="bamba", out=str(out), rank=4, seam=2, lr=3e-3, warmup=2, steps=steps,

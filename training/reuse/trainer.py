@@ -6,9 +6,15 @@ engine serves `hypic` (training/reuse/modes.py, same seam, entry prefix and exac
 The loss on the reply span is
 
     KL(teacher full || student composed) + KL(teacher full || student full)
+        + consistency * KL(student full, held fixed || student composed)
 
 so reuse is trained towards full prefill's answer while full's own is kept (Block-Attention trains
-both masks). The teacher is a given model (SmolLM2 for the distilled hybrid) or the student's own
+both masks). The third term asks for what the gateway's faithfulness measure counts: composed
+predicting what the student's own `full` predicts, whatever either's distance to the teacher
+(a student that cannot match its teacher leaves two different residuals in the first two terms,
+and the gap between them is what changes answers). With `reply="student"` the span is the
+student's own greedy `full` reply, the answer the gateway compares with, instead of the sample's
+or the teacher's. The teacher is a given model (SmolLM2 for the distilled hybrid) or the student's own
 base (adapters off) for a model tuned for itself. A sample without a reply gets the teacher's
 greedy reply in full mode first (`reply_tokens` tokens at most).
 
@@ -59,6 +65,8 @@ class TrainConfig:
     reply_tokens: int = 32
     seed: int = 0
     precision: str = "fp32"  # or "bf16": forwards under CPU bf16 autocast (weights, optimiser, KL fp32)
+    consistency: float = 0.0  # weight of KL(student full || student composed), the full side held fixed
+    reply: str = "sample"  # the span: "sample" (its reply, else the teacher's greedy one) or "student" (its own greedy full reply)
     sources: dict = field(default_factory=dict)  # what the data was (recorded only)
 
     def __post_init__(self) -> None:
@@ -70,6 +78,10 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        if self.consistency < 0:
+            raise ValueError(f"consistency must be >= 0, got {self.consistency}")
+        if self.reply not in ("sample", "student"):
+            raise ValueError(f"reply must be sample or student, got {self.reply!r}")
         if self.reply_tokens < 1:
             raise ValueError(f"reply_tokens must be >= 1, got {self.reply_tokens}")
 
@@ -80,6 +92,7 @@ class StepResult:
     loss: float
     kl_full: float
     kl_composed: float
+    gap: float  # KL(student full || student composed): what the consistency term lowers
     tokens: int
     reply: int
     seconds: float
@@ -142,14 +155,17 @@ class Trainer:
                 return self.student(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()
 
     def reply_for(self, sample: Sample) -> tuple[int, ...]:
-        """The sample's reply, or the teacher's greedy one in full mode (stops at EOS, kept)."""
-        if sample.reply is not None:
+        """The span trained on (stops at EOS, kept): with `reply="student"` the student's own greedy
+        reply in full mode (adapters on); else the sample's reply, or the teacher's greedy one."""
+        own = self.config.reply == "student"
+        if sample.reply is not None and not own:
             return tuple(sample.reply[: self.config.reply_tokens])
-        model = self.teacher if self.teacher is not None else self.student
+        model = self.student if own or self.teacher is None else self.teacher
         ids = torch.tensor([sample.layout.ids], dtype=torch.long, device=model.device)
         cache = adapter_for(model).new_cache()
         out: list[int] = []
-        with torch.no_grad(), self._autocast(), (lora.disabled(self.student) if self.teacher is None else _null()):
+        base = self.teacher is None and not own  # the student's base is the teacher
+        with torch.no_grad(), self._autocast(), (lora.disabled(self.student) if base else _null()):
             logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
             for _ in range(self.config.reply_tokens):
                 tok = int(logits[0, -1].argmax())
@@ -174,8 +190,9 @@ class Trainer:
             phases[name] = round(now - since, 3)
             return now
 
-        self.student.train()
+        self.student.eval()  # no dropout anywhere; eval only keeps the greedy reply deterministic
         reply = self.reply_for(sample)
+        self.student.train()
         if len(reply) < 1:
             raise ValueError("a training sample needs a reply of at least one token")
         t = lap("reply", t0)
@@ -188,12 +205,14 @@ class Trainer:
             s_full = full_logits(self.student, sample.layout, reply)
         kl_full = kl(target, s_full)
         kl_full.backward()  # the full graph is freed before the composed one is built (peak memory)
+        anchor = s_full.detach()
         del s_full
         t = lap("full", t)
         with self._autocast():
             s_comp = self.composer.logits(sample.layout, reply)
         kl_comp = kl(target, s_comp)
-        kl_comp.backward()
+        gap = kl(anchor, s_comp)
+        (kl_comp + self.config.consistency * gap if self.config.consistency else kl_comp).backward()
         del s_comp
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         for group in self.opt.param_groups:
@@ -201,23 +220,26 @@ class Trainer:
         self.opt.step()
         lap("composed", t)
         self.step += 1
-        return StepResult(self.step, kl_full.item() + kl_comp.item(), kl_full.item(), kl_comp.item(), len(ids[0]) + 1,
+        loss = kl_full.item() + kl_comp.item() + self.config.consistency * gap.item()
+        return StepResult(self.step, loss, kl_full.item(), kl_comp.item(), gap.item(), len(ids[0]) + 1,
                           len(reply), time.time() - t0, phases)
 
-    def evaluate(self, sample: Sample) -> tuple[float, float]:
-        """(KL full, KL composed) of one sample, no update."""
+    def evaluate(self, sample: Sample) -> tuple[float, float, float]:
+        """(KL full, KL composed, gap) of one sample, no update; the gap is KL(student full || student composed)."""
         self.student.eval()
         reply = self.reply_for(sample)
         ids = torch.tensor([sample.layout.ids + list(reply)[:-1]], dtype=torch.long, device=self.student.device)
         target = self._teacher_forward(ids, len(reply))
         with torch.no_grad(), self._autocast():
-            a = kl(target, full_logits(self.student, sample.layout, reply))
-            b = kl(target, self.composer.logits(sample.layout, reply))
-        return float(a), float(b)
+            full = full_logits(self.student, sample.layout, reply)
+            comp = self.composer.logits(sample.layout, reply)
+        full, comp = full.detach(), comp.detach()  # the composer keeps its graph (training builds on it)
+        return float(kl(target, full)), float(kl(target, comp)), float(kl(full, comp))
 
     def measure(self, samples: Sequence[Sample]) -> dict:
-        """Mean KL(teacher full || student full) and KL(teacher full || student composed) on the
-        reply spans of `samples`, with the adapters on (`tuned`) and off (`base`); no update."""
+        """Mean KL(teacher full || student full), KL(teacher full || student composed) and the gap
+        KL(student full || student composed) on the reply spans of `samples`, with the adapters on
+        (`tuned`) and off (`base`); no update."""
         res = {}
         for label in ("base", "tuned"):
             rows = []
@@ -227,7 +249,7 @@ class Trainer:
                         rows.append(self.evaluate(sample))
                 else:
                     rows.append(self.evaluate(sample))
-            res[label] = {"kl_full": sum(r[0] for r in rows) / len(rows), "kl_composed": sum(r[1] for r in rows) / len(rows)}
+            res[label] = {key: sum(r[i] for r in rows) / len(rows) for i, key in enumerate(("kl_full", "kl_composed", "gap"))}
         res["samples"], res["step"] = len(samples), self.step
         return res
 
@@ -313,14 +335,14 @@ def run(trainer: Trainer, samples: Callable[[int], Iterator[tuple[int, Sample]]]
         trainer.cursor = cursor + 1
         trainer.elapsed += res.seconds
         record = {"step": res.step, "loss": round(res.loss, 5), "kl_full": round(res.kl_full, 5),
-                  "kl_composed": round(res.kl_composed, 5), "tokens": res.tokens, "reply": res.reply,
+                  "kl_composed": round(res.kl_composed, 5), "gap": round(res.gap, 5), "tokens": res.tokens, "reply": res.reply,
                   "source": sample.source, "seconds": round(res.seconds, 2), "steps_per_s": round(1 / res.seconds, 4),
                   "lr": trainer.opt.param_groups[0]["lr"], "phases": res.phases, "elapsed": round(trainer.elapsed, 1),
                   "time": round(time.time(), 1)}
         with open(out / LOG, "a") as f:
             f.write(json.dumps(record) + "\n")
         progress(f"step {res.step} {sample.source:7s} {res.tokens:4d} tok KL full {res.kl_full:.4f} composed "
-                 f"{res.kl_composed:.4f} ({res.seconds:.1f}s)")
+                 f"{res.kl_composed:.4f} gap {res.gap:.4f} ({res.seconds:.1f}s)")
         if time.time() - last_save > cfg.save_minutes * 60:
             trainer.save(out)
             if on_save is not None:
@@ -352,7 +374,8 @@ def export_adapter(trainer: Trainer, target: Path, card: dict | None = None) -> 
     (tmp / ADAPTER_FILE).chmod(0o644)
     info = {"base": trainer.config.model, "teacher": trainer.config.teacher, "rank": trainer.config.rank,
             "seam": trainer.config.seam, "step": trainer.step, "cursor": trainer.cursor, "train_seconds": round(trainer.elapsed, 1),
-            "lr": trainer.config.lr, "precision": trainer.config.precision, **(card or {})}
+            "lr": trainer.config.lr, "precision": trainer.config.precision, "consistency": trainer.config.consistency,
+            "reply": trainer.config.reply, **(card or {})}
     (tmp / ADAPTER_CARD).write_text(json.dumps(info, indent=1) + "\n")
     keep = [p for p in target.iterdir() if p.name not in (ADAPTER_FILE, ADAPTER_CARD)] if target.is_dir() else []
     for p in keep:  # a model card or other files beside the adapter stay
