@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=None, help="only these kernels (names as printed)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", nargs="+", default=None, help="native kernel ISA variants to compare "
-                    "(hypic_core/runner/native/library.py; default: the one this CPU picks)")
+                    "(hypic_core/native/library.py; default: the one this CPU picks)")
     ap.add_argument("--set-mb", type=int, default=SET_BYTES >> 20, help="MB of fp32 weights per shape (copies)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -1,5 +1,5 @@
 """Decode-sized matmuls on the CPU: y [R, out] = x [R, in] @ W^T (+ bias) for a few rows R, W [out, in],
-and the decode step's other ops, in native kernels (hypic_core/runner/native/*.cpp).
+and the decode step's other ops, in native kernels (hypic_core/native/*.cpp).
 
 A decode step reads every weight once for R = 1..8 rows (streams), so its matmuls are bound by the
 bytes they read. `NativeMatmul.linear` takes W as:
@@ -15,9 +15,9 @@ The same library holds the step's other fp32 ops (`add_rmsnorm`, `silu_mul`, `at
 one call where torch ran 5-30 small ops; tests/engine/test_decode_ops.py holds each to the torch code it
 replaces, and `reference` is the plain torch product the matmul tests compare with.
 
-The library is built once per ISA variant (native/library.py: avx512bf16, avx512, avx2, generic; the best
-one the CPU's flags allow is picked) into `cache_dir()` (or a directory built ahead of time by
-`python -m hypic_core.runner.native build`), checked (owner, mode, no symlinks, size, ELF header,
+The library is built once per ISA variant (hypic_core/native/library.py: avx512bf16, avx512, avx2, generic; the best
+one the CPU's flags allow is picked) into `library.cache_dir()` (or a directory built ahead of time by
+`python -m hypic_core.native build`), checked (owner, mode, no symlinks, size, ELF header,
 sha256 against its manifest) and loaded from the checked bytes. `native()` returns None, with the
 reason logged once as a warning, when no variant can be built or loaded (no compiler and nothing
 prebuilt, an untrusted directory, missing symbols); the caller then runs torch's ops.
@@ -25,13 +25,11 @@ prebuilt, an untrusted directory, missing symbols); the caller then runs torch's
 (/health shows it).
 
 Public: `NativeMatmul` (linear, add_rmsnorm, silu_mul, attend, mamba2; `variant`, `sha256`, `path`),
-`native()`, `build()`, `kernel_status()`, `reference()`, `quantize_int8()`, `to_bf16()`, `cpu_reason()`,
-`cache_dir()`.
+`native()`, `build()`, `kernel_status()`, `reference()`, `quantize_int8()`, `to_bf16()`, `cpu_reason()`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -40,29 +38,9 @@ from pathlib import Path
 
 import torch
 
-from .native import library
+from ..native import library
 
 log = logging.getLogger("hypic.decode_matmul")
-
-P_, L_, F_, I_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
-SIGNATURES = {  # name: (argument types, result type); hypic_kernels.h
-    "hypic_kernels_abi": ([], I_),
-    "hypic_kernels_variant": ([], ctypes.c_char_p),
-    "hypic_linear_f32": ([P_] * 4 + [L_] * 3 + [I_], None),
-    "hypic_linear_f16": ([P_] * 4 + [L_] * 3 + [I_], None),
-    "hypic_linear_bf16": ([P_] * 4 + [L_] * 3 + [I_], None),
-    "hypic_linear_i8": ([P_] * 5 + [L_] * 3 + [I_], None),
-    "hypic_add_rmsnorm": ([P_, P_, P_, F_, P_, L_, L_], None),
-    "hypic_silu_mul": ([P_, P_, L_, L_], None),
-    "hypic_attend": ([P_] * 9 + [L_, P_] + [L_] * 8 + [F_, I_], I_),  # 1: a length or row out of the buffers
-    "hypic_mamba2": ([P_] * 9 + [F_, P_] + [L_] * 6 + [I_], None),
-}
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: $HYPIC_KERNELS_DIR, else ~/.cache/hypic/kernels."""
-    env = os.environ.get("HYPIC_KERNELS_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "hypic" / "kernels"
 
 
 def cpu_reason(variant: str | None = None) -> str | None:
@@ -73,23 +51,12 @@ def cpu_reason(variant: str | None = None) -> str | None:
 
 
 class NativeMatmul:
-    """A loaded, checked kernel library (`library.load`): `linear(x, w, bias)` for fp32 x [R, in]
-    (contiguous) and W [out, in] (fp32, fp16, bf16 or int8, contiguous) on the CPU returns a new fp32
-    [R, out]; runs on torch's thread count. Raises RuntimeError, before any call, when a symbol of
-    SIGNATURES is missing or the library's ABI or variant is not the one asked for."""
+    """A loaded kernel library (`library.load`: checked, its symbols typed): `linear(x, w, bias)` for fp32
+    x [R, in] (contiguous) and W [out, in] (fp32, fp16, bf16 or int8, contiguous) on the CPU returns a new
+    fp32 [R, out]; runs on torch's thread count."""
 
     def __init__(self, loaded: library.Loaded):
         self.path, self.variant, self.sha256, self.lib = loaded.path, loaded.variant, loaded.sha256, loaded.lib
-        missing = [name for name in SIGNATURES if not hasattr(self.lib, name)]
-        if missing:
-            raise RuntimeError(f"the kernel library {self.path} lacks {', '.join(missing)}")
-        for name, (argtypes, restype) in SIGNATURES.items():
-            fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
-        abi, built_for = self.lib.hypic_kernels_abi(), self.lib.hypic_kernels_variant().decode()
-        if abi != library.ABI or built_for != self.variant:
-            raise RuntimeError(f"the kernel library {self.path} is ABI {abi} variant {built_for}, "
-                               f"expected ABI {library.ABI} variant {self.variant}")
         self._fns = {torch.float32: self.lib.hypic_linear_f32, torch.float16: self.lib.hypic_linear_f16,
                      torch.bfloat16: self.lib.hypic_linear_bf16}
 
@@ -205,14 +172,14 @@ def _compiler() -> str | None:
 
 def build(compiler: str | None = None, directory: Path | None = None, variant: str | None = None) -> NativeMatmul:
     """Load the kernels of `variant` (default: the best this CPU runs) from `directory` (default
-    `cache_dir()`), building them first with `compiler` when they are missing or failed their check
+    `library.cache_dir()`), building them first with `compiler` when they are missing or failed their check
     (then one warning says what failed). Raises RuntimeError with the reason when it cannot."""
     v = library.BY_NAME.get(variant or library.pick().name)
     if v is None:
         raise RuntimeError(f"unknown kernel variant {variant!r}; one of {', '.join(library.BY_NAME)}")
     if (reason := cpu_reason(v.name)) is not None:
         raise RuntimeError(reason)
-    root = Path(directory) if directory is not None else cache_dir()
+    root = Path(directory) if directory is not None else library.cache_dir()
     try:
         return NativeMatmul(library.load(root, v))
     except library.Untrusted as exc:

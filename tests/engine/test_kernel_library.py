@@ -1,4 +1,4 @@
-"""The native kernel library as code we load (hypic_core/runner/native/, decode_matmul.native()).
+"""The native kernel library as code we load (hypic_core/native/, decode_matmul.native()).
 
 - Every ISA variant compiles as strict C++17 (-Werror -Wextra -Wvla -pedantic-errors); each one this CPU
   runs matches the plain torch references (fp32, fp16, bf16 and int8 weights; avx512bf16's bf16 product
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from hypic_core.runner import decode_matmul
-from hypic_core.runner.native import library
+from hypic_core.native import library
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_cxx = pytest.mark.skipif(library.find_compiler() is None, reason="no C++ compiler here")
@@ -326,14 +326,14 @@ def test_native_bf16_logits_stay_near_fp32(family):
 
 # --- the build CLI (what the Docker image runs) -----------------------------------------------------------
 def test_the_build_cli_writes_each_variant_beside_its_manifest_and_names_a_bad_variant(built, tmp_path):
-    """`python -m hypic_core.runner.native build --dir D --variants generic`: the library and its manifest in
+    """`python -m hypic_core.native build --dir D --variants generic`: the library and its manifest in
     D/<variant>-<key>/, one JSON line per variant, loaded and checked; an unknown variant exits 2 naming it."""
     if library.find_compiler() is None:
         pytest.skip("no C++ compiler here")
     generic = library.BY_NAME["generic"]
     fake = fake_compiler(tmp_path, built / library.subdir(generic) / library.LIBRARY)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cli = [sys.executable, "-m", "hypic_core.runner.native", "build", "--dir", str(tmp_path / "k")]
+    cli = [sys.executable, "-m", "hypic_core.native", "build", "--dir", str(tmp_path / "k")]
     done = subprocess.run([*cli, "--variants", "generic", "--compiler", str(fake)], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr

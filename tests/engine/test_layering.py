@@ -24,7 +24,7 @@ CORE_FORBIDDEN = ("app", "retrieval", "fastapi", "starlette", "uvicorn", "pydant
 SERVICE_FORBIDDEN = ("app.http", "fastapi", "starlette", "uvicorn", "h11")
 # The core's rooms, top to bottom (docs/architecture.md#rooms-by-role): each imports only itself and
 # the rooms below it. "" is the package itself (hypic_core/__init__.py).
-CORE_ROOMS = ("", "testing", "engine", "prefill_pool", "runner", "models", "cache", "adapters", "algebra", "config",
+CORE_ROOMS = ("", "testing", "engine", "prefill_pool", "runner", "native", "models", "cache", "adapters", "algebra", "config",
               "errors")
 HTTP_NAMES = {"APIError", "HTTPException", "JSONResponse", "Response", "StreamingResponse", "Request"}
 

@@ -343,10 +343,10 @@ def test_the_native_kernels_are_built_in_a_stage_with_a_compiler_and_only_the_li
     kernels, runtime = stages["kernels"], stages["runtime"]
     runs = [arg for op, arg in kernels if op == "RUN"]
     assert any(re.search(r"apt-get install .*\bg\+\+", run) for run in runs)
-    build = re.search(r'python -m hypic_core\.runner\.native build --dir (\S+) --variants "\$KERNEL_VARIANTS"', " ".join(runs))
+    build = re.search(r'python -m hypic_core\.native build --dir (\S+) --variants "\$KERNEL_VARIANTS"', " ".join(runs))
     assert build, runs
     assert _args(kernels)["KERNEL_VARIANTS"] == "all"  # the image runs on any x86-64 CPU: every variant, picked at load
-    usage = subprocess.run([sys.executable, "-m", "hypic_core.runner.native", "build", "--help"], cwd=ROOT,
+    usage = subprocess.run([sys.executable, "-m", "hypic_core.native", "build", "--help"], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert usage.returncode == 0 and "--dir" in usage.stdout and "--variants" in usage.stdout and "all" in usage.stdout
 
@@ -364,10 +364,10 @@ def test_the_native_kernels_are_built_in_a_stage_with_a_compiler_and_only_the_li
     user_at = runtime.index(("USER", "hypic"))
     check_at = next(i for i, (op, arg) in enumerate(runtime) if op == "RUN" and "kernel_status()" in arg)
     assert check_at > user_at and re.search(r'assert s\["state"\] == "loaded"', runtime[check_at][1])
-    from hypic_core.runner import decode_matmul
+    from hypic_core.native import library
 
     monkeypatch.setenv("HYPIC_KERNELS_DIR", kernels_dir)  # the variable the image sets is the one the loader reads
-    assert decode_matmul.cache_dir() == Path(kernels_dir)
+    assert library.cache_dir() == Path(kernels_dir)
 
 
 def test_the_image_serves_the_default_model_and_carries_what_it_needs(compose):

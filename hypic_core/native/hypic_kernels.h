@@ -1,4 +1,4 @@
-// The library's C interface, called through ctypes (hypic_core/runner/decode_matmul.py holds the same
+// The library's C interface, called through ctypes (hypic_core/native/library.py holds the same
 // table of signatures and checks every symbol is there before the first call). Shapes and strides are
 // in elements; `threads` is the OpenMP team size (torch's thread count).
 #pragma once

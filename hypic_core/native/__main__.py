@@ -1,4 +1,4 @@
-"""python -m hypic_core.runner.native build [--dir DIR] [--variants all|native|NAME,...]
+"""python -m hypic_core.native build [--dir DIR] [--variants all|native|NAME,...]
 
 Builds the kernel library per ISA variant into DIR (default: $HYPIC_KERNELS_DIR or
 ~/.cache/hypic/kernels), each beside its manifest (size, sha256), and loads each one this CPU runs to
@@ -17,7 +17,7 @@ from . import library
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hypic_core.runner.native", description=__doc__.split("\n\n")[1])
+    ap = argparse.ArgumentParser(prog="python -m hypic_core.native", description=__doc__.split("\n\n")[1])
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build the kernel library variants")
     b.add_argument("--dir", type=Path, default=None, help="kernels directory (default: HYPIC_KERNELS_DIR or ~/.cache/hypic/kernels)")
@@ -26,9 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--compiler", default=None, help="C++ compiler (default: $CXX, g++, c++, clang++)")
     args = ap.parse_args(argv)
 
-    from ..decode_matmul import NativeMatmul, cache_dir
-
-    root = args.dir or cache_dir()
+    root = args.dir or library.cache_dir()
     if args.variants == "all":
         variants = list(library.VARIANTS)
     elif args.variants == "native":
@@ -49,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             _, manifest = library.verified_bytes(root, v)
             runs = not library.missing_flags(v)
             if runs:
-                NativeMatmul(library.load(root, v))  # the symbols and ABI, where this CPU can load it
+                library.load(root, v)  # the symbols and ABI, where this CPU can load it
             print(json.dumps({"variant": v.name, "library": str(path), "sha256": manifest["sha256"],
                               "size": manifest["size"], "loaded": runs}))
         except (library.Untrusted, RuntimeError, OSError) as exc:

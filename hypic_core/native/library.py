@@ -18,7 +18,9 @@ library are read through O_NOFOLLOW descriptors (regular files, same owner and m
 read are checked (size, ELF header for this machine, sha256 against the manifest), and those same
 bytes are what `dlopen` maps: a private copy in a memfd (or a fresh private temporary directory), so the
 checked file is the loaded file and a truncated one never reaches dlopen. Whatever fails a check is
-never loaded: `Untrusted` says why; the caller rebuilds (`build`) when it can, else runs torch.
+never loaded: `Untrusted` says why; the caller rebuilds (`build`) when it can, else runs torch. A
+library that passes them is loaded with every symbol of `SIGNATURES` typed, its ABI and variant
+checked (RuntimeError otherwise), before anyone calls it.
 """
 
 from __future__ import annotations
@@ -68,6 +70,25 @@ VARIANTS = (  # best first
     Variant("generic", (), ()),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
+P_, L_, F_, I_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+SIGNATURES = {  # name: (argument types, result type); hypic_kernels.h
+    "hypic_kernels_abi": ([], I_),
+    "hypic_kernels_variant": ([], ctypes.c_char_p),
+    "hypic_linear_f32": ([P_] * 4 + [L_] * 3 + [I_], None),
+    "hypic_linear_f16": ([P_] * 4 + [L_] * 3 + [I_], None),
+    "hypic_linear_bf16": ([P_] * 4 + [L_] * 3 + [I_], None),
+    "hypic_linear_i8": ([P_] * 5 + [L_] * 3 + [I_], None),
+    "hypic_add_rmsnorm": ([P_, P_, P_, F_, P_, L_, L_], None),
+    "hypic_silu_mul": ([P_, P_, L_, L_], None),
+    "hypic_attend": ([P_] * 9 + [L_, P_] + [L_] * 8 + [F_, I_], I_),  # 1: a length or row out of the buffers
+    "hypic_mamba2": ([P_] * 9 + [F_, P_] + [L_] * 6 + [I_], None),
+}
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: $HYPIC_KERNELS_DIR, else ~/.cache/hypic/kernels."""
+    env = os.environ.get("HYPIC_KERNELS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "hypic" / "kernels"
 
 
 class Untrusted(Exception):
@@ -226,16 +247,30 @@ def verified_bytes(root: Path, variant: Variant) -> tuple[bytes, dict]:
 
 
 def load(root: Path, variant: Variant) -> Loaded:
-    """dlopen the checked bytes (a private copy: the file cannot change between the check and the map)."""
+    """dlopen the checked bytes (a private copy: the file cannot change between the check and the map),
+    then type every symbol of SIGNATURES. RuntimeError, before any call, when a symbol is missing or the
+    library's ABI or variant is not the one asked for."""
     data, manifest = verified_bytes(root, variant)
+    path = root / subdir(variant) / LIBRARY
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("hypic_kernels", os.MFD_CLOEXEC)
         _write_all(fd, data)
-        return Loaded(ctypes.CDLL(f"/proc/self/fd/{fd}"), variant.name, root / subdir(variant) / LIBRARY,
-                      manifest["sha256"], fd)
-    private = Path(tempfile.mkdtemp(prefix="hypic-kernels-")) / LIBRARY
-    private.write_bytes(data)
-    return Loaded(ctypes.CDLL(str(private)), variant.name, root / subdir(variant) / LIBRARY, manifest["sha256"], -1)
+        lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+    else:
+        fd, private = -1, Path(tempfile.mkdtemp(prefix="hypic-kernels-")) / LIBRARY
+        private.write_bytes(data)
+        lib = ctypes.CDLL(str(private))
+    missing = [name for name in SIGNATURES if not hasattr(lib, name)]
+    if missing:
+        raise RuntimeError(f"the kernel library {path} lacks {', '.join(missing)}")
+    for name, (argtypes, restype) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    abi, built_for = lib.hypic_kernels_abi(), lib.hypic_kernels_variant().decode()
+    if abi != ABI or built_for != variant.name:
+        raise RuntimeError(f"the kernel library {path} is ABI {abi} variant {built_for}, "
+                           f"expected ABI {ABI} variant {variant.name}")
+    return Loaded(lib, variant.name, path, manifest["sha256"], fd)
 
 
 # --- building ---------------------------------------------------------------------------------------------
