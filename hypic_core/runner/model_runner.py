@@ -19,12 +19,13 @@ from ..adapters.base import StitchSpan
 from ..algebra.entry import SegmentEntry
 from ..cache.exact_runs import ExactSnapshot
 from .batch import DecodeBatch
-from .entries import EntryComputer, PartialEntry
+from .entries import CanonicalEntries, PartialEntry  # noqa: F401 - the engine imports PartialEntry from here
 from .layers import AttentionLayers, LinearLayers, LinearRows, scaled
 
 
-class ModelRunner:
-    """Owns one model and its adapter."""
+class ModelRunner(CanonicalEntries):
+    """Owns one model and its adapter; its canonical-entry methods (`compute_entries`,
+    `compute_entries_reference`, `start_entry`, `advance_entry`) are runner/entries.py's."""
 
     def __init__(self, model: torch.nn.Module, adapter: ModelAdapter, pad_token_id: int = 0,
                  entry_prefix: Sequence[int] = ()):
@@ -38,7 +39,6 @@ class ModelRunner:
         self.attention = AttentionLayers(adapter)
         self.linear = LinearLayers(adapter)
         self.batch = DecodeBatch(model, adapter, self.attention, self.linear)
-        self.entries = EntryComputer(self)
 
     def new_cache(self) -> DynamicCache:
         return self.adapter.new_cache()
@@ -95,21 +95,6 @@ class ModelRunner:
             return out.logits[0, -1].float()
         self.model.base_model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
         return None
-
-    # --- canonical entries (runner/entries.py) ------------------------------------------------
-
-    def compute_entries(self, segments: Sequence[tuple[int, ...]], seam: int, max_batch_tokens: int) -> list[SegmentEntry]:
-        return self.entries.compute(segments, seam, max_batch_tokens)
-
-    def compute_entries_reference(self, segments: Sequence[tuple[int, ...]], seam: int,
-                                  keep_graph: bool = False) -> list[SegmentEntry]:
-        return self.entries.reference(segments, seam, keep_graph)
-
-    def start_entry(self, segment: tuple[int, ...], seam: int) -> PartialEntry:
-        return self.entries.start(segment, seam)
-
-    def advance_entry(self, part: PartialEntry, max_tokens: int) -> SegmentEntry | None:
-        return self.entries.advance(part, max_tokens)
 
     def footprint(self) -> tuple[int, int, int]:
         """(attention K/V bytes per token, linear conv + state bytes per sequence, linear state elements
