@@ -34,6 +34,14 @@ class KVRows(NamedTuple):
     keys: torch.Tensor
     values: torch.Tensor
 
+    def write(self, k: torch.Tensor, v: torch.Tensor, row, col, same: int | None) -> None:
+        """The new tokens' k and v [N, H_kv, D] in place: token i at column col[i] of row row[i], or, when
+        `same` is set, token i at column `same` of row i (one slice, no gather: every row writes there)."""
+        if same is not None:
+            self.keys[:len(k), :, same], self.values[:len(v), :, same] = k, v
+        else:
+            self.keys[row, :, col], self.values[row, :, col] = k, v
+
 
 class StateRows(NamedTuple):
     """A linear layer's live rows (views, advanced in place): conv [B, C, K] and recurrent state [B, ...]."""
@@ -222,12 +230,7 @@ class DecodeBatch:
         the live columns attention reads."""
         rows, cols, width, same = self._step
         b = len(rows)
-        if same is not None:
-            self._k[j][:b, :, same:same + 1] = key_states
-            self._v[j][:b, :, same:same + 1] = value_states
-        else:
-            self._k[j][rows, :, cols] = key_states[:, :, 0]
-            self._v[j][rows, :, cols] = value_states[:, :, 0]
+        self.attention_layer(j).write(key_states[:, :, 0], value_states[:, :, 0], rows, cols, same)
         return self._k[j][:b, :, :width], self._v[j][:b, :, :width]
 
     def _point(self, width: int) -> None:

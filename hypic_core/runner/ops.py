@@ -83,6 +83,8 @@ class Rows:
         self.b, self.counts, self.lengths = len(counts), list(counts), list(batch.lengths)
         self.single = max(counts) == 1  # one token per row: the decode step
         self.cos, self.sin = cos, sin
+        # TorchOps.prepare: where the tokens write, on the device (`same`: one column for all, one token per row)
+        self.same = self.row_dev = self.col_dev = None
         dev = cos.device if cos is not None else batch.model.device
         self.device = dev
         if self.single:
@@ -151,13 +153,8 @@ class TorchOps:
         Hkv = k.shape[1]
         if rows.cos is not None:
             q, k = rope(q, rows.cos3, rows.sin3), rope(k, rows.cos3, rows.sin3)
+        kv.write(k, v, rows.row_dev, rows.col_dev, rows.same)
         kb, vb = kv.keys, kv.values
-        if rows.single and rows.same is not None:
-            kb[:N, :, rows.same] = k
-            vb[:N, :, rows.same] = v
-        else:
-            kb[rows.row_dev, :, rows.col_dev] = k
-            vb[rows.row_dev, :, rows.col_dev] = v
         if rows.single:  # one batched product over the live columns, a mask where rows differ in length
             keys, values = kb[:N, :, :rows.width], vb[:N, :, :rows.width]
             scores = torch.matmul(q.view(N, Hkv, H // Hkv, D), keys.transpose(-1, -2)) * scale  # [N, Hkv, G, W]
