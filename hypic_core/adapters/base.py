@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 
 from ..algebra.operators import LinearOperator
-from .kernels import KernelSelection
+from .kernels import KernelSelection, patched
 from .rotary import KeyRotation
 
 
@@ -112,8 +112,7 @@ class ModelAdapter(ABC):
     def capture(self, start: int = 0, seq_len: int = 0, keep_graph: bool = False) -> Iterator[Capture]:
         """Record every linear layer's per-token inputs during the forward run inside (reference path).
 
-        The engine runs one model at a time under its lock; the patch is process-wide for the
-        duration of the block. `keep_graph`: see `Capture`.
+        The patches hold for the block and the calling thread only (`_patched`). `keep_graph`: see `Capture`.
         """
         with self._patched(Capture(start, seq_len, keep_graph), self._capture_patches) as cap:
             yield cap
@@ -175,17 +174,14 @@ class ModelAdapter(ABC):
 
     @contextlib.contextmanager
     def _patched(self, cap: Capture, make_patches) -> Iterator[Capture]:
-        """Apply `make_patches(cap)` for the block, every other kernel op pinned to its torch fallback."""
-        patches = {**self.kernels.torch_patches(), **make_patches(cap)}
-        saved = {}
-        try:
-            for (module, name), wrapper in patches.items():
-                saved[(module, name)] = getattr(module, name)
-                setattr(module, name, wrapper)
+        """Apply `make_patches(cap)` for the block, every other kernel op pinned to its torch fallback.
+
+        On the calling thread only (`kernels.patched`): the patched attributes are dispatchers that
+        each thread resolves for itself, so forwards on other threads, of this model or another one
+        of the family, neither see these wrappers nor leave theirs behind.
+        """
+        with patched({**self.kernels.torch_patches(), **make_patches(cap)}):
             yield cap
-        finally:
-            for (module, name), original in saved.items():
-                setattr(module, name, original)
 
     def _capture_patches(self, cap: Capture) -> dict[tuple[Any, str], Callable]:
         """Map (module, function name) -> wrapper that records into `cap` and calls the original."""

@@ -10,7 +10,7 @@ no per-layer instance attributes and no `cuda_kernels_forward` / `is_fast_path_a
 branches any more (transformers 4.x had them), so one import decides for every layer of every
 model of that family, on every device: with fla importable, a CPU model would call Triton.
 (With the `kernels` package installed and a model loaded with `use_kernels=True`, hub kernels
-take precedence; the pinning below bypasses them too, since it replaces the module attribute.)
+take precedence; the pinning below bypasses them too, since it takes over the module attribute.)
 
 What this module does with it:
 - `KernelSelection.install` puts a `DeviceDispatch` in front of every op transformers bound to a
@@ -22,6 +22,9 @@ What this module does with it:
   wrappers rely on the fallback's signature (`chunk_size`; states of any width, e.g. [S | I]) and
   on its precision (it upcasts to fp32 for the whole recurrence). Plain forwards (full prefill,
   decode) run the fast kernels.
+- `patched(patches)` applies such patches (and the adapters' capture and stitch wrappers) for a
+  `with` block on the calling thread only, through a `PatchPoint` dispatcher installed once in
+  place of each patched attribute (threads: see `PatchPoint`).
 
 The math is the same; the precision is not. The torch fallbacks compute the recurrence in fp32
 whatever the model dtype. fla's chunked kernels keep q/k/v (and the intra-chunk WY factors) in the
@@ -37,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Iterator
@@ -84,6 +88,8 @@ class KernelSelection:
     """The ops of one modeling module that transformers may bind to a package kernel, and what each runs.
 
     Immutable after construction; `install` mutates the modeling module (once: it is idempotent).
+    A `PatchPoint` dispatcher already in the module is looked through: what is read and replaced
+    is the function it falls back to.
     """
 
     def __init__(self, module: ModuleType | None, names: tuple[str, ...] = ()):
@@ -101,8 +107,8 @@ class KernelSelection:
         """
         selection = cls(module, names)
         for name, op in selection.ops.items():
-            if op.fast is not None and not isinstance(getattr(module, name), DeviceDispatch):
-                setattr(module, name, DeviceDispatch(op))
+            if op.fast is not None and not isinstance(unpatched(module, name), DeviceDispatch):
+                set_unpatched(module, name, DeviceDispatch(op))
         return selection
 
     def implementation(self, name: str, device: torch.device | str) -> str:
@@ -126,23 +132,21 @@ class KernelSelection:
 
     @contextlib.contextmanager
     def torch_only(self) -> Iterator[None]:
-        """Run every op on its torch fallback inside the block (process-wide: the engine runs one model at a time)."""
-        saved = {name: getattr(self.module, name) for name in self.ops}
-        try:
-            for (module, name), fn in self.torch_patches().items():
-                setattr(module, name, fn)
+        """Run every op on its torch fallback inside the block, on the calling thread only (`patched`)."""
+        with patched(self.torch_patches()):
             yield
-        finally:
-            for name, fn in saved.items():
-                setattr(self.module, name, fn)
 
 
 def resolve(name: str, fn: Callable) -> KernelOp:
     """Split a modeling-module attribute as transformers built it into (torch fallback, package kernel).
 
     transformers' wrapper keeps the torch function as `__wrapped__` and its choice in the closure
-    variable `implementation`; an attribute that is neither is taken to be torch code.
+    variable `implementation`; an attribute that is neither is taken to be torch code. A `PatchPoint`
+    dispatcher stands for the function it falls back to.
     """
+    point = getattr(fn, "patch_point", None)
+    if isinstance(point, PatchPoint):
+        fn = point.original
     if isinstance(fn, DeviceDispatch):
         return fn.op
     torch_fn = inspect.unwrap(fn)
@@ -177,6 +181,118 @@ def _torch_only(name: str, torch_fn: Callable) -> Callable:
     return fallback
 
 
+# --- patches per thread -----------------------------------------------------------------------------
+_INSTALL_LOCK = threading.Lock()  # one dispatcher per attribute, however many threads patch it first
+
+
+class PatchPoint:
+    """One attribute of a module (or class) that patches replace for the calling thread only.
+
+    Why threads: the adapters replace a modeling module's ops for the length of a `with` block
+    (capture, fused capture, stitch, `torch_only`). Swapping the module attribute itself is
+    process-wide, and two threads running patched forwards at once (two engines in one process, an
+    engine's background entry computation beside its foreground thread, a training process)
+    interleave their save/restore pairs: A saves the original and installs its wrapper, B saves A's
+    wrapper as its "original", A restores, B restores A's wrapper, which then stays installed with
+    its finished call's capture (IndexError in a later forward), and a forward running meanwhile
+    records into the other call's capture.
+
+    So the attribute is replaced once, for good, by `dispatch`, which calls the innermost patch
+    active on the calling thread (`push`/`pop`, a `threading.local` stack), else `original`. No
+    attribute changes per call. A patch that calls the attribute it replaces (having read it before
+    its block, as `LightningAdapter._capture_patches` does) gets the next patch out, or the
+    original: what the attribute held when it read it. `dispatch` is a plain function, so on a class
+    it binds as a method: a class attribute patched this way must be an instance method (`forward`).
+    """
+
+    def __init__(self, owner: Any, name: str):
+        self.owner, self.name = owner, name
+        self.original = getattr(owner, name)
+        self._local = threading.local()
+
+        def dispatch(*args, **kwargs):
+            return self(*args, **kwargs)
+
+        functools.update_wrapper(dispatch, self.original, updated=())  # __wrapped__: unwrap reaches the torch code
+        dispatch.patch_point = self  # type: ignore[attr-defined]
+        self.dispatch = dispatch
+        setattr(owner, name, dispatch)
+
+    @classmethod
+    def of(cls, owner: Any, name: str) -> "PatchPoint":
+        """The point of `owner.name`, installing its dispatcher on first use (or when something else,
+        e.g. a test's monkeypatch, has replaced it since)."""
+        with _INSTALL_LOCK:
+            point = getattr(getattr(owner, name), "patch_point", None)
+            return point if isinstance(point, PatchPoint) and point.owner is owner else cls(owner, name)
+
+    def _stack(self) -> list[Callable]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def push(self, fn: Callable) -> None:
+        self._stack().append(fn)
+
+    def pop(self, fn: Callable) -> None:
+        """Remove the innermost `fn` this thread pushed (blocks may end out of order, e.g. in generators)."""
+        stack = self._stack()
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is fn:
+                del stack[i]
+                return
+
+    def active(self) -> tuple[Callable, ...]:
+        """The patches active on the calling thread, outermost first."""
+        return tuple(self._stack())
+
+    def __call__(self, *args, **kwargs):
+        local = self._local
+        stack = self._stack()
+        depth = getattr(local, "depth", None)  # set while a patch runs: calls it makes go one level out
+        level = len(stack) if depth is None else depth
+        if level == 0:
+            return self.original(*args, **kwargs)
+        local.depth = level - 1
+        try:
+            return stack[level - 1](*args, **kwargs)
+        finally:
+            local.depth = depth
+
+
+@contextlib.contextmanager
+def patched(patches: dict[tuple[Any, str], Callable]) -> Iterator[None]:
+    """Make `owner.name` run `fn` for each (owner, name) -> fn, inside the block and on the calling thread only."""
+    pushed: list[tuple[PatchPoint, Callable]] = []
+    try:
+        for (owner, name), fn in patches.items():
+            point = PatchPoint.of(owner, name)
+            point.push(fn)
+            pushed.append((point, fn))
+        yield
+    finally:
+        for point, fn in reversed(pushed):
+            point.pop(fn)
+
+
+def unpatched(owner: Any, name: str) -> Any:
+    """`owner.name` as it is without patches: the function its `PatchPoint` dispatcher falls back to."""
+    attr = getattr(owner, name)
+    point = getattr(attr, "patch_point", None)
+    return point.original if isinstance(point, PatchPoint) and point.owner is owner else attr
+
+
+def set_unpatched(owner: Any, name: str, fn: Callable) -> None:
+    """Replace what `owner.name` runs without patches (behind its dispatcher, if it has one)."""
+    with _INSTALL_LOCK:
+        point = getattr(getattr(owner, name), "patch_point", None)
+        if isinstance(point, PatchPoint) and point.owner is owner:
+            point.original = point.dispatch.__wrapped__ = fn  # type: ignore[attr-defined]
+        else:
+            setattr(owner, name, fn)
+
+
 def _first_tensor_device(args, kwargs) -> torch.device | None:
     for x in (*args, *kwargs.values()):
         if isinstance(x, torch.Tensor):
@@ -184,4 +300,5 @@ def _first_tensor_device(args, kwargs) -> torch.device | None:
     return None
 
 
-__all__ = ["DeviceDispatch", "FAST_DEVICE_TYPES", "KernelOp", "KernelSelection", "resolve"]
+__all__ = ["DeviceDispatch", "FAST_DEVICE_TYPES", "KernelOp", "KernelSelection", "PatchPoint", "patched", "resolve",
+           "set_unpatched", "unpatched"]
