@@ -13,7 +13,7 @@ on the lean one); "other" is what no range covers (embedding, rotary, masks, cac
 Python between modules). Sampling (argmax of the logits) is timed apart.
 
 With `--kernel native [native-f16 native-i8]`, one more path per kernel: the lean step on that op
-table (hypic_core/runner/ops.py `NativeOps`: runner/decode_matmul.py's matmuls and its native ops
+table (hypic_core/runner/ops.py `NativeOps`: native/decode_matmul.py's matmuls and its native ops
 for the norms, attention, Mamba2 and the MLP's gate), in the same lockstep. Each path's logits'
 largest difference from the lean step's (torch's ops) at the first timed step is printed beside it.
 

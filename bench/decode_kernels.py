@@ -12,7 +12,7 @@ hybrid's Mamba2 in_proj 3474x576 and out_proj 576x1152, and the tied lm_head 491
 - bf16 weights (`F.linear`), int8 weight-only (`torch._weight_int8pack_mm`, per-row scales),
 - fbgemm's dynamic int8 linear (`torch.ops.quantized.linear_dynamic`, per-channel int8 weights,
   activations quantized per call),
-- the native kernels of hypic_core/runner/decode_matmul.py on [out, in]: fp32 (`native f32`), fp16
+- the native kernels of hypic_core/native/decode_matmul.py on [out, in]: fp32 (`native f32`), fp16
   weights (`native f16`), bf16 weights (`native bf16`) and per-row int8 weights (`native i8`), of the
   ISA variant this CPU picks, or of each `--variants` name (`native f32 [avx2]`, ...; built once with
   the C++ compiler, skipped when none is found).
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decode import bandwidth  # noqa: E402  (bench/ is the script directory)
-from hypic_core.runner import decode_matmul  # noqa: E402
+from hypic_core.native import decode_matmul  # noqa: E402
 
 SET_BYTES = 128 << 20
 SHAPES = {  # name: (out, in) of the decode step's fused weights

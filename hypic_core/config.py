@@ -152,7 +152,7 @@ class EngineConfig:
     # The batched decode forward: "lean" (hypic_core/runner/decode_step.py: fused weights, closed-form
     # one-token updates; a family it does not cover keeps the module path) or "module" (the HF modules).
     decode_step: str = "module"
-    # The lean step's matmuls: "torch" (torch's kernels), "native" (hypic_core/runner/decode_matmul.py: the
+    # The lean step's matmuls: "torch" (torch's kernels), "native" (hypic_core/native/decode_matmul.py: the
     # CPU's best ISA variant of the native kernels, on the fp32 weights; torch's when they cannot be had),
     # "native-f16" / "native-bf16" (the same on an fp16 / bf16 copy of the weights: half the bytes, lossy) or
     # "native-i8" (on a per-row int8 copy: a quarter of the bytes, lossier).

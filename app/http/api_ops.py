@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from hypic_core.runner.decode_matmul import kernel_status
+from hypic_core.native.decode_matmul import kernel_status
 
 from ..service.metrics import CONTENT_TYPE
 from ..service.runtime import Runtime
@@ -18,7 +18,7 @@ router = APIRouter()
 async def health(request: Request) -> dict:
     """200 while the process serves HTTP, loaded or not; `guard`: the accuracy guard's state
     (app/service/guard.py), null until the model is loaded; `kernels`: the native decode kernels'
-    state (hypic_core/runner/decode_matmul.kernel_status: which variant runs, or why torch's ops do)."""
+    state (hypic_core/native/decode_matmul.kernel_status: which variant runs, or why torch's ops do)."""
     guard = request.app.state.runtime.guard
     return {"status": "ok", "guard": guard.health() if guard is not None else None, "kernels": kernel_status()}
 

@@ -10,7 +10,7 @@ the closed-form one-token update (conv shifted by one column; Mamba2 S <- exp(dt
 Gated DeltaNet S <- exp(g)(I - b k k^T) S + b k v^T).
 
 Every op runs through an op table chosen once, at construction (runner/ops.py): `TorchOps`, the
-reference, or `NativeOps` (runner/decode_matmul.py's kernels). Each mixer is one class with one
+reference, or `NativeOps` (native/decode_matmul.py's kernels). Each mixer is one class with one
 `__call__(x, rows, ops)`; speculation's verification forward (runner/verify_step.py) runs the same
 layers and ops on several tokens a row, with only its multi-token recurrences its own.
 

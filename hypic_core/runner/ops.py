@@ -5,7 +5,7 @@
 - `TorchOps`, the reference: torch's kernels; fused weights kept transposed [in, out] (x @ W ran
   1.5-2x faster than x @ W^T for 1-2 rows with torch's MKL, docs/benchmarks.md), attention as
   grouped matmuls under a mask, norms, gates and the Mamba2 update as torch code.
-- `NativeOps`: runner/decode_matmul.py's `NativeMatmul` on an fp32 model on the CPU: weights kept
+- `NativeOps`: native/decode_matmul.py's `NativeMatmul` on an fp32 model on the CPU: weights kept
   [out, in] (the modules' own rows, or an fp16 / bf16 / int8 copy), each residual add fused with the
   norm after it, the MLP's gate, an attention layer's rotary + K/V write + attention, a Mamba2 mixer
   between its projections: one native call each.
@@ -23,8 +23,8 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import decode_matmul
-from .decode_matmul import quantize_int8
+from ..native import decode_matmul
+from ..native.decode_matmul import quantize_int8
 
 log = logging.getLogger("hypic.decode_step")
 

@@ -1,4 +1,4 @@
-"""The native decode matmuls (hypic_core/runner/decode_matmul.py) and the lean step on them.
+"""The native decode matmuls (hypic_core/native/decode_matmul.py) and the lean step on them.
 
 - The kernels against their plain torch reference, fp32 and fp16 weights, 1-17 rows, shapes with
   tails (in not a multiple of 8, out not of 4), with and without a bias.
@@ -22,7 +22,7 @@ import torch
 
 from hypic_core.config import EngineConfig, GenerationRequest
 from hypic_core.engine.engine import Engine
-from hypic_core.runner import decode_matmul
+from hypic_core.native import decode_matmul
 from hypic_core.runner.decode_step import LeanDecodeStep
 from hypic_core.runner.ops import NativeOps
 from hypic_core.runner.verify_step import VerifyStep

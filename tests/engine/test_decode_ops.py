@@ -2,7 +2,7 @@
 
 With `kernel="native"` the lean step runs its matmuls, norms, the MLP's gate, each attention layer
 (rotary, the K/V write, the attention itself) and each Mamba2 mixer between its projections as
-native calls (hypic_core/runner/decode_matmul.py). Each op is checked here on its own against
+native calls (hypic_core/native/decode_matmul.py). Each op is checked here on its own against
 `TorchOps`' (or the native kernel against the plain formula), on shapes with tails: rows of
 different lengths, lengths across the kernel's blocks of 128 columns, head sizes off its fast
 paths, grouped heads, partial rotary, several tokens a row (speculation's verification). The
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from types import SimpleNamespace
 
-from hypic_core.runner import decode_matmul
+from hypic_core.native import decode_matmul
 from hypic_core.runner.batch import KVRows
 from hypic_core.runner.decode_step import Mamba2, Norm
 from hypic_core.runner.ops import NativeOps, Rows, TorchOps, rope as _rope

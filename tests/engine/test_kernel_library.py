@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hypic_core.runner import decode_matmul
+from hypic_core.native import decode_matmul
 from hypic_core.native import library
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,7 +152,7 @@ CHILD = textwrap.dedent("""
                 records.append(record.getMessage())
     logging.getLogger("hypic").addHandler(Count())
     logging.getLogger("hypic").setLevel(logging.INFO)
-    from hypic_core.runner import decode_matmul
+    from hypic_core.native import decode_matmul
     for case, kdir, cxx in json.loads(sys.argv[1]):
         os.environ["HYPIC_KERNELS_DIR"], os.environ["CXX"] = kdir, cxx
         decode_matmul._built.clear(); records.clear()

@@ -419,7 +419,7 @@ def test_the_smoke_run_asks_a_readme_question_and_checks_the_native_step():
     kernels_dir = _env(_stages()["runtime"])["HYPIC_KERNELS_DIR"]
     assert f"KERNELS_DIR={kernels_dir} " in smoke
     assert "decode kernels: variant" in smoke and "decode kernels unavailable" in smoke  # the loader's log lines
-    from hypic_core.runner import decode_matmul
+    from hypic_core.native import decode_matmul
 
     assert set(decode_matmul.kernel_status()) >= {"state", "variant", "library"}  # what the smoke run reads in /health
     loader = Path(decode_matmul.__file__).read_text()

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..native import library
+from . import library
 
 log = logging.getLogger("hypic.decode_matmul")
 
