@@ -68,7 +68,7 @@ def run(engine: Engine, prompts_: list, streams: int, tokens: int) -> dict:
     """Off and on, interleaved, over groups of `streams` prompts; sums per setting."""
     total = {False: {"seconds": 0.0, "tokens": 0, "steps": 0, "drafted": 0, "accepted": 0, "tpot": []},
              True: {"seconds": 0.0, "tokens": 0, "steps": 0, "drafted": 0, "accepted": 0, "tpot": []}}
-    same = True
+    same, identical, n = True, 0, 0
     groups = [prompts_[i:i + streams] for i in range(0, len(prompts_) - streams + 1, streams)]
     for g, group in enumerate(groups):
         outs = {}
@@ -80,9 +80,11 @@ def run(engine: Engine, prompts_: list, streams: int, tokens: int) -> dict:
             t["tpot"].append(r["seconds"] / max(1.0, r["tokens"] / len(group)))  # per stream: time per output token
             outs[spec] = r["outputs"]
         same &= outs[False] == outs[True]
+        identical += sum(a == b for a, b in zip(outs[False], outs[True]))
+        n += len(group)
         print(f"  {streams} stream(s), group {g + 1}/{len(groups)}: off {total[False]['tokens']} tok, on "
               f"{total[True]['tokens']} tok ({total[True]['accepted']}/{total[True]['drafted']} drafts kept)", flush=True)
-    return {"off": total[False], "on": total[True], "same": same}
+    return {"off": total[False], "on": total[True], "same": same, "identical": identical, "n": n}
 
 
 def row(model: str, workload: str, streams: int, r: dict) -> str:
@@ -93,7 +95,7 @@ def row(model: str, workload: str, streams: int, r: dict) -> str:
     rate = on["accepted"] / on["drafted"] if on["drafted"] else float("nan")
     return (f"| {model} | {workload} | {streams} | {rate:.2f} | {tps_off:.2f} / **{tps_on:.2f}** | {tpot_off:.1f} / "
             f"**{tpot_on:.1f}** ({tpot_on / tpot_off:.2f}x) | {agg_off:.1f} / **{agg_on:.1f}** | "
-            f"{'yes' if r['same'] else '**no**'} |")
+            f"{'yes' if r['same'] else '**no**'} ({r['identical']}/{r['n']} prompts) |")
 
 
 def main() -> None:
