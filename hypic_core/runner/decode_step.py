@@ -10,9 +10,11 @@ the closed-form one-token update (conv shifted by one column; Mamba2 S <- exp(dt
 Gated DeltaNet S <- exp(g)(I - b k k^T) S + b k v^T).
 
 Every op runs through an op table chosen once, at construction (runner/ops.py): `TorchOps`, the
-reference, or `NativeOps` (native/decode_matmul.py's kernels). Each mixer is one class with one
-`__call__(x, rows, ops)`; speculation's verification forward (runner/verify_step.py) runs the same
-layers and ops on several tokens a row, with only its multi-token recurrences its own.
+reference, or `NativeOps` (native/decode_matmul.py's kernels). Each mixer family is one class here:
+`__call__(x, rows, ops)` for one token a row and, for the linear ones, `verify(...)`: the multi-token
+recurrence of speculation's verification forward (runner/verify_step.py, which runs the same layers
+and ops on several tokens a row): Mamba2's in closed form (`_SSDStates`), Gated DeltaNet's token by
+token (`_TokenStates`); both leave the rows as they were and hand back the state after any token.
 
 Covered (`LeanDecodeStep.build` returns None otherwise, and the batch keeps the module path): dense
 llama / qwen3, Gated DeltaNet qwen3_5 (+ MoE) and qwen3_next (its grouped projections reordered into
@@ -178,6 +180,58 @@ class Mamba2:
         y = torch.matmul(new.to(Ch.dtype), Ch)[..., 0] + hs * self.D[:, None]  # [B, H, P]
         return self.gated_norm(y.reshape(B, H * P), gate, dtype)
 
+    def verify(self, x: torch.Tensor, rows: Rows, ops: TorchOps, lay, conv_out: list, states_out: list) -> torch.Tensor:
+        """Several tokens a row (x flat [N, hidden]; `lay` the padded [B, T] layout, verify_step._Layout),
+        the rows left as they were: the conv inputs appended to conv_out, an `_SSDStates` to states_out.
+        The SSD recurrence in closed form, not token by token: with c_t = sum_{s<=t} dt_s a (the log
+        decay), S_t = exp(c_t) S_0 + sum_{s<=t} exp(c_t - c_s) dt_s x_s B_s^T, so every output
+        y_t = C_t S_t + D x_t is one [T, T] product per head plus S_0's share, and no per-token state
+        is formed here: `_SSDStates` forms the one state a row keeps when `commit` asks for it."""
+        B, T, H, P, G, N = lay.b, lay.t, self.H, self.P, self.G, self.N
+        dtype = x.dtype
+        conv, state = rows.batch.linear_layer(self.p)
+        gate, xbc, dt = ops.linear(x, self.in_proj).split([self.I, self.C, H], dim=-1)
+        xbc, seq = causal_conv(conv, lay.pad(xbc), self.conv_w, self.conv_b)  # [B, T, C]
+        conv_out.append(seq)
+        hs, Bm, Cm = xbc.split([self.I, G * N, G * N], dim=-1)
+        dt = F.softplus(lay.pad(dt) + self.dt_bias.to(dt.dtype))  # [B, T, H]
+        ssd = _SSDStates(state, dt, self.A, hs.reshape(B, T, H, P), Bm.reshape(B, T, G, N), H // G)
+        Ch = Cm.reshape(B, T, G, N).float().permute(0, 2, 1, 3).repeat_interleave(H // G, dim=1)  # [B, H, T, N]
+        Bh = ssd.Bh.permute(0, 2, 1, 3)  # [B, H, T, N]
+        decay = (ssd.cum[..., :, None] - ssd.cum[..., None, :]).masked_fill_(~torch.ones(T, T, dtype=torch.bool, device=x.device).tril_(), float("-inf")).exp_()  # [B, H, t, s]
+        mix = torch.matmul(Ch, Bh.transpose(-1, -2)) * decay * ssd.dt[..., None, :]  # [B, H, t, s]: C_t.B_s exp(c_t - c_s) dt_s
+        y = torch.matmul(mix, ssd.x)  # [B, H, T, P]
+        y = y + torch.matmul(Ch, ssd.S0.float().transpose(-1, -2)) * ssd.cum.exp()[..., None]  # S_0's share: exp(c_t) C_t S_0
+        y = y.to(dtype) + hs.reshape(B, T, H, P).permute(0, 2, 1, 3) * self.D[:, None, None]
+        states_out.append(ssd)
+        y = self.gated_norm(lay.unpad(y.permute(0, 2, 1, 3)).reshape(-1, H * P), gate, dtype)
+        return ops.linear(y, self.out_proj)
+
+
+class _SSDStates:
+    """Mamba2's state after any of a verification's tokens, in closed form from the state before them.
+
+    S0 [B, H, P, N] is the rows' state buffer as the forward found it (a view: `commit` reads it
+    before writing the kept state over it); dt [B, H, T] the effective step sizes, cum their
+    running sum times A (the log decay), x [B, H, T, P] and Bh [B, H, T, N] fp32."""
+
+    def __init__(self, S0: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, x: torch.Tensor, Bg: torch.Tensor, per_group: int):
+        self.S0 = S0
+        self.dt = dt.float().transpose(1, 2)  # [B, H, T]
+        self.cum = torch.cumsum(self.dt * A[:, None], dim=-1)  # [B, H, T]
+        self.x = x.float().permute(0, 2, 1, 3)  # [B, H, T, P]
+        self.Bh = Bg.float().repeat_interleave(per_group, dim=2)  # [B, T, H, N]
+
+    def at(self, index: torch.Tensor) -> torch.Tensor:
+        """S_k = exp(c_k) S0 + sum_{s<=k} exp(c_k - c_s) dt_s x_s B_s^T at k = index[r] per row: [B, H, P, N]."""
+        B, H, T = self.cum.shape
+        index = index.to(self.cum.device)
+        end = self.cum.gather(2, index.view(B, 1, 1).expand(B, H, 1))  # [B, H, 1]: c_k
+        upto = torch.arange(T, device=index.device)[None, :] <= index[:, None]  # [B, T]
+        weight = ((end - self.cum).exp() * self.dt).masked_fill(~upto[:, None, :], 0.0)  # [B, H, T]
+        added = torch.matmul((self.x * weight[..., None]).transpose(-1, -2), self.Bh.transpose(1, 2))  # [B, H, P, N]
+        return (self.S0.float() * end.exp()[..., None] + added).to(self.S0.dtype)
+
 
 class GatedDeltaNet:
     """qwen3_5's Gated DeltaNet mixer, one token: S <- exp(g) S; S <- S + k (b (v - S^T k))^T; o = S^T q."""
@@ -230,6 +284,34 @@ class GatedDeltaNet:
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)
         o = (self.norm_w * o.to(dtype)) * F.silu(z.view(-1, self.Hv, self.dv).float())
         return ops.linear(o.to(dtype).reshape(-1, self.Hv * self.dv), self.out_proj)
+
+    def verify(self, x: torch.Tensor, rows: Rows, ops: TorchOps, lay, conv_out: list, states_out: list) -> torch.Tensor:
+        """`Mamba2.verify`'s contract; the delta rule stepped token by token over the padded [B, T]
+        layout, every state kept (`_TokenStates`)."""
+        conv, state = rows.batch.linear_layer(self.p)
+        qkv, z, b, a = ops.linear(x, self.in_proj).split([self.C, self.value_dim, self.Hv, self.Hv], dim=-1)
+        qkv, seq = causal_conv(conv, lay.pad(qkv), self.conv_w, self.conv_b)  # [B, T, C]
+        conv_out.append(seq)
+        q, k, v, beta, g = self.heads(qkv, lay.pad(b), lay.pad(a))
+        S = state.float()
+        states, outs = [], []
+        for t in range(lay.t):
+            S, out = self.delta(S, q[:, t], k[:, t], v[:, t], beta[:, t], g[:, t])
+            states.append(S)
+            outs.append(out)
+        states_out.append(_TokenStates(states))
+        return self.output(lay.unpad(torch.stack(outs, dim=1)), z, ops)
+
+
+class _TokenStates:
+    """A recurrence stepped token by token: every state kept, `at` picks one per row."""
+
+    def __init__(self, states: list[torch.Tensor]):
+        self.states = states  # T states [B, ...]: the state after each token
+
+    def at(self, index: torch.Tensor) -> torch.Tensor:
+        """Row r's state after its token index[r]: [B, ...]."""
+        return torch.stack(self.states)[index, torch.arange(index.shape[0])]
 
 
 def _grouped_projections(m: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -326,7 +408,7 @@ class LeanDecodeStep:
         """Row r of `batch` fed `tokens[r]` from position `positions[r]`, K/V written at its columns
         lengths[r].. (lengths not advanced); logits after each token, flat [N, vocab] fp32. `linear(mixer,
         x, rows)`, when given, runs the linear mixers instead of their one-token update (the verification
-        forward's multi-token recurrences, runner/verify_step.py)."""
+        forward's: their `verify`, runner/verify_step.py)."""
         ops, dev = self.ops, self.embed.device
         counts = [len(t) for t in tokens]
         with self._range("embed+rope"):
