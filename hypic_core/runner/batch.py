@@ -76,6 +76,11 @@ class DecodeBatch:
         """(rows, columns) the K/V buffers hold now."""
         return (self._k[0].shape[0], self._k[0].shape[2]) if self._k else (0, 0)
 
+    @property
+    def layer_counts(self) -> tuple[int, int]:
+        """(attention layers, linear layers) the batch holds row buffers for."""
+        return len(self._k), len(self._conv)
+
     def attention_layer(self, j: int) -> KVRows:
         """Attention layer j's K/V row buffers (the batch's own: a decode step writes into them)."""
         return KVRows(self._k[j], self._v[j])

@@ -107,6 +107,16 @@ def test_draft_cost_is_measured_per_batch_size_against_plain_steps():
 
 
 # --- the verification forward against the lean step ------------------------------------------
+def layer_buffers(batch) -> dict[str, list]:
+    """The batch's row buffers by kind, through its public per-layer views: K/V at full capacity, the
+    linear layers' conv and state rows of the running sequences."""
+    n_attn, n_lin = batch.layer_counts
+    kv = [batch.attention_layer(j) for j in range(n_attn)]
+    lin = [batch.linear_layer(p) for p in range(n_lin)]
+    return {"k": [x.keys for x in kv], "v": [x.values for x in kv], "conv": [x.conv for x in lin],
+            "state": [x.state for x in lin]}
+
+
 @pytest.mark.parametrize("family", COVERED)
 def test_verify_equals_token_by_token_and_keeps_exactly_the_prefix(family):
     """Three rows fed 3, 1 and 5 tokens at once: logits equal the lean step fed them one at a time,
@@ -125,7 +135,7 @@ def test_verify_equals_token_by_token_and_keeps_exactly_the_prefix(family):
         assert verify is not None
         verified = verify.verify(runner.batch, fed, [p.position for p in pre])
         verify.commit(runner.batch, verified, kept)
-        got = {name: [b.clone() for b in getattr(runner.batch, name)] for name in ("_k", "_v", "_conv", "_state")}
+        got = {name: [b.clone() for b in bufs] for name, bufs in layer_buffers(runner.batch).items()}
         lengths = list(runner.batch.lengths)
         runner.batch.sync([], {})
         # the reference: the same tokens one step at a time through the lean step, rows dropping out
@@ -144,9 +154,9 @@ def test_verify_equals_token_by_token_and_keeps_exactly_the_prefix(family):
                     assert runner.batch.lengths[i] == lengths[r]
                     for name, bufs in got.items():
                         for j, buf in enumerate(bufs):
-                            mine = buf[r] if name in ("_conv", "_state") else buf[r, :, :lengths[r]]
-                            theirs = getattr(runner.batch, name)[j][i]
-                            theirs = theirs if name in ("_conv", "_state") else theirs[:, :lengths[r]]
+                            mine = buf[r] if name in ("conv", "state") else buf[r, :, :lengths[r]]
+                            theirs = layer_buffers(runner.batch)[name][j][i]
+                            theirs = theirs if name in ("conv", "state") else theirs[:, :lengths[r]]
                             assert torch.allclose(mine.double(), theirs.double(), atol=atol), f"{family} {name}[{j}] row {r}"
         runner.batch.sync([], {})
 
