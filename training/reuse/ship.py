@@ -38,16 +38,20 @@ def curve(records: list[dict], block: int) -> list[dict]:
     for i in range(0, len(records), block):
         part = records[i:i + block]
         mean = lambda k: sum(r[k] for r in part) / len(part)  # noqa: E731
+        gaps = [r["gap"] for r in part if "gap" in r]  # logged since the consistency term (older steps: none)
         rows.append({"steps": f"{part[0]['step']}-{part[-1]['step']}", "loss": mean("loss"), "kl_full": mean("kl_full"),
-                     "kl_composed": mean("kl_composed"), "seconds": mean("seconds")})
+                     "kl_composed": mean("kl_composed"), "gap": sum(gaps) / len(gaps) if gaps else None,
+                     "seconds": mean("seconds")})
     return rows
 
 
 def curve_table(rows: list[dict]) -> str:
-    lines = ["| steps | loss | KL full | KL composed | composed - full | s/step |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| steps | loss | KL full | KL composed | composed - full | gap KL(full \\|\\| composed) | s/step |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        gap = "" if r.get("gap") is None else f"{r['gap']:.4f}"
         lines.append(f"| {r['steps']} | {r['loss']:.4f} | {r['kl_full']:.4f} | {r['kl_composed']:.4f} | "
-                     f"{r['kl_composed'] - r['kl_full']:+.4f} | {r['seconds']:.0f} |")
+                     f"{r['kl_composed'] - r['kl_full']:+.4f} | {gap} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -91,7 +95,9 @@ Recipe (docs/training.md, "Reuse-aware training"): each step one RAG prompt laid
 out (3-8 documents in a random order: the teacher's shipped RAG samples with distractor passages, and
 templated questions over the docstring corpus's training split), run through the student in `full` and
 composed as the engine serves `hypic`; loss on the reply = KL(teacher full || student composed) +
-KL(teacher full || student full); teacher `{card['teacher'] or 'the base itself'}`; AdamW lr {card['lr']}, {card['precision']}.
+KL(teacher full || student full) + c * KL(student full || student composed) (c = {card.get('consistency', 0)} when this
+checkpoint was written; the span: {'the student' + "'" + 's own greedy full reply' if card.get('reply') == 'student' else "the sample's reply"});
+teacher `{card['teacher'] or 'the base itself'}`; AdamW lr {card['lr']}, {card['precision']}.
 
 This checkpoint: step {card['step']}, {hours:.2f} h of training on one thread of an {cpu_name()}
 (2 cores shared with other jobs the whole time, so seconds per step are not a speed measurement).
@@ -100,7 +106,7 @@ Curve (`{run.name}/log.jsonl`; mean per block of steps; one sample per step, so 
 
 {curve_table(curve(records, block))}
 
-Reproduce: `hypic tune --model {card['base']} --teacher {card['teacher']} --data {card.get('data', 'distill')} --out var/reuse-hybrid --minutes N`
+Reproduce: `hypic tune --model {card['base']} --teacher {card['teacher']} --data {card.get('data', 'distill')} --rank {card['rank']} --lr {card['lr']} --consistency {card.get('consistency', 0)} --reply {card.get('reply', 'sample')} --out var/reuse-hybrid --minutes N`
 (a rerun resumes), then `python -m training.reuse.ship var/reuse-hybrid models/{name}`.
 """
     (target / "README.md").write_text(text)
