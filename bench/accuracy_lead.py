@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -94,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--section", default="lead")
     args = ap.parse_args(argv)
     lines = table([parse_row(r) for r in args.row], args.config)
-    command = ".venv/bin/python bench/accuracy_lead.py " + " ".join(f"--row {r}" for r in args.row)
+    command = ".venv/bin/python bench/accuracy_lead.py " + " ".join(f"--row {shlex.quote(r)}" for r in args.row)
+    if args.config != "hypic s=8":
+        command += f" --config {shlex.quote(args.config)}"
     text = "\n".join(lines)
     print(text)
     if args.markdown:

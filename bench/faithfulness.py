@@ -25,6 +25,7 @@ the same numbers for about a third less time; the test checks the two agree).
     .venv/bin/python bench/faithfulness.py --model smollm2-hybrid-135m [--n 1000] [--configs hypic:8 pic-naive:8]
         [--save bench/results/faithfulness_smollm2-hybrid-135m.json]
     .venv/bin/python bench/faithfulness.py --report A.json B.json   # one table of saved runs; B vs A per prompt
+    .venv/bin/python bench/faithfulness.py --report A.json 'tuned (step 496)=B.json'   # LABEL=PATH names a row
 
 Two processes (one torch thread each) share a run: `--n 500 --save a.json` and `--first 500 --save b.json`, then
 `--join a.json b.json --save run.json`.
@@ -240,6 +241,15 @@ def summary(results: dict, config: str) -> dict:
     return out
 
 
+def labelled(arg: str) -> dict:
+    """A saved run from `PATH` or `LABEL=PATH` (the label names its rows instead of the model)."""
+    label, _, path = arg.rpartition("=")
+    res = json.loads(Path(path).read_text())
+    if label:
+        res["label"] = label
+    return res
+
+
 def table(runs: list[dict]) -> list[str]:
     """One row per (run, configuration); then each later run against the first, prompt by prompt (the same
     prompts), for the configurations both ran: identical answers lost and gained, with the exact McNemar p."""
@@ -250,12 +260,12 @@ def table(runs: list[dict]) -> list[str]:
         for config in res["configs"]:
             s = summary(res, config)
             by_class = ", ".join("n/a" if s[f"{c}/{n}"] is None else f"{100 * s[f'{c}/{n}'].mean:.0f}" for c, n in CLASSES)
-            lines.append(f"| {res['model']} | {config} | {s['n']} | {s['identical'].cell('.1f', 100)} | {s['matched'].cell('.1f')} "
+            lines.append(f"| {res.get('label', res['model'])} | {config} | {s['n']} | {s['identical'].cell('.1f', 100)} | {s['matched'].cell('.1f')} "
                          f"| {s['kl_first'].cell('.4f')} | {s['kl_answer'].cell('.4f')} | {by_class} |")
     base = runs[0]
     pairs = [(res, c) for res in runs[1:] for c in res["configs"] if c in base["configs"]]
     if pairs:
-        lines += ["", f"| against {base['model']}, same prompts | config | n | identical: lost / gained | exact McNemar p "
+        lines += ["", f"| against {base.get('label', base['model'])}, same prompts | config | n | identical: lost / gained | exact McNemar p "
                   "| identical, difference in points (95% CI) | answer KL difference (95% CI) |", "|---|---|---:|---|---:|---|---|"]
         for res, config in pairs:
             a, b = _paired_rows(base, res)
@@ -263,7 +273,7 @@ def table(runs: list[dict]) -> list[str]:
             gained = sum(y[config]["identical"] and not x[config]["identical"] for x, y in zip(a, b))
             diff = paired_bootstrap_ci([float(y[config]["identical"]) for y in b], [float(x[config]["identical"]) for x in a])
             kld = paired_bootstrap_ci([y[config]["kl_answer"] for y in b], [x[config]["kl_answer"] for x in a])
-            lines.append(f"| {res['model']} | {config} | {len(a)} | {lost} / {gained} | {mcnemar_exact(lost, gained):.3g} "
+            lines.append(f"| {res.get('label', res['model'])} | {config} | {len(a)} | {lost} / {gained} | {mcnemar_exact(lost, gained):.3g} "
                          f"| {diff.cell('+.1f', 100)} | {kld.cell('+.4f')} |")
     return lines
 
@@ -332,14 +342,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--first", type=int, default=0, help="start at this prompt (a share of the run for a second process)")
     ap.add_argument("--join", nargs="+", default=None, help="--save files of shares (--first) that tile the prompts: "
                     "one run, written to --save")
-    ap.add_argument("--report", nargs="+", default=None, help="print the table of saved runs instead of running")
+    ap.add_argument("--report", nargs="+", default=None, help="print the table of saved runs (PATH or LABEL=PATH) instead of running")
     return ap
 
 
 def main() -> None:
     args = parser().parse_args()
     if args.report:
-        runs = [json.loads(Path(p).read_text()) for p in args.report]
+        runs = [labelled(p) for p in args.report]
     elif args.join:
         runs = [join([json.loads(Path(p).read_text()) for p in args.join])]
         if args.save:

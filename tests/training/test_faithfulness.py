@@ -127,6 +127,16 @@ def test_decoded_answers_agree_with_the_forced_reading_and_the_table_adds_up(tin
     assert "| hypic-tiny | hypic:100000 | 6 | 0 / 0 | 1 |" in "\n".join(lines)  # a run against itself: nothing lost
 
 
+def test_a_saved_run_is_reported_under_its_label(tiny_run, tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(tiny_run))
+    plain, named = faith.labelled(str(path)), faith.labelled(f"tuned (step 7)={path}")
+    assert "label" not in plain and named["label"] == "tuned (step 7)" and named["rows"] == plain["rows"]
+    text = "\n".join(faith.table([plain, named]))
+    assert "| tuned (step 7) | pic-naive:0 | 6 |" in text and "| hypic-tiny | pic-naive:0 | 6 |" in text
+    assert "| tuned (step 7) | hypic:100000 | 6 | 0 / 0 | 1 |" in text  # the pair's row carries the label too
+
+
 def test_the_release_card_reads_back_as_the_guard_reads_it(tiny_run, tmp_path):
     from app.service.guard import load_release
 
