@@ -425,7 +425,7 @@ class Health(_Open):
     status: Literal["ok"]
     guard: dict | None = Field(None, description="The accuracy guard's state (docs/api.md, accuracy guard); null until loaded.")
     kernels: dict | None = Field(None, description="The native decode kernels of this process: state (loaded, unavailable, "
-                                "not loaded), variant, best_variant, library, sha256, reason (why torch's ops run).")
+                                "not loaded), variant, best_variant, pinned (HYPIC_KERNEL_VARIANT), library, sha256, reason (why torch's ops run).")
 
 
 class Ready(_Open):

@@ -22,10 +22,10 @@ sha256 against its manifest) and loaded from the checked bytes. `native()` retur
 reason logged once as a warning, when no variant can be built or loaded (no compiler and nothing
 prebuilt, an untrusted directory, missing symbols); the caller then runs torch's ops.
 `kernel_status()` says which variant runs, from where, with which digest, or why none does
-(/health shows it).
+(/health shows it). `HYPIC_KERNEL_VARIANT` pins a variant instead of the best (`pinned_variant()`).
 
 Public: `NativeMatmul` (linear, add_rmsnorm, silu_mul, attend, mamba2; `variant`, `sha256`, `path`),
-`native()`, `build()`, `kernel_status()`, `reference()`, `quantize_int8()`, `to_bf16()`, `cpu_reason()`.
+`native()`, `build()`, `kernel_status()`, `pinned_variant()`, `reference()`, `quantize_int8()`, `to_bf16()`, `cpu_reason()`.
 """
 
 from __future__ import annotations
@@ -199,14 +199,28 @@ def build(compiler: str | None = None, directory: Path | None = None, variant: s
     return kernels
 
 
+VARIANT_ENV = "HYPIC_KERNEL_VARIANT"
+
+
+def pinned_variant() -> str | None:
+    """The variant $HYPIC_KERNEL_VARIANT pins (one of `library.BY_NAME`), or None: the best this CPU runs.
+    Pinning one variant on every replica makes the decode step's native sums run in the same order on CPUs
+    of different widths; it also measures a narrower build (avx2, generic) on a wider CPU."""
+    return os.environ.get(VARIANT_ENV, "").strip() or None
+
+
 def native(compiler: str | None = None) -> NativeMatmul | None:
-    """The kernels of this process (built or loaded on first use), or None when they cannot be had here:
-    the reason is then logged once as a warning and the caller runs torch's ops instead. Never raises."""
-    name = compiler or _compiler() or ""
+    """The kernels of this process (built or loaded on first use; the variant `pinned_variant()`, else the
+    best this CPU runs), or None when they cannot be had here: the reason is then logged once as a warning
+    and the caller runs torch's ops instead. Never raises."""
+    variant = pinned_variant()
+    name = (compiler or _compiler() or "") + ("@" + variant if variant else "")
     with _lock:
         if name not in _built:
             try:
-                _built[name] = got = build(compiler)
+                if variant is not None and variant not in library.BY_NAME:
+                    raise RuntimeError(f"{VARIANT_ENV}={variant!r} names no kernel variant; one of {', '.join(library.BY_NAME)}")
+                _built[name] = got = build(compiler, variant=variant)
                 log.info("decode kernels: variant %s (sha256 %s) from %s", got.variant, got.sha256[:16], got.path)
             except Exception as exc:  # noqa: BLE001 - whatever fails (OSError, a missing symbol), torch runs
                 log.warning("decode kernels unavailable, torch's ops run instead: %s", exc)
@@ -217,13 +231,13 @@ def native(compiler: str | None = None) -> NativeMatmul | None:
 
 def kernel_status() -> dict:
     """What /health shows: {"state": "loaded" | "unavailable" | "loading" | "not loaded", "variant",
-    "best_variant", "library", "sha256", "reason"} for this process's kernels (`native()`); "not loaded"
+    "best_variant", "pinned" ($HYPIC_KERNEL_VARIANT or None), "library", "sha256", "reason"} for this process's kernels (`native()`); "not loaded"
     until a decode step asks for them. Never waits: a build in progress (holding the lock) reads as
     "loading"."""
     got = list(_built.values())  # a snapshot under the GIL; _lock may be held by a build for seconds
     kernels = next((k for k in got if isinstance(k, NativeMatmul)), None)
-    status = {"state": "not loaded", "variant": None, "best_variant": library.pick().name, "library": None,
-              "sha256": None, "reason": None}
+    status = {"state": "not loaded", "variant": None, "best_variant": library.pick().name, "pinned": pinned_variant(),
+              "library": None, "sha256": None, "reason": None}
     if kernels is not None:
         status.update(state="loaded", variant=kernels.variant, library=str(kernels.path), sha256=kernels.sha256)
     elif got:

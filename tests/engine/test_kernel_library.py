@@ -131,6 +131,25 @@ def test_the_process_kernels_are_the_best_variant_and_status_says_so():
     assert status["sha256"] == manifest["sha256"] and manifest["size"] == Path(status["library"]).stat().st_size
 
 
+@needs_cxx
+def test_a_pinned_variant_is_loaded_instead_of_the_best_and_a_bad_one_is_named(built, monkeypatch):
+    monkeypatch.setenv("HYPIC_KERNELS_DIR", str(built))
+    monkeypatch.setattr(decode_matmul, "_built", {})
+    monkeypatch.setenv(decode_matmul.VARIANT_ENV, "generic")  # runs on every CPU
+    kernels = decode_matmul.native()
+    assert kernels is not None and kernels.variant == "generic" and Path(kernels.path).parent.parent == built
+    status = decode_matmul.kernel_status()
+    assert (status["state"], status["variant"], status["pinned"], status["best_variant"]) == ("loaded", "generic", "generic", BEST.name)
+    x, w = torch.randn(3, 64), torch.randn(40, 64)
+    torch.testing.assert_close(kernels.linear(x, w, None), decode_matmul.reference(x, w, None), rtol=1e-5, atol=1e-5)
+
+    monkeypatch.setattr(decode_matmul, "_built", {})
+    monkeypatch.setenv(decode_matmul.VARIANT_ENV, "sse9")
+    assert decode_matmul.native() is None  # torch's ops run; the reason is on /health
+    status = decode_matmul.kernel_status()
+    assert status["state"] == "unavailable" and "HYPIC_KERNEL_VARIANT='sse9' names no kernel variant" in status["reason"]
+
+
 def test_a_check_failure_is_never_loaded(tmp_path):
     """The checks themselves, no library involved: what `verified_bytes` refuses before any dlopen."""
     with pytest.raises(library.Untrusted) as missing:
