@@ -9,7 +9,7 @@ bytes of the weights one step reads (every parameter but the embedding table, wh
 rows; a tied lm_head reads it in full once) at this machine's measured bandwidth (sum of a large
 tensor; a copy is printed too). With `--split`, one profiled run per path splits a step by layer
 kind (torch.profiler record_function ranges: module hooks on the HF path, the step's own ranges
-on the lean one); "other" is what no range covers (embedding, rotary, masks, cache objects, the
+on the lean one and each `--kernel` path); "other" is what no range covers (embedding, rotary, masks, cache objects, the
 Python between modules). Sampling (argmax of the logits) is timed apart.
 
 With `--kernel native [native-f16 native-i8]`, one more path per kernel: the lean step on that op
@@ -229,7 +229,7 @@ def main() -> None:
             kernel_rows.append(f"| {b} | {k} | {ln:.1f} | {kn:.1f} | {ln / kn:.2f}x | {m / kn:.2f}x | {kn / b:.1f} | "
                                f"{1e3 * b / kn:.1f} | {kn / floor_ms:.2f}x | {err:.1e} |")
         if args.split and b in (args.streams[0], args.streams[-1]):
-            for name in ("module", "lean"):
+            for name in ("module", "lean", *(f"lean+{k}" for k in args.kernel)):
                 hooks = ModuleRanges(engine.model, engine.adapter) if name == "module" else None
                 try:
                     times, prof = run(engines[name], caches[name], positions, min(args.steps, 8), profile=True)
