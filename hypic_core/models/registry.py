@@ -62,9 +62,16 @@ class KnownModel:
     prompt: dict[str, str] = field(default_factory=dict)
     # builds the checkpoint directory from what `locate` found (into the given target directory)
     build: Callable[[Path, Path, Callable[[str], None] | None], Path] | None = None
+    # what is missing that `install` cannot fetch (None: nothing; installing is the way)
+    missing: Callable[[], str | None] | None = None
 
     def available(self) -> bool:
         return self.locate() is not None
+
+    def how_to_get(self) -> str:
+        """What to do where this machine lacks the model: what `install` cannot fetch, else the install command."""
+        reason = self.missing() if self.missing is not None else None
+        return reason or f"install it with: {self.install}"
 
 
 def _bundled() -> Path | None:
@@ -116,6 +123,22 @@ def _reuse_adapter(name: str) -> Callable[[], Path | None]:
         return path if ok and base.available() else None
 
     return locate
+
+
+def _reuse_missing(name: str) -> Callable[[], str | None]:
+    """`missing` of a reuse-tuned named model: its adapter, which no package holds (training ships it)."""
+
+    def missing() -> str | None:
+        from .loader import ADAPTER_CARD, ADAPTER_FILE
+
+        path = REPO_ROOT / "models" / name
+        if (path / ADAPTER_FILE).is_file() and (path / ADAPTER_CARD).is_file():
+            return None
+        return (f"its reuse adapter is not shipped yet ({path.relative_to(REPO_ROOT)}/{ADAPTER_FILE}); train one with "
+                f"`hypic tune --model {REUSE_BASES[name]} --out DIR` (docs/training.md) and serve "
+                f"'{REUSE_BASES[name]}+DIR/adapter'")
+
+    return missing
 
 
 def _build_reuse(adapter_dir: Path, target: Path, progress: Callable[[str], None] | None = None) -> Path:
@@ -182,6 +205,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
         install="hypic models install smollm2-hybrid-135m-reuse",
         prompt=SMOLLM2_PROMPT,
         build=_build_reuse,
+        missing=_reuse_missing("smollm2-hybrid-135m-reuse"),
     ),
     KnownModel(
         "smollm2-135m-instruct-reuse", "llama (dense attention)", "135M",
@@ -190,6 +214,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
         install="hypic models install smollm2-135m-instruct-reuse",
         prompt=SMOLLM2_PROMPT,
         build=_build_reuse,
+        missing=_reuse_missing("smollm2-135m-instruct-reuse"),
     ),
 )}
 # a reuse-tuned named model -> the named model its adapter was trained on
@@ -257,7 +282,7 @@ def resolve(spec: str | Path, cache_dir: Path | None = None, progress: Callable[
         known = KNOWN_MODELS[spec]
         found = known.locate()
         if found is None:
-            raise ModelNotFoundError(f"model {spec!r} is not installed on this machine; install it with: {known.install}")
+            raise ModelNotFoundError(f"model {spec!r} is not available on this machine: {known.how_to_get()}")
         if known.build is not None:
             path = known.build(found, cache_dir / spec, progress)
         elif found.suffix == ".gguf":

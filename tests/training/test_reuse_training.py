@@ -232,6 +232,28 @@ def test_the_reuse_models_are_named_over_their_bases():
         assert KNOWN_MODELS[name].prompt == KNOWN_MODELS[base].prompt  # served with the layout it was trained on
 
 
+def test_a_reuse_model_without_its_adapter_says_to_train_one_not_to_install(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+    from hypic_core.models import registry
+
+    monkeypatch.setattr(registry, "REPO_ROOT", tmp_path)  # no models/<name>/ adapters here
+    (tmp_path / "models" / "smollm2-hybrid-135m-reuse").mkdir(parents=True)
+    (tmp_path / "models" / "smollm2-hybrid-135m-reuse" / "adapter.json").write_text("{}")  # a card without its factors
+    for name, base in registry.REUSE_BASES.items():
+        known = registry.KNOWN_MODELS[name]
+        assert not known.available()
+        hint = known.how_to_get()
+        assert f"models/{name}/adapter.safetensors" in hint and f"hypic tune --model {base}" in hint, hint
+        with pytest.raises(registry.ModelNotFoundError, match="reuse adapter is not shipped"):
+            registry.resolve(name, cache_dir=tmp_path / "cache")
+    listing = CliRunner().invoke(cli, ["models"], env={"COLUMNS": "400"})
+    assert listing.exit_code == 0 and "not shipped yet" in listing.output and "no: install it with: hypic models install smollm2-135m-instruct-reuse" not in listing.output
+    # a model that installing does give keeps its install command
+    assert registry.KNOWN_MODELS["hypic-tiny"].how_to_get().startswith("install it with: ")
+
+
 def test_hypic_tune_trains_on_the_ingested_documents_resumes_and_its_adapter_loads(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
