@@ -304,3 +304,32 @@ def test_hypic_tune_names_an_index_that_is_not_one(tmp_path):
     res = CliRunner().invoke(cli, ["tune", "--model", "hypic-tiny", "--out", str(tmp_path / "run"), "--index-dir", str(tmp_path)])
     assert res.exit_code == 2
     assert "not an index" in " ".join(res.output.replace("│", " ").split())  # the message, unwrapped from its box
+
+
+def test_shipping_a_continued_run_keeps_the_curve_of_the_steps_logged_elsewhere(tmp_path):
+    """A run continued from the shipped adapter (`hypic tune --init`) logs only its own steps: the model card's
+    curve keeps the blocks the model directory held for the steps before them."""
+    from training.reuse.ship import CURVE_FILE, ship
+
+    run, target = tmp_path / "run", tmp_path / "model"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter.safetensors").write_bytes(b"factors")
+    card = {"base": "b", "teacher": "t", "rank": 4, "seam": 8, "step": 8, "cursor": 8, "train_seconds": 7200.0,
+            "lr": 3e-4, "precision": "fp32", "consistency": 10.0, "reply": "student", "data": "distill"}
+    (run / "adapter" / "adapter.json").write_text(json.dumps(card))
+    (run / "log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1 * s, "kl_full": 0.01 * s, "kl_composed": 0.02 * s,
+                                                       "gap": 0.001 * s, "seconds": 10.0}) + "\n" for s in (5, 6, 7, 8)))
+    target.mkdir()
+    (target / "README.md").write_text(
+        "# old card\n\n| steps | loss | KL full | KL composed | composed - full | gap KL(full \\|\\| composed) | s/step |\n"
+        "|---|---:|---:|---:|---:|---:|---:|\n| 1-2 | 0.5000 | 0.2000 | 0.3000 | +0.1000 |  | 80 |\n"
+        "| 3-4 | 0.4000 | 0.1500 | 0.2000 | +0.0500 | 0.0100 | 40 |\n| 5-6 | 0.9 | 0.9 | 0.9 | +0.0 | 0.9 | 9 |\n")
+    ship(run, target, "model")
+    text = (target / "README.md").read_text()
+    steps = [ln.split("|")[1].strip() for ln in text.splitlines() if ln.startswith("| ") and ln.split("|")[1].strip()[:1].isdigit()]
+    assert steps == ["1-2", "3-4", "5-5", "6-6", "7-7", "8-8"]  # the old 5-6 block gives way to the run's own steps
+    assert "| 1-2 | 0.5000 | 0.2000 | 0.3000 | +0.1000 |  | 80 |" in text and "| 3-4 | 0.4000 | 0.1500 | 0.2000 | +0.0500 | 0.0100 | 40 |" in text
+    saved = json.loads((target / CURVE_FILE).read_text())
+    assert [r["steps"] for r in saved] == steps and saved[0]["gap"] is None
+    ship(run, target, "model")  # again: from curve.json, the same card
+    assert (target / "README.md").read_text() == text

@@ -4,7 +4,9 @@
 
 copies `<run>/adapter/` (bf16 LoRA factors, `adapter.json`) into the model's directory and writes
 its README.md: what the run was (base, teacher, rank, seam, steps, training time, CPU) and the curve
-from `<run>/log.jsonl` (`curve`: mean loss and KLs per block of steps).
+from `<run>/log.jsonl` (`curve`: mean loss and KLs per block of steps), after the blocks the directory
+already held for earlier steps (`curve.json`, kept beside the adapter: a run continued elsewhere from the
+shipped adapter logs only its own steps).
 """
 
 from __future__ import annotations
@@ -55,6 +57,36 @@ def curve_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+CURVE_FILE = "curve.json"
+
+
+def prior_curve(target: Path) -> list[dict]:
+    """The curve rows the model's directory already holds (`curve.json`; else its README's curve table): a
+    run continued on another machine from the shipped adapter (`hypic tune --init`) logs only its own steps."""
+    path = Path(target) / CURVE_FILE
+    if path.is_file():
+        return json.loads(path.read_text())
+    readme = Path(target) / "README.md"
+    rows = []
+    if readme.is_file():
+        for line in readme.read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) != 7 or "-" not in cells[0] or not cells[0].replace("-", "").isdigit():
+                continue
+            rows.append({"steps": cells[0], "loss": float(cells[1]), "kl_full": float(cells[2]),
+                         "kl_composed": float(cells[3]), "gap": float(cells[5]) if cells[5] else None,
+                         "seconds": float(cells[6])})
+    return rows
+
+
+def joined_curve(prior: list[dict], rows: list[dict]) -> list[dict]:
+    """`prior`'s blocks that end before `rows`' first step, then `rows`."""
+    if not rows:
+        return prior
+    first = int(rows[0]["steps"].split("-")[0])
+    return [r for r in prior if int(r["steps"].split("-")[-1]) < first] + rows
+
+
 def cpu_name() -> str:
     """The CPU's model name and its wide vector units (from /proc/cpuinfo)."""
     try:
@@ -76,12 +108,13 @@ def ship(run: Path, target: Path, name: str, notes: str = "") -> Path:
     card = json.loads((src / ADAPTER_CARD).read_text())
     records = [r for r in read_log(run / "log.jsonl") if r["step"] <= card["step"]]
     target.mkdir(parents=True, exist_ok=True)
+    rows = joined_curve(prior_curve(target), curve(records, max(1, len(records) // 12)) if records else [])
     for f in (ADAPTER_FILE, ADAPTER_CARD):
         tmp = target / (f + ".tmp")
         shutil.copyfile(src / f, tmp)
         tmp.chmod(0o644)
         tmp.replace(target / f)
-    block = max(1, len(records) // 12)
+    (target / CURVE_FILE).write_text(json.dumps(rows, indent=1))
     hours = card["train_seconds"] / 3600
     text = f"""# {name}
 
@@ -102,9 +135,10 @@ teacher `{card['teacher'] or 'the base itself'}`; AdamW lr {card['lr']}, {card['
 This checkpoint: step {card['step']}, {hours:.2f} h of training on one thread of an {cpu_name()}
 (2 cores shared with other jobs the whole time, so seconds per step are not a speed measurement).
 {notes}
-Curve (`{run.name}/log.jsonl`; mean per block of steps; one sample per step, so single blocks are noisy):
+Curve (`{run.name}/log.jsonl`, and `{CURVE_FILE}` here for steps logged on an earlier machine; mean per block of
+steps; one sample per step, so single blocks are noisy):
 
-{curve_table(curve(records, block))}
+{curve_table(rows)}
 
 Reproduce: `hypic tune --model {card['base']} --teacher {card['teacher']} --data {card.get('data', 'distill')} --rank {card['rank']} --lr {card['lr']} --consistency {card.get('consistency', 0)} --reply {card.get('reply', 'sample')} --out var/reuse-hybrid --minutes N`
 (a rerun resumes), then `python -m training.reuse.ship var/reuse-hybrid models/{name}`.
