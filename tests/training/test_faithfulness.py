@@ -174,3 +174,21 @@ def test_shares_of_a_run_join_in_prompt_order(tiny_run):
         faith.join([a, dict(b, first=3)])
     with pytest.raises(SystemExit, match="different runs"):
         faith.join([a, dict(b, seed=1)])
+
+
+def test_the_reuse_curve_reads_each_checkpoints_saved_runs(tmp_path):
+    curve = load_script("bench_reuse_curve", ROOT / "bench" / "reuse_curve.py")
+    faith = {"rows": [{"hypic:8": {"identical": i < 3}} for i in range(8)]}
+    acc = {"rows": {"full": [{"id": f"q{i}", "acc": i < 5, "answer": f"a{i}"} for i in range(10)],
+                    "hypic s=8": [{"id": f"q{i}", "acc": i < 4, "answer": f"a{i}" if i % 2 else "other"} for i in range(10)]}}
+    (tmp_path / "f.json").write_text(json.dumps(faith))
+    (tmp_path / "a.json").write_text(json.dumps(acc))
+    p = curve.point(f"120={tmp_path / 'f.json'},{tmp_path / 'a.json'}")
+    share = stats.wilson_interval(3, 8)
+    assert (p["step"], p["n"], p["identical"], p["low"], p["high"]) == (120, 8, share.mean, share.low, share.high)
+    assert (p["full_correct"], p["hypic_correct"], p["questions"], p["same_answer"]) == (5, 4, 10, 0.5)
+    assert "questions" not in curve.point(f"0={tmp_path / 'f.json'}")
+    with pytest.raises(ValueError, match="STEP=FAITHFULNESS_JSON"):
+        curve.point(str(tmp_path / "f.json"))
+    curve.plot([p, curve.point(f"0={tmp_path / 'f.json'}")], tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
