@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 RESULTS = ROOT / "bench" / "results"
 PAGE = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
@@ -61,6 +62,15 @@ def _answers(config: str) -> Callable[[dict], str]:
     return lambda d: f"{answered(d['rows'][config])}/{len(d['rows'][config])}"
 
 
+def _identical(d: dict, config: str = "hypic:8") -> str:
+    """bench/faithfulness.py's share of answers identical to `full`'s, with its Wilson 95% interval."""
+    from stats import wilson_interval
+
+    same = [bool(r[config]["identical"]) for r in d["rows"]]
+    share = wilson_interval(sum(same), len(same))
+    return f"{100 * share.mean:.1f}% of {len(same)} ({100 * share.low:.1f}-{100 * share.high:.1f})"
+
+
 def _rates(d: dict) -> str:
     rate = d["sustainable_rate"]
     return f"{rate['hypic']} req/s hypic, {rate['full']} req/s full"
@@ -98,6 +108,25 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("answers-dense-hypic", "The same 84 questions, smollm2-135m-instruct, `hypic` seam 8",
              "accuracy_real_smollm2-135m-instruct_zero_cost.json", _answers("hypic s=8"), "the same run", "2026-12-06",
              f"{CPU}, 2 processes"),
+    Headline("answers-reuse-full", "The same 84 questions, smollm2-hybrid-135m-reuse (the hybrid tuned for reuse, served by name), `full`",
+             "accuracy_real_smollm2-hybrid-135m-reuse.json", _answers("full"),
+             ".venv/bin/python bench/accuracy_real.py --model smollm2-hybrid-135m-reuse --n 84 --seams 8 --no-prefix --threads 1 "
+             "--no-write --save bench/results/accuracy_real_smollm2-hybrid-135m-reuse.json", "2026-12-07",
+             "Intel Xeon (Sapphire Rapids class), 1 torch thread, beside other jobs"),
+    Headline("answers-reuse-hypic", "The same 84 questions, smollm2-hybrid-135m-reuse, `hypic` seam 8",
+             "accuracy_real_smollm2-hybrid-135m-reuse.json", _answers("hypic s=8"), "the same run", "2026-12-07",
+             "Intel Xeon (Sapphire Rapids class), 1 torch thread, beside other jobs"),
+    Headline("faithful-hybrid", "Held-out RAG prompts whose 32-token `hypic` answer is `full`'s word for word (Wilson 95%), "
+             "smollm2-hybrid-135m (untuned)", "faithfulness_smollm2-hybrid-135m.json", _identical,
+             ".venv/bin/python bench/faithfulness.py --model smollm2-hybrid-135m --forced --max-minutes 23 "
+             "--save bench/results/faithfulness_smollm2-hybrid-135m.json", "2026-12-07",
+             "Intel Xeon (Sapphire Rapids class), 1 torch thread, beside other jobs"),
+    Headline("faithful-reuse", "The same measure, smollm2-hybrid-135m-reuse",
+             "faithfulness_smollm2-hybrid-135m-reuse.json", _identical,
+             ".venv/bin/python bench/faithfulness.py --model smollm2-hybrid-135m-reuse --n 85 --forced --max-minutes 30 "
+             "--threads 1 --save bench/results/faithfulness_smollm2-hybrid-135m-reuse.json "
+             "--card models/smollm2-hybrid-135m-reuse/faithfulness.json", "2026-12-07",
+             "Intel Xeon (Sapphire Rapids class), 1 torch thread, beside other jobs"),
     Headline("serving-rate", "Sustainable rate (p95 TTFT <= 10 s), Poisson arrivals, 31M-parameter bench hybrid, 10 x 512-token chunks",
              "serve_results.json", _rates,
              ".venv/bin/python bench/serve.py --model /tmp/bench-model --corpus-size 1000 --rates 0.05 0.1 0.2 0.4 0.8 1.6 "
@@ -144,6 +173,9 @@ def render_readme_block() -> str:
         f"- Answers on 84 real questions: {n['answers-hybrid-full']} with `full`, {n['answers-hybrid-hypic']} with `hypic` "
         f"(the dense teacher: {n['answers-dense-full']} and {n['answers-dense-hypic']}); reuse still costs answers "
         "([accuracy](docs/accuracy.md)).",
+        f"- Tuned for reuse (`smollm2-hybrid-135m-reuse`, served by name): {n['answers-reuse-full']} with `full`, "
+        f"{n['answers-reuse-hypic']} with `hypic`; its `hypic` answer is `full`'s word for word on "
+        f"{n['faithful-reuse'].split(' (')[0]} held-out prompts (untuned: {n['faithful-hybrid'].split(' (')[0]}).",
         f"- Serving a 31M bench hybrid on 2 cores: {n['serving-rate']} within a 10 s p95 TTFT.",
         f"- First serve (`scripts/serve` with an empty index to `/ready`, then the first question above in `hypic`): "
         f"{n['first-serve']}.",
