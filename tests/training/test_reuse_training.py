@@ -313,7 +313,11 @@ def test_shipping_a_continued_run_keeps_the_curve_of_the_steps_logged_elsewhere(
 
     run, target = tmp_path / "run", tmp_path / "model"
     (run / "adapter").mkdir(parents=True)
-    (run / "adapter" / "adapter.safetensors").write_bytes(b"factors")
+    from safetensors.torch import save_file
+
+    save_file({f"model.layers.{i}.{m}.{p}.lora_{s}": torch.zeros(2, 2) for i, m, p in
+               ((0, "self_attn", "v_proj"), (0, "self_attn", "q_proj"), (1, "mamba", "out_proj"), (1, "mamba", "in_proj"))
+               for s in ("down", "up")}, str(run / "adapter" / "adapter.safetensors"))
     card = {"base": "b", "teacher": "t", "rank": 4, "seam": 8, "step": 8, "cursor": 8, "train_seconds": 7200.0,
             "lr": 3e-4, "precision": "fp32", "consistency": 10.0, "reply": "student", "data": "distill"}
     (run / "adapter" / "adapter.json").write_text(json.dumps(card))
@@ -328,6 +332,8 @@ def test_shipping_a_continued_run_keeps_the_curve_of_the_steps_logged_elsewhere(
     text = (target / "README.md").read_text()
     steps = [ln.split("|")[1].strip() for ln in text.splitlines() if ln.startswith("| ") and ln.split("|")[1].strip()[:1].isdigit()]
     assert steps == ["1-2", "3-4", "5-5", "6-6", "7-7", "8-8"]  # the old 5-6 block gives way to the run's own steps
+    assert "LoRA (rank 4) on every attention layer's q, v projections and every Mamba2 mixer's in, out projections" in text
+    assert "hypic tune --model b --teacher t --data distill" in text and "--out var/run " in text
     assert "| 1-2 | 0.5000 | 0.2000 | 0.3000 | +0.1000 |  | 80 |" in text and "| 3-4 | 0.4000 | 0.1500 | 0.2000 | +0.0500 | 0.0100 | 40 |" in text
     saved = json.loads((target / CURVE_FILE).read_text())
     assert [r["steps"] for r in saved] == steps and saved[0]["gap"] is None

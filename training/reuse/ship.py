@@ -87,6 +87,26 @@ def joined_curve(prior: list[dict], rows: list[dict]) -> list[dict]:
     return [r for r in prior if int(r["steps"].split("-")[-1]) < first] + rows
 
 
+ORDER = ("q", "k", "v", "o", "in", "out")
+
+
+def targets(adapter: Path) -> str:
+    """Which projections an adapter file's factors sit on, in words (from its tensor names)."""
+    from safetensors import safe_open
+
+    with safe_open(str(adapter), "pt") as f:
+        names = {k.rsplit(".", 1)[0] for k in f.keys()}  # model.layers.3.self_attn.q_proj
+    kinds = [("self_attn", "every attention layer's {}"), ("mamba", "every Mamba2 mixer's {}"),
+             ("linear_attn", "every Gated DeltaNet mixer's {}")]
+    parts = []
+    for key, words in kinds:
+        projs = sorted({n.rsplit(".", 1)[1].removesuffix("_proj") for n in names if f".{key}." in n},
+                       key=lambda p: (ORDER.index(p) if p in ORDER else len(ORDER), p))
+        if projs:
+            parts.append(words.format(", ".join(projs) + " projections"))
+    return " and ".join(parts) or "its projections"
+
+
 def cpu_name() -> str:
     """The CPU's model name and its wide vector units (from /proc/cpuinfo)."""
     try:
@@ -116,10 +136,10 @@ def ship(run: Path, target: Path, name: str, notes: str = "") -> Path:
         tmp.replace(target / f)
     (target / CURVE_FILE).write_text(json.dumps(rows, indent=1))
     hours = card["train_seconds"] / 3600
+    teacher = f" --teacher {card['teacher']}" if card.get("teacher") else ""
     text = f"""# {name}
 
-`{card['base']}` with a reuse adapter: LoRA (rank {card['rank']}) on every attention layer's q, k, v, o
-and every Mamba2 mixer's in/out projection, trained so that `hypic` reuse (documents computed alone,
+`{card['base']}` with a reuse adapter: LoRA (rank {card['rank']}) on {targets(target / ADAPTER_FILE)}, trained so that `hypic` reuse (documents computed alone,
 seam {card['seam']}) keeps the answer `full` prefill gives. Served by name (`hypic serve --model {name}`):
 the base is built as usual and the factors in `{ADAPTER_FILE}` (bf16) are merged into its weights once
 (hypic_core/models/loader.py `write_adapted`), so the served checkpoint keeps the base's layout.
@@ -140,8 +160,9 @@ steps; one sample per step, so single blocks are noisy):
 
 {curve_table(rows)}
 
-Reproduce: `hypic tune --model {card['base']} --teacher {card['teacher']} --data {card.get('data', 'distill')} --rank {card['rank']} --lr {card['lr']} --consistency {card.get('consistency', 0)} --reply {card.get('reply', 'sample')} --out var/reuse-hybrid --minutes N`
-(a rerun resumes), then `python -m training.reuse.ship var/reuse-hybrid models/{name}`.
+Reproduce: `hypic tune --model {card['base']}{teacher} --data {card.get('data', 'distill')} --rank {card['rank']} --lr {card['lr']} --consistency {card.get('consistency', 0)} --reply {card.get('reply', 'sample')} --out var/{run.name} --minutes N`
+(a rerun resumes; on a machine without that folder add `--init models/{name}` to continue this adapter), then
+`python -m training.reuse.ship var/{run.name} models/{name}`.
 """
     (target / "README.md").write_text(text)
     return target
