@@ -154,7 +154,7 @@ teacher `{card['teacher'] or 'the base itself'}`; AdamW lr {card['lr']}, {card['
 
 This checkpoint: step {card['step']}, {hours:.2f} h of training on one thread of an {cpu_name()}
 (2 cores shared with other jobs the whole time, so seconds per step are not a speed measurement).
-{notes}
+{notes + chr(10) if notes else ""}
 Curve (`{run.name}/log.jsonl`, and `{CURVE_FILE}` here for steps logged on an earlier machine; mean per block of
 steps; one sample per step, so single blocks are noisy):
 
