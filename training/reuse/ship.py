@@ -128,7 +128,7 @@ def ship(run: Path, target: Path, name: str, notes: str = "") -> Path:
     card = json.loads((src / ADAPTER_CARD).read_text())
     records = [r for r in read_log(run / "log.jsonl") if r["step"] <= card["step"]]
     target.mkdir(parents=True, exist_ok=True)
-    rows = joined_curve(prior_curve(target), curve(records, max(1, len(records) // 12)) if records else [])
+    rows = joined_curve(prior_curve(target), curve(records, max(1, len(records) // 12)))  # no records: no rows
     for f in (ADAPTER_FILE, ADAPTER_CARD):
         tmp = target / (f + ".tmp")
         shutil.copyfile(src / f, tmp)
