@@ -22,3 +22,7 @@ class InvalidRequestError(HypicError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """The assembled prompt (plus requested generation) exceeds the model's context."""
+
+
+class EngineBusyError(HypicError):
+    """An engine already has a driver (a gateway's engine thread) and another one tried to claim it."""

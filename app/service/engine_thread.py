@@ -7,6 +7,10 @@ engine thread calls `Engine.step()` while the engine has work and routes each `S
 its stream through `loop.call_soon_threadsafe`; it never waits for a slow client. Scheduling,
 batching and chunked prefill all live in the engine (hypic_core/engine/scheduler.py).
 
+The engine thread claims its engine (`attach`, `Engine.driver`) and frees it when it stops: a
+second gateway over the same engine fails to load with a message saying so, where its steps
+would otherwise take this one's outputs and drop them (a request that never answers).
+
 Closing a stream early (client disconnect, cancelled task) fires its `AbortHandle`: the engine
 drops the request at its next step and frees its slot.
 
@@ -151,8 +155,22 @@ class EngineThread:
         self._engine: Engine | None = None
         self._idle: IdleTask | None = None
         self._closed = False
+        self._started = time.strftime("%H:%M:%S")
         self._thread = threading.Thread(target=self._loop, name="hypic-engine", daemon=True)
         self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"the engine thread of a gateway started at {self._started}"
+
+    def attach(self, engine: Engine) -> None:
+        """Claim `engine` for this thread (`Engine.driver`; raises EngineBusyError while another gateway's
+        thread holds it); it is freed when this thread stops (`close`). Idempotent."""
+        if self._engine is engine:
+            return
+        engine.driver.claim(self)
+        if self._engine is not None:
+            self._engine.driver.release(self)
+        self._engine = engine
 
     @property
     def alive(self) -> bool:
@@ -178,8 +196,8 @@ class EngineThread:
             if len(self._routes) >= self.capacity:
                 self.metrics.rejected.inc()
                 raise QueueFullError(self.capacity)
+            self.attach(engine)
             seq = engine.add_request(request, abort=stream.abort)
-            self._engine = engine
             self._routes[seq.request_id] = _Route(stream, route, contextvars.copy_context(), engine.eos_ids, tenant=tenant)
             self._publish()
             self._wake.notify()
@@ -190,8 +208,8 @@ class EngineThread:
         `capacity`; `deliver(output)` is called on the engine thread for each of its outputs."""
         abort = AbortHandle()
         with self._lock:
+            self.attach(engine)
             seq = engine.add_request(request, abort=abort)
-            self._engine = engine
             self._internal[seq.request_id] = (abort, deliver)
             self._wake.notify()
 
@@ -219,6 +237,14 @@ class EngineThread:
 
     # --- engine thread ------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:  # stopped (closed, or a bug escaped): another gateway may drive the engine now
+            with self._lock:
+                if self._engine is not None:
+                    self._engine.driver.release(self)
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 while (not self._closed and not self._routes and not self._internal and not self._idle_work()

@@ -159,6 +159,7 @@ class Runtime:
             else:
                 stage = "loading the given engine"
                 engine = _resolve(self._engine_source)
+            self.engine_thread.attach(engine)  # before its limits change: another gateway's engine is refused here
             engine.set_limits(self.settings.max_running, self.settings.max_step_tokens, self.settings.running_budget_bytes)
             stage = f"opening index {self.settings.index_dir}"
             index = load_index(self.settings) if self._index_source is None else _resolve(self._index_source)

@@ -16,7 +16,10 @@ schedule -> execute -> update:
 
 One thread should drive `step()` (the gateway's worker does); `generate()` drives it for a
 caller that has no such thread, and several callers may use it at once. Model calls are
-serialised by the step lock.
+serialised by the step lock. A driver that routes `step()`'s outputs by request id (the gateway's
+engine thread) claims the engine first (`engine.driver.claim`): a second one stepping the same
+engine would take the first one's outputs and drop them, so its claim is refused until the first
+one releases it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from .output import OutputProcessor, eos_ids, move_cursors
 from .plan import CostModel, looks_up
 from .recompute import request_heads
 from .scheduler import Scheduler, SchedulerConfig
+from .driver import DriverClaim
 from .sequence import AbortHandle, PrefillProgress, PrefillStats, Sequence, Status, StepOutput, validate
 from .speculation import SpeculationStats, Speculator
 
@@ -76,6 +80,7 @@ class Engine:
         self.kv_bytes_per_token, self.state_bytes, state_elements = self.runner.footprint()
         self.max_positions = self.adapter.max_positions
         self._lock = threading.RLock()  # one step (one set of model calls) at a time
+        self.driver = DriverClaim(model_id)  # who steps this engine and routes its outputs (a gateway's engine thread)
         # Cold entries: on a prefill pool's replicas (hypic_core/prefill_pool) when there is one, else here.
         self.pool = prefill_pool
         if prefill_pool is not None:  # a pool that splits segments computes entries of another name

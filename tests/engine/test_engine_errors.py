@@ -8,7 +8,7 @@ import engines
 from helpers import random_segments
 from hypic_core.config import GenerationRequest, SamplingParams
 from hypic_core.engine.engine import Engine
-from hypic_core.errors import InvalidRequestError, PromptTooLongError, UnsupportedArchitectureError
+from hypic_core.errors import EngineBusyError, InvalidRequestError, PromptTooLongError, UnsupportedArchitectureError
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +72,20 @@ def test_loader_refuses_unsupported_checkpoint_before_reading_weights(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "recurrent_gemma"}')
     with pytest.raises(UnsupportedArchitectureError, match="recurrent_gemma.*position_ids == 0"):
         load_local(tmp_path)
+
+
+def test_a_second_driver_is_refused_until_the_first_releases(engine):
+    """Two drivers routing `step()`'s outputs would drop each other's: the second claim is refused."""
+    first, second = object(), object()
+    engine.driver.claim(first)
+    try:
+        engine.driver.claim(first)  # again: nothing
+        with pytest.raises(EngineBusyError, match="already driven by .*one gateway serves an engine at a time"):
+            engine.driver.claim(second)
+        engine.driver.release(second)  # holds nothing: frees nothing
+        assert engine.driver.holder is first
+    finally:
+        engine.driver.release(first)
+    engine.driver.claim(second)
+    engine.driver.release(second)
+    assert engine.driver.holder is None

@@ -22,29 +22,33 @@ EVIL = "http://evil.example"
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_tokenizer):
-    with gateways.engine(tiny_tokenizer) as engine:
-        yield engine
+def make_engine(tiny_tokenizer):
+    """Makes a tiny engine for each gateway: the module-scoped gateways below stay up while the tests
+    start others, and an engine serves one gateway at a time (Engine.driver)."""
+    def make():
+        with gateways.engine(tiny_tokenizer) as engine:
+            return engine
+    return make
 
 
-def start(engine, root, **overrides) -> LiveServer:
-    live = LiveServer(gateways.app(root, engine, **overrides)).start()
+def start(make_engine, root, **overrides) -> LiveServer:
+    live = LiveServer(gateways.app(root, make_engine(), **overrides)).start()
     live.wait_ready()
     return live
 
 
 @pytest.fixture(scope="module")
-def server(engine, tmp_path_factory):
+def server(make_engine, tmp_path_factory):
     """No API key (the default), one allowed browser origin, short deadlines, few headers."""
-    live = start(engine, tmp_path_factory.mktemp("connections"), cors_origins=[UI], header_timeout_s=1.0, body_timeout_s=1.0,
+    live = start(make_engine, tmp_path_factory.mktemp("connections"), cors_origins=[UI], header_timeout_s=1.0, body_timeout_s=1.0,
                  max_headers=30, max_header_bytes=4096)
     yield live
     live.stop()
 
 
 @pytest.fixture(scope="module")
-def keyed(engine, tmp_path_factory):
-    live = start(engine, tmp_path_factory.mktemp("connections-key"), api_key="sekret")
+def keyed(make_engine, tmp_path_factory):
+    live = start(make_engine, tmp_path_factory.mktemp("connections-key"), api_key="sekret")
     yield live
     live.stop()
 
@@ -71,8 +75,8 @@ def test_unlisted_host_is_refused_but_probes_answer_any_host(server):
         assert httpx.get(f"{server.url}{probe}", headers={"Host": "10.1.2.3:8000"}).status_code == 200
 
 
-def test_allowed_hosts_setting(engine, tmp_path):
-    live = start(engine, tmp_path, allowed_hosts=["api.example.com", "*.internal.example"])
+def test_allowed_hosts_setting(make_engine, tmp_path):
+    live = start(make_engine, tmp_path, allowed_hosts=["api.example.com", "*.internal.example"])
     try:
         for host, status in [("api.example.com", 200), ("a.internal.example:8000", 200), ("localhost", 200),
                              ("internal.example", 400), ("api.example.com.evil.example", 400)]:
@@ -228,11 +232,11 @@ def test_a_stalled_body_gets_408(server):
     assert not document_exists(server, "sl")
 
 
-def test_a_trickling_body_gets_408_at_its_deadline(engine, tmp_path):
+def test_a_trickling_body_gets_408_at_its_deadline(make_engine, tmp_path):
     """A byte every 0.3 s never trips the idle deadline (1 s); before, nothing else bounded it
     (a byte every 5-20 s held the connection for as long as the client liked). Now the whole
     body must arrive within body_deadline_s (1.5 s here) of the head."""
-    live = start(engine, tmp_path, body_timeout_s=1.0, body_deadline_s=1.5)
+    live = start(make_engine, tmp_path, body_timeout_s=1.0, body_deadline_s=1.5)
     try:
         head = b"POST /documents HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
         started = time.monotonic()

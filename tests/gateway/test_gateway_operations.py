@@ -46,9 +46,12 @@ def empty_index(tmp_path) -> VectorIndex:
 
 
 @pytest.fixture(scope="module")
-def server(engine, tmp_path_factory):
+def server(tiny_tokenizer, tmp_path_factory):
+    """A gateway over an engine of its own: the tests below serve `engine` from gateways of their own
+    while this one is up (an engine has one gateway at a time: Engine.driver)."""
     root = tmp_path_factory.mktemp("gateway-ops")
-    with gateways.served(gateways.app(root, engine, max_running=2, max_queue=1, max_body_bytes=4096, retry_after_s=3)) as live:
+    with gateways.engine(tiny_tokenizer, stop_at_eos=False) as own, \
+            gateways.served(gateways.app(root, own, max_running=2, max_queue=1, max_body_bytes=4096, retry_after_s=3)) as live:
         yield live
 
 
@@ -197,6 +200,21 @@ def test_ready_is_503_until_loaded(engine, tmp_path):
         live.wait_ready(timeout=10)
         assert httpx.get(f"{live.url}/ready").json()["status"] == "ready"
         assert httpx.post(f"{live.url}/query", json={"question": "now", "max_tokens": 2}, timeout=30).status_code == 200
+
+
+def test_an_engine_serves_one_gateway_at_a_time(engine, tmp_path):
+    """A second gateway over an engine another one serves fails to load, saying why (its steps would
+    take the first one's outputs and drop them); once the first is closed, the engine is free."""
+    with LiveServer(create_app(settings_for(tmp_path / "a"), engine=engine, index=empty_index(tmp_path / "a"))) as first:
+        first.wait_ready()
+        with LiveServer(create_app(settings_for(tmp_path / "b"), engine=engine, index=empty_index(tmp_path / "b"))) as second:
+            wait_for(lambda: httpx.get(f"{second.url}/ready").json()["status"] == "failed")
+            ready = httpx.get(f"{second.url}/ready")
+            assert ready.status_code == 503 and "already driven by the engine thread of a gateway" in ready.json()["error"]
+        assert httpx.post(f"{first.url}/query", json={"question": "still mine", "max_tokens": 2}, timeout=30).status_code == 200
+    with LiveServer(create_app(settings_for(tmp_path / "c"), engine=engine, index=empty_index(tmp_path / "c"))) as third:
+        third.wait_ready()
+        assert httpx.post(f"{third.url}/query", json={"question": "free again", "max_tokens": 2}, timeout=30).status_code == 200
 
 
 def test_failed_loading_is_reported_by_ready(tmp_path):
