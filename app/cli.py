@@ -45,7 +45,7 @@ def serve_command(
     host: Annotated[str | None, typer.Option(help="Bind address (default: HYPIC_HOST or 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: HYPIC_PORT or 8000).")] = None,
     model: Annotated[str | None, typer.Option(help="A named model (see `hypic models`), a checkpoint directory, a .gguf "
-                                                   "file or a cached hub id (default: HYPIC_MODEL or smollm2-hybrid-135m, "
+                                                   "file or a cached hub id (default: HYPIC_MODEL or smollm2-hybrid-135m-reuse, "
                                                    "on the demo corpus; hypic-tiny: the toy model on its world).")] = None,
 ) -> None:
     """Start the gateway with uvicorn; every other setting comes from HYPIC_* variables or .env.

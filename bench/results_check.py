@@ -90,13 +90,13 @@ HEADLINES: tuple[Headline, ...] = (
              "ladder_ttft_84.json", _ratio("smollm2-hybrid-135m", "hypic s=8"), LADDER, "2026-12-06", QUIET),
     Headline("warm-dense", "Warm TTFT, `full` / `hypic` (seam 8), smollm2-135m-instruct (dense), same workload",
              "ladder_ttft_84.json", _ratio("smollm2-135m-instruct", "hypic s=8"), LADDER, "2026-12-06", QUIET),
-    Headline("answers-hybrid-full", "84 real questions (data/real_qa) answered right, smollm2-hybrid-135m, `full`",
+    Headline("answers-hybrid-full", "84 real questions (data/real_qa) answered right, smollm2-hybrid-135m (untuned), `full`",
              "accuracy_real_smollm2-hybrid-135m_zero_cost.json", _answers("full"),
              ".venv/bin/python bench/accuracy_real.py --model smollm2-hybrid-135m --n 84 --seams --naive-seams --no-prefix "
              "--variants 8+p 8~0.9q 8~0.9q+p --raw accuracy_real_smollm2-hybrid-135m_zero_cost.json "
              "--merge bench/results/accuracy_real_smollm2-hybrid-135m_r12.json 'hypic s=8' --max-tokens 32",
              "2026-12-06", f"{CPU}, 2 processes"),
-    Headline("answers-hybrid-hypic", "The same 84 questions, smollm2-hybrid-135m, `hypic` seam 8 (the default)",
+    Headline("answers-hybrid-hypic", "The same 84 questions, smollm2-hybrid-135m, `hypic` seam 8 (the default seam)",
              "accuracy_real_smollm2-hybrid-135m_zero_cost.json", _answers("hypic s=8"), "the same run", "2026-12-06",
              f"{CPU}, 2 processes"),
     Headline("answers-dense-full", "The same 84 questions, smollm2-135m-instruct (the hybrid's dense teacher), `full`",
@@ -108,7 +108,7 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("answers-dense-hypic", "The same 84 questions, smollm2-135m-instruct, `hypic` seam 8",
              "accuracy_real_smollm2-135m-instruct_zero_cost.json", _answers("hypic s=8"), "the same run", "2026-12-06",
              f"{CPU}, 2 processes"),
-    Headline("answers-reuse-full", "The same 84 questions, smollm2-hybrid-135m-reuse (the hybrid tuned for reuse, served by name), `full`",
+    Headline("answers-reuse-full", "The same 84 questions, smollm2-hybrid-135m-reuse (the default: the hybrid tuned for reuse), `full`",
              "accuracy_real_smollm2-hybrid-135m-reuse.json", _answers("full"),
              ".venv/bin/python bench/accuracy_real.py --model smollm2-hybrid-135m-reuse --n 84 --seams 8 --no-prefix --threads 1 "
              "--no-write --save bench/results/accuracy_real_smollm2-hybrid-135m-reuse.json", "2026-12-07",
@@ -170,12 +170,12 @@ def render_readme_block() -> str:
         BEGIN,
         f"- Warm `hypic` reaches the first token {n['warm-hybrid'].split(' ')[0]} sooner than `full` on smollm2-hybrid-135m "
         f"({n['warm-dense'].split(' ')[0]} on its dense teacher), six 300-token chunks, one CPU thread.",
-        f"- Answers on 84 real questions: {n['answers-hybrid-full']} with `full`, {n['answers-hybrid-hypic']} with `hypic` "
-        f"(the dense teacher: {n['answers-dense-full']} and {n['answers-dense-hypic']}); reuse still costs answers "
-        "([accuracy](docs/accuracy.md)).",
-        f"- Tuned for reuse (`smollm2-hybrid-135m-reuse`, served by name): {n['answers-reuse-full']} with `full`, "
-        f"{n['answers-reuse-hypic']} with `hypic`; its `hypic` answer is `full`'s word for word on "
-        f"{n['faithful-reuse'].split(' (')[0]} held-out prompts (untuned: {n['faithful-hybrid'].split(' (')[0]}).",
+        f"- Answers on 84 real questions, the default model (`smollm2-hybrid-135m-reuse`, the hybrid tuned for reuse): "
+        f"{n['answers-reuse-full']} with `full`, {n['answers-reuse-hypic']} with `hypic`; its `hypic` answer is `full`'s "
+        f"word for word on {n['faithful-reuse'].split(' (')[0]} held-out prompts (untuned: "
+        f"{n['faithful-hybrid'].split(' (')[0]}) ([accuracy](docs/accuracy.md)).",
+        f"- The untuned hybrid (`smollm2-hybrid-135m`): {n['answers-hybrid-full']} with `full`, {n['answers-hybrid-hypic']} "
+        f"with `hypic` (its dense teacher: {n['answers-dense-full']} and {n['answers-dense-hypic']}); reuse costs it answers.",
         f"- Serving a 31M bench hybrid on 2 cores: {n['serving-rate']} within a 10 s p95 TTFT.",
         f"- First serve (`scripts/serve` with an empty index to `/ready`, then the first question above in `hypic`): "
         f"{n['first-serve']}.",

@@ -3,7 +3,7 @@
 #   1. builds the images (gateway, redis) on a local base image (docker/build-base.sh), no registry needed;
 #   2. starts the stack with Compose: `ingest` ingests a documents directory (the demo corpus, the project's
 #      own docs, mounted the way your own documents are), then the gateway serves the image's default model
-#      (the real-language hybrid smollm2-hybrid-135m, assembled into the volume on first start);
+#      (the real-language hybrid tuned for reuse, smollm2-hybrid-135m-reuse, assembled into the volume on first start);
 #   3. waits for the gateway's healthcheck, asks POST /query a question of README.md and checks that the
 #      answer is real English naming what README.md says (EXPECTED), with sources, and that the native decode
 #      kernels built into the image ran it (the gateway's log and GET /health: no fallback to torch's ops);

@@ -8,7 +8,7 @@ import re
 
 from helpers import ROOT, load_script
 
-from app.service.settings import DEMO_CORPUS_PATH, TINY_CORPUS_PATH
+from app.service.settings import DEFAULT_MODEL, DEMO_CORPUS_PATH, TINY_CORPUS_PATH
 from retrieval.formats import parse_jsonl
 
 builder = load_script("docs_corpus", ROOT / "data" / "docs_corpus.py")
@@ -54,7 +54,7 @@ def test_hypic_demo_asks_its_questions_of_the_world_they_name(monkeypatch, tmp_p
     from app.cli import demo_settings
     from app.demo import demo_questions
 
-    monkeypatch.setenv("HYPIC_MODEL", "smollm2-hybrid-135m")  # the default model, whose demo corpus is the FAQ
+    monkeypatch.setenv("HYPIC_MODEL", DEFAULT_MODEL)  # whose demo corpus is the FAQ
     settings = demo_settings()
     assert str(settings.corpus_path) == TINY_CORPUS_PATH
     ids = {json.loads(line)["id"] for line in (ROOT / settings.corpus_path).read_text().splitlines()}

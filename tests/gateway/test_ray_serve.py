@@ -365,10 +365,10 @@ def test_replicas_share_the_redis_tier(served):
 def test_settings_travel_with_absolute_paths_and_the_same_seeding(tmp_path, monkeypatch):
     from app.serve_ray.deployments import absolute
     from app.service.runtime import corpus_to_seed
-    from app.service.settings import Settings
+    from app.service.settings import DEFAULT_MODEL, Settings
 
     monkeypatch.chdir(tmp_path)
-    default = absolute(Settings(_env_file=None, model="smollm2-hybrid-135m"))
+    default = absolute(Settings(_env_file=None, model=DEFAULT_MODEL))
     assert default.index_dir == tmp_path / "data" / "index" and default.cache_dir == tmp_path / "data" / "cache"
     assert corpus_to_seed(default) == tmp_path / "data" / "docs_corpus.jsonl"  # the demo corpus still seeds the default index
     tiny = absolute(Settings(_env_file=None, model="hypic-tiny"))

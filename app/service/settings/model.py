@@ -9,17 +9,18 @@ from pydantic import Field, model_validator
 
 from .base import AreaSettings
 
-# The model `hypic serve` and scripts/serve serve when none is named. Once the reuse-tuned
-# checkpoint lands (training/reuse/), switching to it is this one line: "smollm2-hybrid-135m-reuse".
-DEFAULT_MODEL = "smollm2-hybrid-135m"
+# The model `hypic serve` and scripts/serve serve when none is named: the real-language hybrid with
+# its shipped reuse adapter (training/reuse/) merged on load; "smollm2-hybrid-135m" is it untuned.
+DEFAULT_MODEL = "smollm2-hybrid-135m-reuse"
 
 
 class ModelSettings(AreaSettings):
     """Which model the gateway serves and how it runs."""
 
     model: str = Field(DEFAULT_MODEL, description="A named model (`hypic models`), a checkpoint directory, a .gguf file, "
-                       "or a hub id in the local Hugging Face cache. Default: smollm2-hybrid-135m, the real-language "
-                       "hybrid; hypic-tiny is the test suite's toy model.")
+                       "or a hub id in the local Hugging Face cache. Default: smollm2-hybrid-135m-reuse, the real-language "
+                       "hybrid tuned so that reuse keeps full's answers (smollm2-hybrid-135m: untuned); hypic-tiny is "
+                       "the test suite's toy model.")
     model_path: str | None = Field(None, description="Former name of `model` (HYPIC_MODEL_PATH), still read when `model` is unset.")
     model_name: str | None = Field(None, description="Name served on /v1/models; default: the named model, directory or file name.")
     models_dir: Path | None = Field(None, description="Where converted (.gguf) models are kept; default ~/.cache/hypic/models.")
