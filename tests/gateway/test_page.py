@@ -12,7 +12,7 @@ One gateway for the module: the bundled model (models/hypic-tiny), its synthetic
   cited. Skipped only when /usr/bin/chromium is absent and HYPIC_REQUIRE_BROWSER is unset
   (.ci/run sets it and installs the browser).
 
-`python tests/gateway/test_page.py --model smollm2-hybrid-135m --out docs/page.png` drives the
+`python tests/gateway/test_page.py --model smollm2-hybrid-135m-reuse --out docs/page.png` drives the
 same page to a screenshot (see `main`).
 """
 
