@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from accuracy_real import continuation_logits, kl, mean_kl, prompt_segments  # noqa: E402
-from stats import mcnemar_exact, paired_bootstrap_ci, wilson_interval  # noqa: E402
+from stats import identical_share, mcnemar_exact, paired_bootstrap_ci  # noqa: E402
 from harness import cpu_name  # noqa: E402
 
 DOCS = ROOT / "bench" / "data" / "faithfulness_docs.jsonl.gz"
@@ -234,7 +234,7 @@ def summary(results: dict, config: str) -> dict:
     out = {"n": len(rows)}
     for key in ("identical", "matched", "kl_first", "kl_answer"):
         out[key] = paired_bootstrap_ci([float(r[config][key]) for r in rows])
-    out["identical_wilson"] = wilson_interval(sum(r[config]["identical"] for r in rows), len(rows))
+    out["identical_wilson"] = identical_share(rows, config)[1]
     for source, length in CLASSES:
         part = [r[config]["identical"] for r in rows if (r["source"], r["length"]) == (source, length)]
         out[f"{source}/{length}"] = paired_bootstrap_ci([float(x) for x in part]) if part else None

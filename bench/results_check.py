@@ -64,11 +64,10 @@ def _answers(config: str) -> Callable[[dict], str]:
 
 def _identical(d: dict, config: str = "hypic:8") -> str:
     """bench/faithfulness.py's share of answers identical to `full`'s, with its Wilson 95% interval."""
-    from stats import wilson_interval
+    from stats import identical_share
 
-    same = [bool(r[config]["identical"]) for r in d["rows"]]
-    share = wilson_interval(sum(same), len(same))
-    return f"{100 * share.mean:.1f}% of {len(same)} ({100 * share.low:.1f}-{100 * share.high:.1f})"
+    n, share = identical_share(d["rows"], config)
+    return f"{100 * share.mean:.1f}% of {n} ({100 * share.low:.1f}-{100 * share.high:.1f})"
 
 
 def _rates(d: dict) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from stats import wilson_interval  # noqa: E402
+from stats import identical_share  # noqa: E402
 
 
 def point(spec: str, faith_config: str = "hypic:8", acc_config: str = "hypic s=8") -> dict:
@@ -33,11 +33,11 @@ def point(spec: str, faith_config: str = "hypic:8", acc_config: str = "hypic s=8
         raise ValueError(f"a point is STEP=FAITHFULNESS_JSON[,ACCURACY_JSON], got {spec!r}")
     faith_path, _, acc_path = files.partition(",")
     faith = json.loads(Path(faith_path).read_text())
-    same = [bool(r[faith_config]["identical"]) for r in faith["rows"] if faith_config in r]
-    if not same:
-        raise ValueError(f"{faith_path}: no rows of {faith_config!r}")
-    share = wilson_interval(sum(same), len(same))
-    out = {"step": int(step), "n": len(same), "identical": share.mean, "low": share.low, "high": share.high}
+    try:
+        n, share = identical_share(faith["rows"], faith_config)
+    except ValueError as exc:
+        raise ValueError(f"{faith_path}: {exc}") from None
+    out = {"step": int(step), "n": n, "identical": share.mean, "low": share.low, "high": share.high}
     if acc_path:
         acc = json.loads(Path(acc_path).read_text())
         full = {r["id"]: r for r in acc["rows"]["full"]}

@@ -86,6 +86,15 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> Interval:
     return Interval(*guard_wilson(successes, n, z))
 
 
+def identical_share(rows: Sequence[dict], config: str = "hypic:8") -> tuple[int, Interval]:
+    """bench/faithfulness.py's rows: how many ran `config` (rows without it are left out), and the share
+    whose answer is `full`'s word for word with its Wilson 95% interval. Raises ValueError when none ran it."""
+    same = [bool(r[config]["identical"]) for r in rows if config in r]
+    if not same:
+        raise ValueError(f"no rows of {config!r}")
+    return len(same), wilson_interval(sum(same), len(same))
+
+
 def _differences(a: Sequence[float], b: Sequence[float] | None) -> list[float]:
     a = [float(v) for v in a]
     if not a:

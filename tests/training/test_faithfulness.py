@@ -50,6 +50,10 @@ def test_paired_bootstrap_matches_its_plain_twin_and_brackets_the_mean():
             stats.paired_bootstrap_ci(*bad)
     w = stats.wilson_interval(19, 20)
     assert w.low < 0.95 < w.high and w.high < 1.0 and stats.wilson_interval(20, 20).high == 1.0
+    rows = [{"hypic:8": {"identical": i < 3}} for i in range(8)] + [{"other": {"identical": True}}]
+    assert stats.identical_share(rows) == (8, stats.wilson_interval(3, 8))  # the row without the config is left out
+    with pytest.raises(ValueError, match="no rows of 'full'"):
+        stats.identical_share(rows, "full")
 
 
 # --- the prompts ------------------------------------------------------------------------------
