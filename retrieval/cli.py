@@ -86,7 +86,7 @@ def ingest_command(
     paths: Annotated[list[Path], typer.Argument(help="Files (.txt, .md, .rst, .html, .jsonl, each optionally .gz) or directories to ingest.")],
     index_dir: Annotated[Path | None, typer.Option("--index-dir", help="Index directory, created if missing (default: HYPIC_INDEX_DIR or data/index).")] = None,
     embedder: Annotated[str | None, typer.Option("--embedder", help="minilm, hashing, hashing-DIM, or a model directory (default: HYPIC_EMBEDDER or minilm).")] = None,
-    model: Annotated[str | None, typer.Option("--model", help="The serving model, whose tokenizer and context size chunks follow (default: HYPIC_MODEL or hypic-tiny).")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="The serving model, whose tokenizer and context size chunks follow (default: HYPIC_MODEL, else the gateway's default model).")] = None,
     tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="Tokenizer directory for chunk sizes (default: the serving model's).")] = None,
     target_tokens: Annotated[int | None, typer.Option("--target-tokens", help="Chunk size to aim for, in tokens (default: min(384, a quarter of the model's context)).")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Hard limit on a chunk's tokens (default: 4/3 of the target).")] = None,
