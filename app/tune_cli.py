@@ -50,16 +50,27 @@ def gateway_layout(model_name: str, tokenizer, context: int = 8192):
     return build
 
 
-def index_texts(index_dir: Path) -> list[str]:
+def index_texts(index_dir: Path, configured: str = "minilm") -> list[str]:
     """Every chunk's text in the gateway's index at `index_dir` (what the user ingested), opened
-    with the embedder it was built with (its manifest names it)."""
+    with the embedder it was built with: the one its manifest names, else the gateway's `configured`
+    one (HYPIC_EMBEDDER: a model directory's manifest holds only the directory's name)."""
     from retrieval.embedder import load_embedder
+    from retrieval.errors import RetrievalError
     from retrieval.index import MANIFEST_NAME, Manifest, VectorIndex
 
     if not (Path(index_dir) / MANIFEST_NAME).is_file():
         raise typer.BadParameter(f"{index_dir} is not an index (no {MANIFEST_NAME}); ingest documents first (hypic ingest)",
                                  param_hint="--index-dir")
-    index = VectorIndex(index_dir, load_embedder(Manifest.read(Path(index_dir) / MANIFEST_NAME).embedder))
+    recorded = Manifest.read(Path(index_dir) / MANIFEST_NAME).embedder
+    try:
+        try:
+            embedder = load_embedder(recorded)
+        except RetrievalError:
+            embedder = load_embedder(configured)
+        index = VectorIndex(index_dir, embedder)
+    except RetrievalError as exc:
+        raise typer.BadParameter(f"cannot open the index at {index_dir} (built with embedder {recorded!r}): {exc}",
+                                 param_hint="--index-dir") from exc
     texts = [c.text for d in index.list_documents() for c in index.chunks(d.document_id)]
     if not texts:
         raise typer.BadParameter(f"the index at {index_dir} holds no documents; ingest some first (hypic ingest)", param_hint="--index-dir")
@@ -123,7 +134,7 @@ def tune_command(
                       consistency=consistency, reply=reply, sources={"data": data})
     eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>",) if t in tok.get_vocab()]
     trainer = Trainer(cfg, student, teacher_model, eos=[e for e in eos if e is not None])
-    corpus = [t for _, t in D.training_documents()] if data != "index" else index_texts(index_dir or settings.index_dir)
+    corpus = [t for _, t in D.training_documents()] if data != "index" else index_texts(index_dir or settings.index_dir, settings.embedder)
     texts = D.passages(corpus, lo=30, hi=90) if data != "index" else corpus
     if data == "distill":
         weights = (0.7, 0.3)

@@ -230,8 +230,10 @@ def _pooling_mode(path: Path) -> str:
 
 def load_embedder(spec: str, **kwargs: Any) -> Embedder:
     """Build an embedder from a CLI-style spec: "minilm", "hashing" or "hashing-<dim>", or a
-    model directory path. Raises `InvalidInputError` for anything else."""
-    if spec == "minilm":
+    model directory path; also from the name an index's manifest records for the bundled ones
+    (`MINILM_NAME`, "hashing-<dim>"), so an index can be reopened from its manifest. Raises
+    `InvalidInputError` for anything else."""
+    if spec in ("minilm", MINILM_NAME):
         return MiniLMEmbedder(**kwargs)
     if spec == "hashing":
         return HashingEmbedder()

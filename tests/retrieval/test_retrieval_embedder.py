@@ -90,6 +90,7 @@ def test_hashing_embedder_is_deterministic_unit_and_lexical():
 def test_load_embedder_specs(tmp_path):
     assert load_embedder("hashing").dim == 256
     assert load_embedder("hashing-32").name == "hashing-32"
+    assert load_embedder(MiniLMEmbedder().name).name == "all-MiniLM-L6-v2"  # the name an index's manifest records
     with pytest.raises(InvalidInputError, match="unknown embedder"):
         load_embedder("bert-large")
     with pytest.raises(InvalidInputError, match="not a model directory"):

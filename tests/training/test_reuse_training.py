@@ -269,8 +269,9 @@ def test_hypic_tune_trains_on_the_ingested_documents_resumes_and_its_adapter_loa
         (docs / f"d{i}.txt").write_text(f"{city} is a city on the river {river}. It was founded long ago by traders.\n\n"
                                         f"The people of {city} fish in the {river} and sell what they catch.\n")
     runner = CliRunner()
-    ingest = runner.invoke(cli, ["ingest", str(docs), "--index-dir", str(tmp_path / "index"), "--embedder", "hashing",
-                                 "--model", "hypic-tiny"])
+    # the default embedder, as a user's index has it: its manifest records "all-MiniLM-L6-v2", which
+    # tune reopens the index with (it once refused that name)
+    ingest = runner.invoke(cli, ["ingest", str(docs), "--index-dir", str(tmp_path / "index"), "--model", "hypic-tiny"])
     assert ingest.exit_code == 0, ingest.output
     out = tmp_path / "run"
     args = ["tune", "--model", "hypic-tiny", "--out", str(out), "--index-dir", str(tmp_path / "index"), "--rank", "4",
