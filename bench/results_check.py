@@ -107,10 +107,10 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("answers-dense-hypic", "The same 84 questions, smollm2-135m-instruct, `hypic` seam 8",
              "accuracy_real_smollm2-135m-instruct_zero_cost.json", _answers("hypic s=8"), "the same run", "2026-12-06",
              f"{CPU}, 2 processes"),
-    Headline("answers-reuse-full", "The same 84 questions, smollm2-hybrid-135m-reuse (the default: the hybrid tuned for reuse), `full`",
+    Headline("answers-reuse-full", "The same 84 questions, smollm2-hybrid-135m-reuse (the default: the hybrid tuned for reuse, step 1139), `full`",
              "accuracy_real_smollm2-hybrid-135m-reuse.json", _answers("full"),
-             ".venv/bin/python bench/accuracy_real.py --model smollm2-hybrid-135m-reuse --n 84 --seams 8 --no-prefix --threads 1 "
-             "--no-write --save bench/results/accuracy_real_smollm2-hybrid-135m-reuse.json", "2026-12-07",
+             ".venv/bin/python bench/accuracy_real.py --model smollm2-hybrid-135m-reuse --n 84 --seams 8 --naive-seams --no-prefix "
+             "--threads 1 --no-write --save bench/results/accuracy_real_smollm2-hybrid-135m-reuse.json", "2026-12-07",
              "Intel Xeon (Sapphire Rapids class), 1 torch thread, beside other jobs"),
     Headline("answers-reuse-hypic", "The same 84 questions, smollm2-hybrid-135m-reuse, `hypic` seam 8",
              "accuracy_real_smollm2-hybrid-135m-reuse.json", _answers("hypic s=8"), "the same run", "2026-12-07",
@@ -120,7 +120,7 @@ HEADLINES: tuple[Headline, ...] = (
              ".venv/bin/python bench/faithfulness.py --model smollm2-hybrid-135m --forced --max-minutes 23 "
              "--save bench/results/faithfulness_smollm2-hybrid-135m.json", "2026-12-07",
              "Intel Xeon (Sapphire Rapids class), 1 torch thread, beside other jobs"),
-    Headline("faithful-reuse", "The same measure, smollm2-hybrid-135m-reuse",
+    Headline("faithful-reuse", "The same measure, smollm2-hybrid-135m-reuse (step 1139)",
              "faithfulness_smollm2-hybrid-135m-reuse.json", _identical,
              ".venv/bin/python bench/faithfulness.py --model smollm2-hybrid-135m-reuse --n 85 --forced --max-minutes 30 "
              "--threads 1 --save bench/results/faithfulness_smollm2-hybrid-135m-reuse.json "
