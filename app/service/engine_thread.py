@@ -165,6 +165,14 @@ class EngineThread:
     def attach(self, engine: Engine) -> None:
         """Claim `engine` for this thread (`Engine.driver`; raises EngineBusyError while another gateway's
         thread holds it); it is freed when this thread stops (`close`). Idempotent."""
+        with self._lock:
+            self._attach(engine)
+
+    def _attach(self, engine: Engine) -> None:
+        """`attach`, under `_lock`: so a claim lands either before the thread stops (which frees it)
+        or not at all (a closed thread claims nothing: RuntimeError)."""
+        if self._closed:
+            raise RuntimeError("the engine thread is closed: the gateway is shutting down")
         if self._engine is engine:
             return
         engine.driver.claim(self)
@@ -196,7 +204,7 @@ class EngineThread:
             if len(self._routes) >= self.capacity:
                 self.metrics.rejected.inc()
                 raise QueueFullError(self.capacity)
-            self.attach(engine)
+            self._attach(engine)
             seq = engine.add_request(request, abort=stream.abort)
             self._routes[seq.request_id] = _Route(stream, route, contextvars.copy_context(), engine.eos_ids, tenant=tenant)
             self._publish()
@@ -208,7 +216,7 @@ class EngineThread:
         `capacity`; `deliver(output)` is called on the engine thread for each of its outputs."""
         abort = AbortHandle()
         with self._lock:
-            self.attach(engine)
+            self._attach(engine)
             seq = engine.add_request(request, abort=abort)
             self._internal[seq.request_id] = (abort, deliver)
             self._wake.notify()

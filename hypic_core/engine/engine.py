@@ -39,6 +39,7 @@ from ..cache.store import MemorySegmentStore, SegmentStore
 from ..config import EngineConfig, GenerationRequest
 from ..runner.model_runner import ModelRunner
 from .cache_manager import CacheManager, EntryLookup
+from .driver import DriverClaim
 from .entry_builder import builder_for
 from .executor import Executor
 from .lookups import Lookups
@@ -46,7 +47,6 @@ from .output import OutputProcessor, eos_ids, move_cursors
 from .plan import CostModel, looks_up
 from .recompute import request_heads
 from .scheduler import Scheduler, SchedulerConfig
-from .driver import DriverClaim
 from .sequence import AbortHandle, PrefillProgress, PrefillStats, Sequence, Status, StepOutput, validate
 from .speculation import SpeculationStats, Speculator
 

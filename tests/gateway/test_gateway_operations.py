@@ -217,6 +217,20 @@ def test_an_engine_serves_one_gateway_at_a_time(engine, tmp_path):
         assert httpx.post(f"{third.url}/query", json={"question": "free again", "max_tokens": 2}, timeout=30).status_code == 200
 
 
+def test_an_engine_thread_frees_its_engine_when_it_stops_and_claims_none_once_closed(engine):
+    from app.service.engine_thread import EngineThread
+    from app.service.metrics import Metrics
+
+    thread = EngineThread(1, 0, Metrics("tiny"))
+    thread.attach(engine)
+    assert engine.driver.holder is thread
+    thread.close()
+    assert engine.driver.holder is None and not thread.alive
+    with pytest.raises(RuntimeError, match="closed"):  # a gateway closed while loading never holds the engine
+        thread.attach(engine)
+    assert engine.driver.holder is None
+
+
 def test_failed_loading_is_reported_by_ready(tmp_path):
     def broken():
         raise OSError("no weights here")
