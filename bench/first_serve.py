@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from harness import cpu_name  # bench/, the script's own folder
+from harness import cpu_name, wait_until_ready  # bench/, the script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "Which port does the gateway listen on?"  # the README's first curl
@@ -53,17 +53,7 @@ def main() -> int:
     result: dict = {}
     try:
         url = f"http://127.0.0.1:{args.port}"
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"scripts/serve exited with {server.returncode}; log: {aside / 'serve.log'}")
-            if time.perf_counter() - started > args.timeout:
-                raise SystemExit(f"not ready after {args.timeout} s; log: {aside / 'serve.log'}")
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_ready(server, url, started, args.timeout, aside / "serve.log")
         ready = time.perf_counter() - started
         reply = httpx.post(f"{url}/query", json={"question": args.question, "mode": "hypic", "max_tokens": args.max_tokens},
                            timeout=args.timeout).json()

@@ -88,3 +88,22 @@ def decode_rows(engine: Engine, caches: Sequence, ranges: bool = False) -> Itera
 def load_average() -> str:
     """The 1-minute load average (other jobs share the CPU: say so beside every number)."""
     return open("/proc/loadavg").read().split()[0]
+
+
+def wait_until_ready(server, url: str, started: float, timeout: float, log: Path) -> None:
+    """Poll `url`/ready until it answers 200, for a gateway started as the subprocess `server` at
+    `started` (a `time.perf_counter()` value). Raises SystemExit naming `log` when the process exits
+    first or `timeout` seconds pass."""
+    import httpx
+
+    while True:
+        if server.poll() is not None:
+            raise SystemExit(f"{' '.join(map(str, server.args))} exited with {server.returncode}; log: {log}")
+        if time.perf_counter() - started > timeout:
+            raise SystemExit(f"not ready after {timeout} s; log: {log}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)

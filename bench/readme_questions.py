@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from harness import cpu_name  # bench/, the script's own folder
+from harness import cpu_name, wait_until_ready  # bench/, the script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,17 +67,7 @@ def main() -> int:
     url, results = f"http://127.0.0.1:{args.port}", []
     try:
         started = time.perf_counter()
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"hypic serve exited with {server.returncode}; log: {work / 'serve.log'}")
-            if time.perf_counter() - started > args.timeout:
-                raise SystemExit(f"not ready after {args.timeout} s; log: {work / 'serve.log'}")
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_ready(server, url, started, args.timeout, work / "serve.log")
         print(f"{args.model}: ready after {time.perf_counter() - started:.0f} s", file=sys.stderr)
         for i, (question, expected) in enumerate(rows, 1):
             row = {"question": question, "expected": expected}
