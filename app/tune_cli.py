@@ -86,6 +86,8 @@ def tune_command(
     minutes: Annotated[float, typer.Option(help="Training time of this run (a rerun continues).")] = 30.0,
     steps: Annotated[int, typer.Option(help="Stop at this many steps in all.")] = 1_000_000,
     rank: Annotated[int, typer.Option(help="LoRA rank.")] = 16,
+    method: Annotated[str, typer.Option(help="lora (low-rank corrections to the attention and mixer projections) or "
+                                             "full (every decoder-layer parameter; a lower --lr, e.g. 1e-5).")] = "lora",
     seam: Annotated[int | None, typer.Option(help="Seam trained for (default: HYPIC_SEAM).")] = None,
     lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW).")] = 1e-4,
     save_minutes: Annotated[float, typer.Option(help="Minutes between checkpoints.")] = 5.0,
@@ -129,7 +131,9 @@ def tune_command(
     layout = gateway_layout(name, tok)
     if reply not in ("student", "sample"):
         raise typer.BadParameter(f"expected student or sample, got {reply!r}", param_hint="--reply")
-    cfg = TrainConfig(model=name, out=str(out), teacher=teacher, rank=rank, seam=settings.seam if seam is None else seam,
+    if method not in ("lora", "full"):
+        raise typer.BadParameter(f"expected lora or full, got {method!r}", param_hint="--method")
+    cfg = TrainConfig(model=name, out=str(out), teacher=teacher, rank=rank, method=method, seam=settings.seam if seam is None else seam,
                       lr=lr, minutes=minutes, steps=steps, save_minutes=save_minutes, seed=seed, precision=precision,
                       consistency=consistency, reply=reply, sources={"data": data})
     eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>",) if t in tok.get_vocab()]
@@ -157,7 +161,7 @@ def tune_command(
         typer.echo(json.dumps(result))
         return
     out.mkdir(parents=True, exist_ok=True)
-    (out / "command.json").write_text(json.dumps({"model": name, "teacher": teacher, "data": data, "rank": rank,
+    (out / "command.json").write_text(json.dumps({"model": name, "teacher": teacher, "data": data, "method": method, "rank": rank,
                                                    "seam": cfg.seam, "lr": lr, "threads": threads, "precision": precision,
                                                    "consistency": consistency, "reply": reply}) + "\n")
     run(trainer, samples, out, on_save=lambda t: export_adapter(t, out / "adapter", {"data": data}), init=init)

@@ -57,8 +57,10 @@ def load_local(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
 
 
 # A reuse adapter (training/reuse, `hypic tune`): LoRA factors per adapted linear, scale folded into
-# `up`, so the merged weight is `W + up @ down`; and a JSON card naming the base model and the run.
+# `up`, so the merged weight is `W + up @ down`, or (full fine-tuning, `--method full`) a delta per
+# parameter, `<parameter>.delta`, added to it; and a JSON card naming the base model and the run.
 ADAPTER_FILE = "adapter.safetensors"
+DELTA = ".delta"
 ADAPTER_CARD = "adapter.json"
 
 
@@ -72,10 +74,18 @@ def adapter_card(adapter_dir: str | Path) -> dict:
 
 def merge_adapter(weights: dict[str, torch.Tensor], factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`weights` (a checkpoint's state dict) with every adapter factor pair merged into its
-    linear's weight (`<linear>.weight += lora_up @ lora_down`, in fp32, then the weight's dtype).
+    linear's weight (`<linear>.weight += lora_up @ lora_down`, in fp32, then the weight's dtype) and
+    every delta of a fully fine-tuned adapter added to its parameter (`<parameter> += <parameter>.delta`).
     Raises HypicError for a factor naming a weight the checkpoint lacks or of another shape."""
     out = dict(weights)
-    names = sorted({k.rsplit(".", 1)[0] for k in factors})
+    for key in sorted(k for k in factors if k.endswith(DELTA)):  # full fine-tuning: the parameter's change
+        name, delta = key[: -len(DELTA)], factors[key]
+        if name not in out:
+            raise HypicError(f"adapter: the checkpoint has no {name}; the adapter was trained for another model")
+        if tuple(delta.shape) != tuple(out[name].shape):
+            raise HypicError(f"adapter: {name} is {tuple(out[name].shape)}, the adapter's delta {tuple(delta.shape)}")
+        out[name] = (out[name].float() + delta.float()).to(out[name].dtype)
+    names = sorted({k.rsplit(".", 1)[0] for k in factors if not k.endswith(DELTA)})
     for name in names:
         down, up = factors.get(f"{name}.lora_down"), factors.get(f"{name}.lora_up")
         key = f"{name}.weight"

@@ -340,3 +340,55 @@ def test_shipping_a_continued_run_keeps_the_curve_of_the_steps_logged_elsewhere(
     assert [r["steps"] for r in saved] == steps and saved[0]["gap"] is None
     ship(run, target, "model")  # again: from curve.json, the same card
     assert (target / "README.md").read_text() == text
+
+
+@pytest.mark.parametrize("family", ["bamba", "llama"])
+def test_full_fine_tuning_lowers_the_loss_and_its_export_merges_into_the_checkpoint(family, tmp_path):
+    """Ladder rung (b): every decoder-layer parameter trained; the base (original weights) is the
+    teacher; the exported deltas, merged by the loader, give the trained model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hypic_core.models.registry import resolve
+    from training.reuse.trainer import export_adapter
+
+    base = tiny_model(family)
+    base.save_pretrained(tmp_path / "base")
+    trainer = Trainer(TrainConfig(model=family, out=str(tmp_path), method="full", seam=0, lr=1e-4, warmup=1),
+                      copy.deepcopy(base))
+    assert not lora.modules(trainer.student), "full fine-tuning attaches no adapter"
+    trained = {id(p) for p in trainer.params}
+    assert all((id(p) in trained) == n.startswith("model.layers.") for n, p in trainer.student.named_parameters())
+    s = sample()
+    before = trainer.evaluate(s)
+    assert before[0] < 1e-9 and before[1] > 1e-4
+    for _ in range(10):
+        trainer.train_step(s)
+    after = trainer.evaluate(s)
+    # composed moves to the teacher; full, which starts on it, stays nearer than composed began
+    assert after[1] < 0.6 * before[1] and after[0] < before[1], (before, after)
+    with trainer.tuning.disabled():  # the original weights inside, the tuned ones back after
+        assert trainer.evaluate(s)[0] < 1e-9
+    assert trainer.evaluate(s) == after
+
+    export_adapter(trainer, tmp_path / "adapter")
+    deltas = load_file(tmp_path / "adapter" / "adapter.safetensors")
+    assert deltas and all(k.endswith(".delta") for k in deltas)
+    assert json.loads((tmp_path / "adapter" / "adapter.json").read_text())["method"] == "full"
+    trainer.tuning.load_state({k: v.float() for k, v in deltas.items()})  # the bf16 deltas the file holds
+    merged = AutoModelForCausalLM.from_pretrained(resolve(f"{tmp_path / 'base'}+{tmp_path / 'adapter'}",
+                                                          cache_dir=tmp_path / "cache").path, dtype=torch.float32).eval()
+    ids = torch.tensor([sample(5).layout.ids])
+    trainer.student.eval()
+    with torch.no_grad():
+        ref, out, untrained = trainer.student(input_ids=ids).logits, merged(input_ids=ids).logits, base(input_ids=ids).logits
+    assert_close(f"{family} merged deltas", ref, out, 1e-4)
+    assert (ref - untrained).abs().max().item() > 1e-3
+
+
+def test_resume_refuses_a_checkpoint_of_another_method(tmp_path):
+    cfg = TrainConfig(model="bamba", out=str(tmp_path), rank=4, seam=2, steps=1, save_minutes=1000)
+    run(Trainer(cfg, tiny_model("bamba")), samples_from, tmp_path, progress=lambda m: None)
+    other = Trainer(TrainConfig(model="bamba", out=str(tmp_path), method="full", rank=4, seam=2, steps=2), tiny_model("bamba"))
+    with pytest.raises(ValueError, match="method"):
+        run(other, samples_from, tmp_path, progress=lambda m: None)

@@ -162,3 +162,28 @@ class disabled:
     def __exit__(self, *exc) -> None:
         for m, s in zip(self.mods, self.scales):
             m.scale = s
+
+
+class LoRATuning:
+    """The trainer's view of LoRA (training/reuse/full.py `FullTuning` is the other): attaches the
+    adapters to `model` (mutates it) and gives the trainable parameters, the checkpoint state, the
+    exported tensors and the adapters-off context."""
+
+    def __init__(self, model: nn.Module, rank: int, seed: int = 0) -> None:
+        self.model = model
+        attach(model, rank, seed=seed)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return parameters(self.model)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return factors(self.model)
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        load_factors(self.model, state)
+
+    def exported(self) -> dict[str, torch.Tensor]:
+        return {k: v.to(torch.bfloat16).contiguous() for k, v in factors(self.model).items()}
+
+    def disabled(self) -> disabled:
+        return disabled(self.model)

@@ -39,6 +39,7 @@ import torch
 from hypic_core.adapters import adapter_for
 
 from . import lora
+from .full import FullTuning
 from .data import Sample
 from .modes import Composer, full_logits
 
@@ -54,7 +55,8 @@ class TrainConfig:
     model: str
     out: str
     teacher: str | None = None
-    rank: int = 16
+    rank: int = 16  # LoRA's; unused with method="full"
+    method: str = "lora"  # or "full": every decoder-layer parameter trained (training/reuse/full.py)
     seam: int = 8
     entry_prefix: tuple[int, ...] = ()
     lr: float = 1e-4
@@ -70,6 +72,8 @@ class TrainConfig:
     sources: dict = field(default_factory=dict)  # what the data was (recorded only)
 
     def __post_init__(self) -> None:
+        if self.method not in ("lora", "full"):
+            raise ValueError(f"method must be lora or full, got {self.method!r}")
         if self.rank < 1:
             raise ValueError(f"rank must be >= 1, got {self.rank}")
         if self.seam < 0:
@@ -129,7 +133,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, student, teacher=None, eos: Sequence[int] = ()) -> None:
         self.config = config
         self.student = student
-        lora.attach(student, config.rank, seed=config.seed)
+        self.tuning = lora.LoRATuning(student, config.rank, config.seed) if config.method == "lora" else FullTuning(student)
         self.teacher = teacher
         if teacher is not None:
             tv, sv = teacher.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0]
@@ -138,7 +142,7 @@ class Trainer:
             for p in teacher.parameters():
                 p.requires_grad_(False)
             teacher.eval()
-        self.params = lora.parameters(student)
+        self.params = self.tuning.parameters()
         self.opt = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
         self.composer = Composer(student, config.seam, config.entry_prefix)
         self.eos = set(int(e) for e in eos)
@@ -151,7 +155,7 @@ class Trainer:
         with torch.no_grad(), self._autocast():
             if self.teacher is not None:
                 return self.teacher(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()
-            with lora.disabled(self.student):
+            with self.tuning.disabled():
                 return self.student(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()
 
     def reply_for(self, sample: Sample) -> tuple[int, ...]:
@@ -165,7 +169,7 @@ class Trainer:
         cache = adapter_for(model).new_cache()
         out: list[int] = []
         base = self.teacher is None and not own  # the student's base is the teacher
-        with torch.no_grad(), self._autocast(), (lora.disabled(self.student) if base else _null()):
+        with torch.no_grad(), self._autocast(), (self.tuning.disabled() if base else _null()):
             logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
             for _ in range(self.config.reply_tokens):
                 tok = int(logits[0, -1].argmax())
@@ -245,7 +249,7 @@ class Trainer:
             rows = []
             for sample in samples:
                 if label == "base":
-                    with lora.disabled(self.student):
+                    with self.tuning.disabled():
                         rows.append(self.evaluate(sample))
                 else:
                     rows.append(self.evaluate(sample))
@@ -255,7 +259,7 @@ class Trainer:
 
     # --- checkpoints ------------------------------------------------------------------------
     def state(self) -> dict:
-        return {"factors": lora.factors(self.student), "opt": self.opt.state_dict(), "step": self.step,
+        return {"factors": self.tuning.state(), "opt": self.opt.state_dict(), "step": self.step,
                 "cursor": self.cursor, "elapsed": self.elapsed, "config": asdict(self.config),
                 "rng": torch.get_rng_state()}
 
@@ -266,11 +270,11 @@ class Trainer:
         """Resume from a checkpoint. Raises ValueError when it was written for another rank or model."""
         blob = torch.load(path, weights_only=False)
         was = blob["config"]
-        for key in ("model", "rank", "teacher"):
-            if was.get(key) != getattr(self.config, key):
+        for key in ("model", "rank", "teacher", "method"):
+            if was.get(key, "lora" if key == "method" else None) != getattr(self.config, key):
                 raise ValueError(f"{path}: written with {key}={was.get(key)!r}, this run has {getattr(self.config, key)!r}; "
                                  "use another --out or the same settings")
-        lora.load_factors(self.student, blob["factors"])
+        self.tuning.load_state(blob["factors"])
         self.opt.load_state_dict(blob["opt"])
         self.step, self.cursor, self.elapsed = blob["step"], blob["cursor"], blob.get("elapsed", 0.0)
         torch.set_rng_state(blob["rng"])
@@ -285,11 +289,11 @@ class Trainer:
         from hypic_core.models.loader import ADAPTER_FILE
 
         card = _adapter_card(adapter_dir)
-        for key, field in (("base", "model"), ("teacher", "teacher"), ("rank", "rank"), ("seam", "seam")):
-            if card.get(key) != getattr(self.config, field):
+        for key, field in (("base", "model"), ("teacher", "teacher"), ("rank", "rank"), ("seam", "seam"), ("method", "method")):
+            if card.get(key, "lora" if key == "method" else None) != getattr(self.config, field):
                 raise ValueError(f"{adapter_dir}: trained with {key}={card.get(key)!r}, this run has "
                                  f"{getattr(self.config, field)!r}")
-        lora.load_factors(self.student, {k: v.float() for k, v in load_file(str(adapter_dir / ADAPTER_FILE)).items()})
+        self.tuning.load_state({k: v.float() for k, v in load_file(str(adapter_dir / ADAPTER_FILE)).items()})
         self.step = int(card["step"])
         self.cursor = int(card.get("cursor", self.step))
         self.elapsed = float(card.get("train_seconds", 0.0))
@@ -369,10 +373,10 @@ def export_adapter(trainer: Trainer, target: Path, card: dict | None = None) -> 
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    factors = {k: v.to(torch.bfloat16).contiguous() for k, v in lora.factors(trainer.student).items()}
+    factors = trainer.tuning.exported()
     save_file(factors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
     (tmp / ADAPTER_FILE).chmod(0o644)
-    info = {"base": trainer.config.model, "teacher": trainer.config.teacher, "rank": trainer.config.rank,
+    info = {"base": trainer.config.model, "teacher": trainer.config.teacher, "method": trainer.config.method, "rank": trainer.config.rank,
             "seam": trainer.config.seam, "step": trainer.step, "cursor": trainer.cursor, "train_seconds": round(trainer.elapsed, 1),
             "lr": trainer.config.lr, "precision": trainer.config.precision, "consistency": trainer.config.consistency,
             "reply": trainer.config.reply, **(card or {})}
