@@ -10,6 +10,16 @@
 #include "hypic_kernels.h"
 #include "simd.h"
 
+// Half- and quarter-width weights stream twice or four times as many rows per instruction as fp32 and
+// the hardware prefetcher alone fell behind them: a decode step's bf16 matmuls, one after another,
+// read 25.6 GB/s where fp32's read 30.4 (the machine's sum bandwidth); a prefetch PREFETCH bytes ahead
+// in each of the 4 streams brought bf16 to ~30 and left fp32 where it was (docs/benchmarks.md).
+constexpr long PREFETCH = 1024;
+template <typename W>
+static inline void prefetch_ahead(const W* p) {
+    if constexpr (sizeof(W) < 4) __builtin_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, 0, 3);
+}
+
 #if defined(HYPIC_AVX512BF16)
 // bf16 weights on AVX512-BF16 (vdpbf16ps): 32 weights per instruction, x rounded to bf16 (to nearest even)
 // 32 at a time as the weights are, products summed in fp32; the tail (n % 32) widens exactly, as elsewhere.
@@ -24,6 +34,7 @@ static inline void block_dpbf16(const float* x, long ldx, const bf16_t* w, long 
         __m512bh xv[RB];
         for (int r = 0; r < RB; r++) xv[r] = _mm512_cvtne2ps_pbh(vload(x + r * ldx + k + 16), vload(x + r * ldx + k));
         for (int b = 0; b < OB; b++) {
+            prefetch_ahead(w + (o + b * stride) * n + k);
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (o + b * stride) * n + k);
             for (int r = 0; r < RB; r++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv[r], wv);
         }
@@ -57,6 +68,7 @@ static inline void block(const float* x, long ldx, const W* w, long n, float* y,
         vf xv[RB];
         for (int r = 0; r < RB; r++) xv[r] = vload(x + r * ldx + k);
         for (int b = 0; b < OB; b++) {
+            prefetch_ahead(w + (o + b * stride) * n + k);
             const vf wv = vload(w + (o + b * stride) * n + k);
             for (int r = 0; r < RB; r++) acc[r][b] = vfmadd(xv[r], wv, acc[r][b]);
         }
