@@ -24,7 +24,8 @@ prebuilt, an untrusted directory, missing symbols); the caller then runs torch's
 `kernel_status()` says which variant runs, from where, with which digest, or why none does
 (/health shows it). `HYPIC_KERNEL_VARIANT` pins a variant instead of the best (`pinned_variant()`).
 
-Public: `NativeMatmul` (linear, add_rmsnorm, silu_mul, attend, mamba2; `variant`, `sha256`, `path`),
+Public: `NativeMatmul` (linear, add_rmsnorm, silu_mul, attend, mamba2; the blocks mlp_block, norm_linear,
+mamba2_block, attention_block, each a layer's part in one call; `variant`, `sha256`, `path`),
 `native()`, `build()`, `kernel_status()`, `pinned_variant()`, `reference()`, `quantize_int8()`, `to_bf16()`, `cpu_reason()`.
 """
 
@@ -140,6 +141,79 @@ class NativeMatmul:
                               D.data_ptr(), state.data_ptr(), norm_w.data_ptr(), eps, out.data_ptr(),
                               B, heads, head_dim, groups, state_size, conv.shape[-1], torch.get_num_threads())
         return out
+
+
+    # --- blocks (blocks.cpp): a layer's part from the residual stream in one call (h += d, rmsnorm, the part).
+    # A weight is any (w, bias, scales) record (runner/ops.py `Linear`); a block's weights share one type. ---
+    def mlp_block(self, h: torch.Tensor, d: torch.Tensor | None, norm_w: torch.Tensor, eps: float, gate_up, down) -> torch.Tensor:
+        """h [R, n] += d (in place); returns down(silu(gate(x)) * up(x)) [R, n] for x = rmsnorm(h) * norm_w."""
+        R, n = h.shape
+        out = torch.empty(R, n, dtype=torch.float32)
+        self.lib.hypic_mlp_block(h.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, *_weight(gate_up), *_weight(down),
+                                 _WTYPE[gate_up.w.dtype], out.data_ptr(), R, n, gate_up.w.shape[0] // 2,
+                                 torch.get_num_threads())
+        return out
+
+    def norm_linear(self, h: torch.Tensor, d: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w) -> torch.Tensor:
+        """h [R, n] += d (in place); returns W x [R, out] for x = rmsnorm(h) * norm_w."""
+        R, n = h.shape
+        out = torch.empty(R, w.w.shape[0], dtype=torch.float32)
+        self.lib.hypic_norm_linear(h.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, *_weight(w), _WTYPE[w.w.dtype],
+                                   out.data_ptr(), R, n, w.w.shape[0], torch.get_num_threads())
+        return out
+
+    def mamba2_block(self, h: torch.Tensor, d: torch.Tensor | None, norm_w: torch.Tensor, eps: float, in_proj, out_proj,
+                     conv: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None, dt_bias: torch.Tensor,
+                     A: torch.Tensor, D: torch.Tensor, state: torch.Tensor, gnorm_w: torch.Tensor, gnorm_eps: float,
+                     heads: int, head_dim: int, groups: int, state_size: int) -> torch.Tensor:
+        """h [R, n] += d (in place); returns out_proj(`mamba2`(in_proj(x))) [R, n] for x = rmsnorm(h) * norm_w,
+        one token per row, the conv and state rows advanced in place."""
+        R, n = h.shape
+        if not (conv.is_contiguous() and state.is_contiguous() and conv.dtype == state.dtype == torch.float32):
+            raise ValueError("mamba2 needs contiguous fp32 conv and state rows")
+        out = torch.empty(R, n, dtype=torch.float32)
+        self.lib.hypic_mamba2_block(h.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, *_weight(in_proj), *_weight(out_proj),
+                                    _WTYPE[in_proj.w.dtype], in_proj.w.shape[0], conv.data_ptr(), conv_w.data_ptr(),
+                                    _ptr(conv_b), dt_bias.data_ptr(), A.data_ptr(), D.data_ptr(), state.data_ptr(),
+                                    gnorm_w.data_ptr(), gnorm_eps, out.data_ptr(), R, n, heads, head_dim, groups,
+                                    state_size, conv.shape[-1], torch.get_num_threads())
+        return out
+
+    def attention_block(self, h: torch.Tensor, d: torch.Tensor | None, norm_w: torch.Tensor, eps: float, qkv, o,
+                        kb: torch.Tensor, vb: torch.Tensor, lens: torch.Tensor, scale: float, heads: int, kv_heads: int,
+                        head_dim: int, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                        rows: torch.Tensor | None = None) -> torch.Tensor:
+        """h [R, n] += d (in place); returns o(`attend`(q, k, v)) [R, n] with q | k | v = qkv(x) for
+        x = rmsnorm(h) * norm_w (a plain attention: no output gate, no q / k norms). Raises ValueError, with
+        nothing written, for a length or row outside the buffers."""
+        R, n = h.shape
+        if not (kb.is_contiguous() and vb.is_contiguous() and kb.dtype == vb.dtype == torch.float32):
+            raise ValueError("attend needs contiguous fp32 K/V row buffers")
+        if lens.dtype != torch.long or len(lens) != R or (rows is not None and (rows.dtype != torch.long or len(rows) != R)):
+            raise ValueError("attend needs one long length (and row) per query")
+        out = torch.empty(R, n, dtype=torch.float32)
+        rot = 0 if cos is None else cos.shape[-1]
+        bad = self.lib.hypic_attention_block(h.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, *_weight(qkv), *_weight(o),
+                                             _WTYPE[qkv.w.dtype], kb.data_ptr(), vb.data_ptr(), lens.data_ptr(), _ptr(rows),
+                                             _ptr(cos), _ptr(sin), rot, out.data_ptr(), R, n, heads, kv_heads, head_dim,
+                                             kb.stride(0), kb.stride(1), kb.shape[0], kb.shape[2], scale,
+                                             torch.get_num_threads())
+        if bad:
+            raise ValueError(f"attend: lengths 1..{kb.shape[2]} and rows 0..{kb.shape[0] - 1} of the buffers, one each "
+                             f"per query")
+        return out
+
+
+_WTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}  # hypic_kernels.h HYPIC_W_*
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _weight(w) -> tuple[int, int | None, int | None]:
+    """A block's weight arguments: (w, its int8 row scales, bias) as pointers."""
+    return w.w.data_ptr(), _ptr(w.scales), _ptr(w.bias)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

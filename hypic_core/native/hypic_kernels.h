@@ -5,7 +5,13 @@
 
 #include <cstdint>
 
-#define HYPIC_KERNELS_ABI 2  // bumped whenever a signature below changes
+#define HYPIC_KERNELS_ABI 3  // bumped whenever a signature below changes
+
+// A weight's type where one entry takes any (the blocks): fp32, fp16, bf16, or int8 with fp32 row scales.
+#define HYPIC_W_F32 0
+#define HYPIC_W_F16 1
+#define HYPIC_W_BF16 2
+#define HYPIC_W_I8 3
 
 extern "C" {
 int hypic_kernels_abi(void);
@@ -29,4 +35,32 @@ int hypic_attend(const float* q, const float* kn, const float* vn, float* kb, fl
 void hypic_mamba2(const float* zx, float* conv, const float* conv_w, const float* conv_b, const float* dt_bias,
                   const float* A, const float* Dp, float* state, const float* norm_w, float eps, float* out, long B,
                   long H, long P, long G, long N, long K, int threads);
+
+// Blocks (blocks.cpp): a layer's part from the residual stream h [R, n] to its output, one call where the
+// ops above took four to six: h += d (d may be null), x = rmsnorm(h) * norm_w, then the part on x. A
+// weight is (w, wtype, scales: int8 only, bias: may be null).
+// MLP: out [R, n] = down(silu(gate(x)) * up(x)), gate_up [2I, n], down [n, I].
+void hypic_mlp_block(float* h, const float* d, const float* norm_w, float eps, const void* gu, const float* gu_s,
+                     const float* gu_b, const void* down, const float* down_s, const float* down_b, int wtype,
+                     float* out, long R, long n, long I, int threads);
+// A linear on the normed stream: out [R, out_n] = W x (the lm_head after the final norm).
+void hypic_norm_linear(float* h, const float* d, const float* norm_w, float eps, const void* w, const float* w_s,
+                       const float* w_b, int wtype, float* out, long R, long n, long out_n, int threads);
+// Mamba2 between in_proj [zx_n, n] and out_proj [n, H * P] (hypic_mamba2 in between); conv and state advance.
+void hypic_mamba2_block(float* h, const float* d, const float* norm_w, float eps, const void* in_w, const float* in_s,
+                        const float* in_b, const void* out_w, const float* out_s, const float* out_b, int wtype,
+                        long zx_n, float* conv, const float* conv_w, const float* conv_b, const float* dt_bias,
+                        const float* A, const float* Dp, float* state, const float* gnorm_w, float gnorm_eps,
+                        float* out, long R, long n, long H, long P, long G, long N, long K, int threads);
+// Attention (no output gate, no q / k norms): qkv [(H + 2 Hkv) D, n], then hypic_attend's work, then o [n, H D].
+// Returns 1 (and touches no buffer) when a length or row falls outside them, as hypic_attend.
+int hypic_attention_block(float* h, const float* d, const float* norm_w, float eps, const void* qkv_w,
+                          const float* qkv_s, const float* qkv_b, const void* o_w, const float* o_s, const float* o_b,
+                          int wtype, float* kb, float* vb, const long* lens, const long* rowmap, const float* cos,
+                          const float* sin, long rot, float* out, long R, long n, long H, long Hkv, long D, long rs,
+                          long hs, long nrows, long ncols, float scale, int threads);
 }
+
+// Within the library: linear.cpp's matmul on a weight of type `wtype`.
+void linear_typed(int wtype, const float* x, const void* w, const float* scales, const float* bias, float* y, long R,
+                  long n, long out, int threads);

@@ -43,7 +43,7 @@ from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parent
 LIBRARY, MANIFEST = "libhypic_kernels.so", "manifest.json"
-ABI = 2  # hypic_kernels.h HYPIC_KERNELS_ABI
+ABI = 3  # hypic_kernels.h HYPIC_KERNELS_ABI
 MAX_LIBRARY = 64 << 20
 COMMON_FLAGS = ("-std=c++17", "-O3", "-Wall", "-Wvla", "-Werror=vla", "-pedantic-errors", "-fopenmp", "-shared",
                 "-fPIC")
@@ -82,6 +82,10 @@ SIGNATURES = {  # name: (argument types, result type); hypic_kernels.h
     "hypic_silu_mul": ([P_, P_, L_, L_], None),
     "hypic_attend": ([P_] * 9 + [L_, P_] + [L_] * 8 + [F_, I_], I_),  # 1: a length or row out of the buffers
     "hypic_mamba2": ([P_] * 9 + [F_, P_] + [L_] * 6 + [I_], None),
+    "hypic_mlp_block": ([P_] * 3 + [F_] + [P_] * 6 + [I_, P_] + [L_] * 3 + [I_], None),
+    "hypic_norm_linear": ([P_] * 3 + [F_] + [P_] * 3 + [I_, P_] + [L_] * 3 + [I_], None),
+    "hypic_mamba2_block": ([P_] * 3 + [F_] + [P_] * 6 + [I_, L_] + [P_] * 8 + [F_, P_] + [L_] * 7 + [I_], None),
+    "hypic_attention_block": ([P_] * 3 + [F_] + [P_] * 6 + [I_] + [P_] * 6 + [L_, P_] + [L_] * 9 + [F_, I_], I_),
 }
 
 

@@ -124,3 +124,14 @@ void hypic_linear_i8(const float* x, const int8_t* w, const float* scales, const
     linear(x, w, bias, y, R, n, out, threads, scales);
 }
 }
+
+// blocks.cpp's matmuls: the weight's type as a code (hypic_kernels.h HYPIC_W_*).
+void linear_typed(int wtype, const float* x, const void* w, const float* scales, const float* bias, float* y, long R,
+                  long n, long out, int threads) {
+    switch (wtype) {
+        case HYPIC_W_F32: linear(x, static_cast<const float*>(w), bias, y, R, n, out, threads, nullptr); break;
+        case HYPIC_W_F16: linear(x, static_cast<const uint16_t*>(w), bias, y, R, n, out, threads, nullptr); break;
+        case HYPIC_W_BF16: linear(x, static_cast<const bf16_t*>(w), bias, y, R, n, out, threads, nullptr); break;
+        default: linear(x, static_cast<const int8_t*>(w), bias, y, R, n, out, threads, scales); break;
+    }
+}

@@ -86,6 +86,7 @@ class Attention:
         self.qkv = ops.linear_weight([attn.q_proj, attn.k_proj, attn.v_proj])
         self.q_norm = Norm(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None
         self.k_norm = Norm(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None
+        self.plain = not self.gated and self.q_norm is None  # q | k | v, attention, o: what a native block runs
         self.scale = float(attn.scaling)
         self.o = ops.linear_weight([attn.o_proj])
 
@@ -105,6 +106,10 @@ class Attention:
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return ops.linear(out, self.o)
+
+    def block(self, h: torch.Tensor, d: torch.Tensor | None, norm: Norm, rows: Rows, ops: TorchOps) -> torch.Tensor:
+        """The layer from the residual stream: h += d, then this on norm(h)."""
+        return ops.attention_block(h, d, norm, self, rows)
 
 
 def causal_conv(conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -149,6 +154,11 @@ class Mamba2:
     def __call__(self, x: torch.Tensor, rows: Rows, ops: TorchOps) -> torch.Tensor:
         conv, state = rows.batch.linear_layer(self.p)
         return ops.linear(ops.mamba2(self, ops.linear(x, self.in_proj), conv, state), self.out_proj)
+
+    def block(self, h: torch.Tensor, d: torch.Tensor | None, norm: Norm, rows: Rows, ops: TorchOps) -> torch.Tensor:
+        """The layer from the residual stream, one token per row: h += d, then this on norm(h)."""
+        conv, state = rows.batch.linear_layer(self.p)
+        return ops.mamba2_block(h, d, norm, self, conv, state)
 
     def gated_norm(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """norm_w * group_rmsnorm(y * silu(gate)) for y, gate [N, H * P]."""
@@ -253,6 +263,10 @@ class GatedDeltaNet:
         state.copy_(S)
         return self.output(out, z, ops)
 
+    def block(self, h: torch.Tensor, d: torch.Tensor | None, norm: Norm, rows: Rows, ops: TorchOps) -> torch.Tensor:
+        """The layer from the residual stream, one token per row: h += d, then this on norm(h)."""
+        return self(ops.add_rmsnorm(h, d, norm), rows, ops)
+
     @staticmethod
     def delta(S: torch.Tensor, q, k, v, beta, g) -> tuple[torch.Tensor, torch.Tensor]:
         """One token of the gated delta rule on S [B, Hv, dk, dv] (fp32; a new S is returned) and its
@@ -351,6 +365,12 @@ class MLP:
             return self.module(x[:, None])[:, 0]
         return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up)), self.down)
 
+    def block(self, h: torch.Tensor, d: torch.Tensor | None, norm: Norm, ops: TorchOps) -> torch.Tensor:
+        """From the residual stream: h += d, then the MLP on norm(h)."""
+        if self.module is not None:
+            return self(ops.add_rmsnorm(h, d, norm), ops)
+        return ops.mlp_block(h, d, norm, self)
+
 
 class LeanDecodeStep:
     """`step(batch, token_ids, positions) -> logits [B, vocab] (fp32)`: one decode forward on a
@@ -422,9 +442,11 @@ class LeanDecodeStep:
         d = None
         for norm1, mixer, kind, norm2, mlp in self.layers:
             with self._range(kind):
-                x = ops.add_rmsnorm(h, d, norm1)
-                d = mixer(x, rows, ops) if linear is None or kind == "attention" else linear(mixer, x, rows)
+                if linear is None or kind == "attention":
+                    d = mixer.block(h, d, norm1, rows, ops)
+                else:
+                    d = linear(mixer, ops.add_rmsnorm(h, d, norm1), rows)
             with self._range("mlp"):
-                d = mlp(ops.add_rmsnorm(h, d, norm2), ops)
+                d = mlp.block(h, d, norm2, ops)
         with self._range("lm_head"):
-            return ops.linear(ops.add_rmsnorm(h, d, self.final_norm), self.lm_head).float()
+            return ops.norm_linear(h, d, self.final_norm, self.lm_head).float()

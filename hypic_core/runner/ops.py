@@ -8,7 +8,8 @@
 - `NativeOps`: native/decode_matmul.py's `NativeMatmul` on an fp32 model on the CPU: weights kept
   [out, in] (the modules' own rows, or an fp16 / bf16 / int8 copy), each residual add fused with the
   norm after it, the MLP's gate, an attention layer's rotary + K/V write + attention, a Mamba2 mixer
-  between its projections: one native call each.
+  between its projections: one native call each; and a layer's MLP, Mamba2 mixer or plain attention
+  from the residual stream (add, norm, projections, the op between) as one call (the blocks).
 
 tests/engine/test_decode_ops.py holds every `NativeOps` op to `TorchOps`'; test_decode_step.py the
 step on `TorchOps` to the HF modules.
@@ -181,6 +182,26 @@ class TorchOps:
         """A Mamba2 mixer between its projections, one token per row: its own torch code (`between`)."""
         return mixer.between(zx, conv, state)
 
+    # --- blocks: a layer's part from the residual stream h: h += d (in place), x = norm(h), the part on x.
+    # Here the ops above, composed (the reference); NativeOps runs each as one call. ---
+    def mlp_block(self, h: torch.Tensor, d: torch.Tensor | None, norm, mlp) -> torch.Tensor:
+        """`mlp` (decode_step.MLP: gate_up, down) on norm(h + d): down(silu(gate) * up)."""
+        return self.linear(self.silu_mul(self.linear(self.add_rmsnorm(h, d, norm), mlp.gate_up)), mlp.down)
+
+    def norm_linear(self, h: torch.Tensor, d: torch.Tensor | None, norm, w: Linear) -> torch.Tensor:
+        """W norm(h + d) (the lm_head after the final norm)."""
+        return self.linear(self.add_rmsnorm(h, d, norm), w)
+
+    def mamba2_block(self, h: torch.Tensor, d: torch.Tensor | None, norm, mixer, conv: torch.Tensor,
+                     state: torch.Tensor) -> torch.Tensor:
+        """A Mamba2 mixer (decode_step.Mamba2) on norm(h + d), one token per row, its conv and state rows advanced."""
+        x = self.add_rmsnorm(h, d, norm)
+        return self.linear(self.mamba2(mixer, self.linear(x, mixer.in_proj), conv, state), mixer.out_proj)
+
+    def attention_block(self, h: torch.Tensor, d: torch.Tensor | None, norm, attn, rows: Rows) -> torch.Tensor:
+        """An attention layer (decode_step.Attention) on norm(h + d), its K/V written."""
+        return attn(self.add_rmsnorm(h, d, norm), rows, self)
+
 
 class NativeOps(TorchOps):
     """The native kernels (`decode_matmul.NativeMatmul`) on an fp32 model on the CPU; matmuls on fp32
@@ -222,6 +243,35 @@ class NativeOps(TorchOps):
     def mamba2(self, m, zx, conv, state) -> torch.Tensor:
         return self.native.mamba2(zx, conv, m.conv_w, m.conv_b, m.dt_bias, m.A, m.D, state, m.norm_w, m.norm_eps,
                                   m.H, m.P, m.G, m.N)
+
+    # The blocks: one native call each (native/blocks.cpp: the ops above in the same order, so the same
+    # numbers) where every matmul in it runs natively; else the composed ops (TorchOps').
+    def _whole(self, rows: int) -> bool:
+        return self.weights != torch.float32 or rows <= NATIVE_ROWS
+
+    def mlp_block(self, h, d, norm, mlp) -> torch.Tensor:
+        if not self._whole(h.shape[0]):
+            return super().mlp_block(h, d, norm, mlp)
+        return self.native.mlp_block(h, d, norm.native_weight, norm.eps, mlp.gate_up, mlp.down)
+
+    def norm_linear(self, h, d, norm, w: Linear) -> torch.Tensor:
+        if not self._whole(h.shape[0]):
+            return super().norm_linear(h, d, norm, w)
+        return self.native.norm_linear(h, d, norm.native_weight, norm.eps, w)
+
+    def mamba2_block(self, h, d, norm, m, conv, state) -> torch.Tensor:
+        if not self._whole(h.shape[0]):
+            return super().mamba2_block(h, d, norm, m, conv, state)
+        return self.native.mamba2_block(h, d, norm.native_weight, norm.eps, m.in_proj, m.out_proj, conv, m.conv_w,
+                                        m.conv_b, m.dt_bias, m.A, m.D, state, m.norm_w, m.norm_eps, m.H, m.P, m.G, m.N)
+
+    def attention_block(self, h, d, norm, attn, rows: Rows) -> torch.Tensor:
+        if not (attn.plain and self._whole(h.shape[0])):
+            return super().attention_block(h, d, norm, attn, rows)
+        kv = rows.batch.attention_layer(attn.j)
+        return self.native.attention_block(h, d, norm.native_weight, norm.eps, attn.qkv, attn.o, kv.keys, kv.values,
+                                           rows.lens, attn.scale, attn.H, attn.Hkv, attn.D, rows.cos, rows.sin,
+                                           rows=rows.row)
 
 
 _NATIVE_WEIGHTS = {"native": torch.float32, "native-f16": torch.float16, "native-bf16": torch.bfloat16,

@@ -205,3 +205,115 @@ def test_attend_refuses_lengths_or_rows_outside_the_buffers():
         with pytest.raises(ValueError, match="lengths 1..8 and rows 0..1"):
             NATIVE.attend(q, k, v, kb, vb, lens, 0.25, rows=rows)
     assert torch.equal(kb, torch.zeros_like(kb))  # nothing was written
+
+
+# --- the blocks: a layer's part as one native call (native/blocks.cpp), against the same ops called one by one ---
+BLOCK_WEIGHTS = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
+
+
+def composed(ops: NativeOps):
+    """`ops`' blocks as the base table composes them (its own native ops, one call each)."""
+    return SimpleNamespace(**{name: (lambda *a, _f=getattr(TorchOps, name): _f(ops, *a))
+                              for name in ("mlp_block", "norm_linear", "mamba2_block", "attention_block")})
+
+
+def stream(rows: int, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g)
+
+
+@pytest.mark.parametrize("weights", BLOCK_WEIGHTS)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_mlp_and_head_blocks_equal_their_ops_bit_for_bit(weights, rows):
+    """h += d, the norm, gate_up, silu * up, down (and the final norm + lm_head): one call each, the same numbers
+    as the ops one by one, h advanced alike; and within fp32 rounding of TorchOps' on fp32 weights."""
+    from hypic_core.runner.decode_step import MLP
+
+    model = tiny_model("llama")
+    layer = model.model.layers[0]
+    ops = NativeOps(NATIVE, weights)
+    mlp, norm = MLP(layer.mlp, ops), Norm(layer.post_attention_layernorm)
+    head = ops.linear_weight([model.lm_head])
+    h, d = stream(rows, norm.weight.shape[0], rows)
+    for res in (d, None):
+        h_b, h_c = h.clone(), h.clone()
+        assert torch.equal(ops.mlp_block(h_b, res, norm, mlp), composed(ops).mlp_block(h_c, res, norm, mlp))
+        assert torch.equal(h_b, h_c)
+        assert torch.equal(ops.norm_linear(h_b, res, norm, head), composed(ops).norm_linear(h_c, res, norm, head))
+        assert torch.equal(h_b, h_c)
+    if weights == torch.float32:
+        ref = tiny_model("llama").model.layers[0]
+        mlp_t = MLP(ref.mlp, TorchOps())
+        h_t = h.clone()
+        torch.testing.assert_close(ops.mlp_block(h.clone(), d, norm, mlp), TorchOps().mlp_block(h_t, d, norm, mlp_t),
+                                   atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("weights", BLOCK_WEIGHTS)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_mamba2_block_equals_its_ops_bit_for_bit(weights, rows):
+    """h += d, the norm, in_proj, the Mamba2 update (conv and state rows advanced), out_proj: one call, the same
+    numbers, conv and state as the ops one by one leave them, over several tokens."""
+    model = tiny_model("bamba")
+    i, layer = next((i, layer) for i, layer in enumerate(model.model.layers) if getattr(layer, "mamba", None) is not None)
+    ops = NativeOps(NATIVE, weights)
+    mixer, norm = Mamba2(layer.mamba, 0, ops), Norm(layer.input_layernorm)
+    g = torch.Generator().manual_seed(rows)
+    conv_b = torch.randn(rows, mixer.C, mixer.conv_w.shape[-1], generator=g)
+    state_b = torch.randn(rows, mixer.H, mixer.P, mixer.N, generator=g)
+    conv_c, state_c = conv_b.clone(), state_b.clone()
+    h_b, _ = stream(rows, norm.weight.shape[0], 7)
+    h_c = h_b.clone()
+    for t in range(3):
+        d = None if t == 0 else torch.randn(rows, norm.weight.shape[0], generator=g)
+        got = ops.mamba2_block(h_b, d, norm, mixer, conv_b, state_b)
+        want = composed(ops).mamba2_block(h_c, d, norm, mixer, conv_c, state_c)
+        assert torch.equal(got, want) and torch.equal(h_b, h_c)
+        assert torch.equal(conv_b, conv_c) and torch.equal(state_b, state_c)
+
+
+@pytest.mark.parametrize("weights", BLOCK_WEIGHTS)
+@pytest.mark.parametrize("counts", [(1, 1, 1), (3, 1, 2)], ids=["one token a row", "several tokens a row"])
+def test_attention_block_equals_its_ops_bit_for_bit(weights, counts):
+    """h += d, the norm, q | k | v, rotary, the K/V write, attention, o: one call, the same numbers and the same
+    K/V written as the ops one by one; several tokens a row (a verification) included."""
+    from hypic_core.runner.decode_step import Attention
+
+    model = tiny_model("llama")
+    layer = model.model.layers[0]
+    ops = NativeOps(NATIVE, weights)
+    attn, norm = Attention(layer.self_attn, 0, model.config, ops), Norm(layer.input_layernorm)
+    assert attn.plain
+    g = torch.Generator().manual_seed(len(counts))
+    lengths, cols = [9, 2, 30], 40
+    kb = torch.randn(3, attn.Hkv, cols, attn.D, generator=g)
+    vb = torch.randn(3, attn.Hkv, cols, attn.D, generator=g)
+    N = sum(counts)
+    pos = torch.tensor([n + t for n, c in zip(lengths, counts) for t in range(c)])
+    cos, sin = (t[0] for t in model.model.rotary_emb(torch.zeros(1, N, 1), pos[None]))
+    h, d = stream(N, norm.weight.shape[0], 11)
+    out = {}
+    for name, table in (("block", ops), ("ops", composed(ops))):
+        kv = KVRows(kb.clone(), vb.clone())
+        batch = SimpleNamespace(lengths=lengths, model=SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32),
+                                attention_layer=lambda j, kv=kv: kv)
+        rows = ops.prepare(Rows(batch, counts, cos.contiguous(), sin.contiguous()))
+        h_r = h.clone()
+        out[name] = (table.attention_block(h_r, d, norm, attn, rows), h_r, kv)
+    assert torch.equal(out["block"][0], out["ops"][0]) and torch.equal(out["block"][1], out["ops"][1])
+    assert torch.equal(out["block"][2].keys, out["ops"][2].keys) and torch.equal(out["block"][2].values, out["ops"][2].values)
+
+
+def test_attention_block_refuses_lengths_outside_the_buffers_and_writes_nothing():
+    from hypic_core.runner.decode_step import Attention
+
+    model = tiny_model("llama")
+    ops = NativeOps(NATIVE)
+    attn, norm = Attention(model.model.layers[0].self_attn, 0, model.config, ops), Norm(model.model.layers[0].input_layernorm)
+    kb, vb = torch.zeros(2, attn.Hkv, 8, attn.D), torch.zeros(2, attn.Hkv, 8, attn.D)
+    h, d = stream(2, norm.weight.shape[0], 3)
+    h0 = h.clone()
+    with pytest.raises(ValueError, match="lengths 1..8 and rows 0..1"):
+        NATIVE.attention_block(h, d, norm.native_weight, norm.eps, attn.qkv, attn.o, kb, vb, torch.tensor([3, 9]),
+                               attn.scale, attn.H, attn.Hkv, attn.D)
+    assert torch.equal(h, h0) and not kb.any() and not vb.any()
