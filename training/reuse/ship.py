@@ -137,11 +137,15 @@ def ship(run: Path, target: Path, name: str, notes: str = "") -> Path:
     (target / CURVE_FILE).write_text(json.dumps(rows, indent=1))
     hours = card["train_seconds"] / 3600
     teacher = f" --teacher {card['teacher']}" if card.get("teacher") else ""
+    full = card.get("method", "lora") == "full"
+    method = ("full fine-tuning of every decoder-layer parameter (a delta per parameter)" if full
+              else f"LoRA (rank {card['rank']}) on {targets(target / ADAPTER_FILE)}")
+    how = "--method full" if full else f"--rank {card['rank']}"
     text = f"""# {name}
 
-`{card['base']}` with a reuse adapter: LoRA (rank {card['rank']}) on {targets(target / ADAPTER_FILE)}, trained so that `hypic` reuse (documents computed alone,
+`{card['base']}` with a reuse adapter: {method}, trained so that `hypic` reuse (documents computed alone,
 seam {card['seam']}) keeps the answer `full` prefill gives. Served by name (`hypic serve --model {name}`):
-the base is built as usual and the factors in `{ADAPTER_FILE}` (bf16) are merged into its weights once
+the base is built as usual and the tensors in `{ADAPTER_FILE}` (bf16) are merged into its weights once
 (hypic_core/models/loader.py `write_adapted`), so the served checkpoint keeps the base's layout.
 
 Recipe (docs/training.md, "Reuse-aware training"): each step one RAG prompt laid out as /query lays it
@@ -160,7 +164,7 @@ steps; one sample per step, so single blocks are noisy):
 
 {curve_table(rows)}
 
-Reproduce: `hypic tune --model {card['base']}{teacher} --data {card.get('data', 'distill')} --rank {card['rank']} --lr {card['lr']} --consistency {card.get('consistency', 0)} --reply {card.get('reply', 'sample')} --out var/{run.name} --minutes N`
+Reproduce: `hypic tune --model {card['base']}{teacher} --data {card.get('data', 'distill')} {how} --lr {card['lr']} --consistency {card.get('consistency', 0)} --reply {card.get('reply', 'sample')} --out var/{run.name} --minutes N`
 (a rerun resumes; on a machine without that folder add `--init models/{name}` to continue this adapter), then
 `python -m training.reuse.ship var/{run.name} models/{name}`.
 """
