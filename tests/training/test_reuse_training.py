@@ -384,6 +384,10 @@ def test_full_fine_tuning_lowers_the_loss_and_its_export_merges_into_the_checkpo
         ref, out, untrained = trainer.student(input_ids=ids).logits, merged(input_ids=ids).logits, base(input_ids=ids).logits
     assert_close(f"{family} merged deltas", ref, out, 1e-4)
     assert (ref - untrained).abs().max().item() > 1e-3
+    other = Trainer(TrainConfig(model=family, out=str(tmp_path / "b"), method="full", seam=0, lr=1e-4, warmup=1),
+                    copy.deepcopy(base))
+    other.warm_start(tmp_path / "adapter")  # `hypic tune --init`: the exported deltas, step and cursor
+    assert other.step == trainer.step and all(torch.equal(p, q) for p, q in zip(other.params, trainer.params))
 
 
 def test_resume_refuses_a_checkpoint_of_another_method(tmp_path):

@@ -59,12 +59,8 @@ class FullTuning:
                 p.copy_(self.original[name] + delta.to(p.dtype))
 
     def exported(self) -> dict[str, torch.Tensor]:
-        """The deltas that changed anything, in bf16: what the adapter file holds."""
-        out = {}
-        for key, delta in self.state().items():
-            if bool(delta.any()):
-                out[key] = delta.to(torch.bfloat16).contiguous()
-        return out
+        """Every delta in bf16: what the adapter file holds (all of them, so `load_state` takes the file back)."""
+        return {key: delta.to(torch.bfloat16).contiguous() for key, delta in self.state().items()}
 
     def disabled(self) -> "_Original":
         """Context manager: the original weights inside it, the tuned ones restored on exit."""

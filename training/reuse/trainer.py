@@ -1,7 +1,8 @@
-"""Reuse-aware self-distillation: a LoRA that keeps `full`'s answers when documents are reused.
+"""Reuse-aware self-distillation: an adapter that keeps `full`'s answers when documents are reused.
 
 Each step takes one RAG sample (training/reuse/data.py) and runs it twice through the student
-(the served model with LoRA adapters, training/reuse/lora.py): in `full` mode and composed as the
+(the served model with LoRA adapters, training/reuse/lora.py, or with every decoder-layer parameter
+trained, training/reuse/full.py: `method`): in `full` mode and composed as the
 engine serves `hypic` (training/reuse/modes.py, same seam, entry prefix and exact-prefix rule).
 The loss on the reply span is
 
@@ -361,8 +362,8 @@ def run(trainer: Trainer, samples: Callable[[int], Iterator[tuple[int, Sample]]]
 
 
 def export_adapter(trainer: Trainer, target: Path, card: dict | None = None) -> Path:
-    """Write the adapter into `target` (atomically): `adapter.safetensors` (bf16 factors, scale
-    folded in) and `adapter.json` (base model, rank, step, seam, ...)."""
+    """Write the adapter into `target` (atomically): `adapter.safetensors` (bf16 LoRA factors, scale
+    folded in, or bf16 deltas for method "full") and `adapter.json` (base model, method, rank, step, seam, ...)."""
     import shutil
 
     from safetensors.torch import save_file
