@@ -59,10 +59,7 @@ int hypic_attention_block(float* h, const float* d, const float* norm_w, float e
                           int wtype, float* kb, float* vb, const long* lens, const long* rowmap, const float* cos,
                           const float* sin, long rot, float* out, long R, long n, long H, long Hkv, long D, long rs,
                           long hs, long nrows, long ncols, float scale, int threads) {
-    for (long r = 0; r < R; r++) {  // hypic_attend's check, before anything is written (h included)
-        const long row = rowmap ? rowmap[r] : r;
-        if (lens[r] < 1 || lens[r] > ncols || row < 0 || row >= nrows) return 1;
-    }
+    if (attend_out_of_buffers(lens, rowmap, R, nrows, ncols)) return 1;  // before anything is written (h included)
     const long nq = H * D, nkv = Hkv * D, width = nq + 2 * nkv;
     float* x = scratch(0, R * n);
     float* qkv = scratch(1, R * width);

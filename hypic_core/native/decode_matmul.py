@@ -110,10 +110,9 @@ class NativeMatmul:
         grouped heads): several tokens of one row with consecutive lengths attend causally. q is not
         changed. Returns [B, H * D]."""
         B, H, D = q.shape
-        if not (kb.is_contiguous() and vb.is_contiguous() and kb.dtype == vb.dtype == q.dtype == torch.float32):
+        if q.dtype != torch.float32:
             raise ValueError("attend needs fp32 queries and contiguous fp32 K/V row buffers")
-        if lens.dtype != torch.long or len(lens) != B or (rows is not None and (rows.dtype != torch.long or len(rows) != B)):
-            raise ValueError("attend needs one long length (and row) per query")
+        _check_attend(kb, vb, lens, rows, B)
         out = torch.empty(B, H * D, dtype=torch.float32)
         rot = 0 if cos is None else cos.shape[-1]
         bad = self.lib.hypic_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), kb.data_ptr(), vb.data_ptr(),
@@ -122,8 +121,7 @@ class NativeMatmul:
                                     out.data_ptr(), B, H, k.shape[1], D, kb.stride(0), kb.stride(1), kb.shape[0],
                                     kb.shape[2], scale, torch.get_num_threads())
         if bad:  # checked in the kernel before it writes: out of the buffers is an error, not memory
-            raise ValueError(f"attend: lengths 1..{kb.shape[2]} and rows 0..{kb.shape[0] - 1} of the buffers, one each "
-                             f"per query")
+            raise _outside(kb)
         return out
 
     def mamba2(self, zx: torch.Tensor, conv: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None,
@@ -133,8 +131,7 @@ class NativeMatmul:
         [B, C, K] and state rows [B, H, P, N] (fp32) advance in place; returns the gated, group-normed
         output [B, H * P] for out_proj."""
         B = zx.shape[0]
-        if not (conv.is_contiguous() and state.is_contiguous() and conv.dtype == state.dtype == torch.float32):
-            raise ValueError("mamba2 needs contiguous fp32 conv and state rows")
+        _check_states(conv, state)
         out = torch.empty(B, heads * head_dim, dtype=torch.float32)
         self.lib.hypic_mamba2(zx.data_ptr(), conv.data_ptr(), conv_w.data_ptr(),
                               None if conv_b is None else conv_b.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
@@ -169,8 +166,7 @@ class NativeMatmul:
         """h [R, n] += d (in place); returns out_proj(`mamba2`(in_proj(x))) [R, n] for x = rmsnorm(h) * norm_w,
         one token per row, the conv and state rows advanced in place."""
         R, n = h.shape
-        if not (conv.is_contiguous() and state.is_contiguous() and conv.dtype == state.dtype == torch.float32):
-            raise ValueError("mamba2 needs contiguous fp32 conv and state rows")
+        _check_states(conv, state)
         out = torch.empty(R, n, dtype=torch.float32)
         self.lib.hypic_mamba2_block(h.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, *_weight(in_proj), *_weight(out_proj),
                                     _WTYPE[in_proj.w.dtype], in_proj.w.shape[0], conv.data_ptr(), conv_w.data_ptr(),
@@ -187,10 +183,7 @@ class NativeMatmul:
         x = rmsnorm(h) * norm_w (a plain attention: no output gate, no q / k norms). Raises ValueError, with
         nothing written, for a length or row outside the buffers."""
         R, n = h.shape
-        if not (kb.is_contiguous() and vb.is_contiguous() and kb.dtype == vb.dtype == torch.float32):
-            raise ValueError("attend needs contiguous fp32 K/V row buffers")
-        if lens.dtype != torch.long or len(lens) != R or (rows is not None and (rows.dtype != torch.long or len(rows) != R)):
-            raise ValueError("attend needs one long length (and row) per query")
+        _check_attend(kb, vb, lens, rows, R)
         out = torch.empty(R, n, dtype=torch.float32)
         rot = 0 if cos is None else cos.shape[-1]
         bad = self.lib.hypic_attention_block(h.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, *_weight(qkv), *_weight(o),
@@ -199,8 +192,7 @@ class NativeMatmul:
                                              kb.stride(0), kb.stride(1), kb.shape[0], kb.shape[2], scale,
                                              torch.get_num_threads())
         if bad:
-            raise ValueError(f"attend: lengths 1..{kb.shape[2]} and rows 0..{kb.shape[0] - 1} of the buffers, one each "
-                             f"per query")
+            raise _outside(kb)
         return out
 
 
@@ -209,6 +201,24 @@ _WTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3} 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _check_attend(kb: torch.Tensor, vb: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor | None, n: int) -> None:
+    """What `attend` and `attention_block` need of the K/V buffers and of the `n` queries' lengths and rows."""
+    if not (kb.is_contiguous() and vb.is_contiguous() and kb.dtype == vb.dtype == torch.float32):
+        raise ValueError("attend needs fp32 queries and contiguous fp32 K/V row buffers")
+    if lens.dtype != torch.long or len(lens) != n or (rows is not None and (rows.dtype != torch.long or len(rows) != n)):
+        raise ValueError("attend needs one long length (and row) per query")
+
+
+def _outside(kb: torch.Tensor) -> ValueError:
+    """The error of a query whose length or row the kernel found outside the buffers (nothing written)."""
+    return ValueError(f"attend: lengths 1..{kb.shape[2]} and rows 0..{kb.shape[0] - 1} of the buffers, one each per query")
+
+
+def _check_states(conv: torch.Tensor, state: torch.Tensor) -> None:
+    if not (conv.is_contiguous() and state.is_contiguous() and conv.dtype == state.dtype == torch.float32):
+        raise ValueError("mamba2 needs contiguous fp32 conv and state rows")
 
 
 def _weight(w) -> tuple[int, int | None, int | None]:

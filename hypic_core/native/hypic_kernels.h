@@ -64,3 +64,6 @@ int hypic_attention_block(float* h, const float* d, const float* norm_w, float e
 // Within the library: linear.cpp's matmul on a weight of type `wtype`.
 void linear_typed(int wtype, const float* x, const void* w, const float* scales, const float* bias, float* y, long R,
                   long n, long out, int threads);
+// ops.cpp: whether a query's length (1..ncols) or buffer row (0..nrows-1; rowmap null: row b) falls outside
+// the K/V buffers (hypic_attend's check, and the attention block's before it writes anything).
+bool attend_out_of_buffers(const long* lens, const long* rowmap, long B, long nrows, long ncols);

@@ -271,6 +271,14 @@ static void mamba2(const float* zx, float* conv, const float* conv_w, const floa
     }
 }
 
+bool attend_out_of_buffers(const long* lens, const long* rowmap, long B, long nrows, long ncols) {
+    for (long b = 0; b < B; b++) {
+        const long row = rowmap ? rowmap[b] : b;
+        if (lens[b] < 1 || lens[b] > ncols || row < 0 || row >= nrows) return true;
+    }
+    return false;
+}
+
 extern "C" {
 int hypic_kernels_abi(void) { return HYPIC_KERNELS_ABI; }
 const char* hypic_kernels_variant(void) { return kVariant; }
@@ -282,10 +290,7 @@ void hypic_silu_mul(const float* gu, float* out, long R, long n) { silu_mul(gu, 
 int hypic_attend(const float* q, const float* kn, const float* vn, float* kb, float* vb, const long* lens,
                  const long* rowmap, const float* cos, const float* sin, long rot, float* out, long B, long H,
                  long Hkv, long D, long rs, long hs, long nrows, long ncols, float scale, int threads) {
-    for (long b = 0; b < B; b++) {
-        const long row = rowmap ? rowmap[b] : b;
-        if (lens[b] < 1 || lens[b] > ncols || row < 0 || row >= nrows) return 1;
-    }
+    if (attend_out_of_buffers(lens, rowmap, B, nrows, ncols)) return 1;
     attend(q, kn, vn, kb, vb, lens, rowmap, cos, sin, rot, out, B, H, Hkv, D, rs, hs, scale, threads);
     return 0;
 }

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .lora import decoder_layers
+from hypic_core.models.loader import DELTA  # the adapter file's name for a parameter's change
 
-DELTA = ".delta"
+from .lora import decoder_layers
 
 
 class FullTuning:
