@@ -55,7 +55,7 @@ def run_demo(settings: Settings, n_docs: int = 3, max_tokens: int = 16, console:
                                         device=settings.device, model_id=settings.served_model_name)
     console.print(f"loaded {settings.model} ({engine.adapter.family}: {len(engine.adapter.linear_layers)} linear + "
                   f"{len(engine.adapter.attention_layers)} attention layers) in {time.perf_counter() - t:.1f} s")
-    layout = settings.prompt_layout(engine.tokenizer, model.known.prompt if model.known else None)
+    layout = settings.prompt_layout(engine.tokenizer, model.prompt)
     prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
 
     def request(order: list[str], mode: str) -> GenerationRequest:

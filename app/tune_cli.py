@@ -26,18 +26,16 @@ import typer
 DATA = ("index", "docstrings", "distill")
 
 
-def gateway_layout(model_name: str, tokenizer, context: int = 8192):
-    """A `training.reuse.data.LayoutFn`: (question, documents) -> the /query layout for the named
-    model (its prompt settings when it is a named model, else the generic ones)."""
+def gateway_layout(model_name: str, tokenizer, prompt: dict[str, str] | None = None, context: int = 8192):
+    """A `training.reuse.data.LayoutFn`: (question, documents) -> the /query layout for the model
+    (`prompt`: the resolved model's prompt settings, `ResolvedModel.prompt`; the generic ones where unset)."""
     from app.service.prompter import Prompter
     from app.service.settings import Settings
-    from hypic_core.models.registry import KNOWN_MODELS
     from retrieval.document import Chunk, chunk_id_for
     from retrieval.index import SearchHit
     from training.reuse.data import Layout
 
-    known = KNOWN_MODELS.get(model_name)
-    layout = Settings(_env_file=None, model=model_name).prompt_layout(tokenizer, known.prompt if known else None)
+    layout = Settings(_env_file=None, model=model_name).prompt_layout(tokenizer, prompt)
     prompter = Prompter(tokenizer, layout, context)
 
     def build(question: str, docs: Sequence[str]) -> Layout:
@@ -98,6 +96,10 @@ def tune_command(
                                                     "composed pulled towards the student's own full answer.")] = 10.0,
     reply: Annotated[str, typer.Option(help="The answer span trained on: student (its own greedy full answer, what "
                                             "the gateway compares with) or sample (the sample's, else the teacher's).")] = "student",
+    link: Annotated[str, typer.Option(help="Train link tokens too (the ladder's third rung): these special tokens "
+                                            "(unused ones, e.g. '<jupyter_start><jupyter_text><jupyter_code><jupyter_output>') "
+                                            "after every document, recomputed in every request; their embedding rows "
+                                            "are trained and the adapter serves them.")] = "",
     init: Annotated[Path | None, typer.Option(help="With no checkpoint in --out: continue this exported adapter "
                                               "(its factors, step and data cursor; e.g. a shipped models/<name>/), "
                                               "so a run goes on on another machine.")] = None,
@@ -114,6 +116,7 @@ def tune_command(
     from hypic_core.models.loader import load_local
     from hypic_core.models.registry import resolve
     from training.reuse import data as D
+    from training.reuse.links import link_ids
     from training.reuse.trainer import CHECKPOINT, TrainConfig, Trainer, export_adapter, run, say
 
     if data not in DATA:
@@ -122,22 +125,30 @@ def tune_command(
     settings = Settings()
     name = model or settings.model
     try:
-        student_dir = resolve(name, settings.models_dir, progress=say).path
-        student, tok = load_local(student_dir)
+        resolved = resolve(name, settings.models_dir, progress=say)
+        student, tok = load_local(resolved.path)
         teacher_model = load_local(resolve(teacher, settings.models_dir, progress=say).path)[0] if teacher else None
     except HypicError as exc:
         typer.echo(f"hypic tune: {exc}", err=True)
         raise typer.Exit(1) from None
-    layout = gateway_layout(name, tok)
+    served_link = resolved.prompt.get("link", "")
+    if served_link and link and link != served_link:
+        raise typer.BadParameter(f"{name} is served with the link {served_link!r}; train it with that one", param_hint="--link")
+    link = link or served_link  # a model served with a link is read with it, and its rows train on
+    try:
+        ids = link_ids(tok, link) if link else ()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--link") from None
+    layout = gateway_layout(name, tok, {**resolved.prompt, **({"link": link} if link else {})})
     if reply not in ("student", "sample"):
         raise typer.BadParameter(f"expected student or sample, got {reply!r}", param_hint="--reply")
     if method not in ("lora", "full"):
         raise typer.BadParameter(f"expected lora or full, got {method!r}", param_hint="--method")
     cfg = TrainConfig(model=name, out=str(out), teacher=teacher, rank=rank, method=method, seam=settings.seam if seam is None else seam,
                       lr=lr, minutes=minutes, steps=steps, save_minutes=save_minutes, seed=seed, precision=precision,
-                      consistency=consistency, reply=reply, sources={"data": data})
+                      consistency=consistency, reply=reply, link=link, sources={"data": data})
     eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>",) if t in tok.get_vocab()]
-    trainer = Trainer(cfg, student, teacher_model, eos=[e for e in eos if e is not None])
+    trainer = Trainer(cfg, student, teacher_model, eos=[e for e in eos if e is not None], link=ids)
     corpus = [t for _, t in D.training_documents()] if data != "index" else index_texts(index_dir or settings.index_dir, settings.embedder)
     texts = D.passages(corpus, lo=30, hi=90) if data != "index" else corpus
     if data == "distill":
@@ -145,7 +156,7 @@ def tune_command(
 
         def samples(cursor: int):
             n = D.counts(cursor, weights, seed)
-            return D.mixed([D.distill_samples(tok, layout, texts, seed, n[0]), D.corpus_samples(texts, layout, seed, n[1])],
+            return D.mixed([D.distill_samples(tok, layout, texts, seed, n[0], link=ids), D.corpus_samples(texts, layout, seed, n[1])],
                            weights, seed, cursor)
     else:
         def samples(cursor: int):
@@ -157,13 +168,14 @@ def tune_command(
         held = D.passages([t for _, t in D.heldout_documents()], lo=30, hi=90) if data != "index" else texts
         stream = D.corpus_samples(held, layout, seed + 1_000_003)
         result = trainer.measure([next(stream) for _ in range(evaluate)])
+        out.mkdir(parents=True, exist_ok=True)
         (out / "evaluation.json").write_text(json.dumps(result, indent=1) + "\n")
         typer.echo(json.dumps(result))
         return
     out.mkdir(parents=True, exist_ok=True)
     (out / "command.json").write_text(json.dumps({"model": name, "teacher": teacher, "data": data, "method": method, "rank": rank,
                                                    "seam": cfg.seam, "lr": lr, "threads": threads, "precision": precision,
-                                                   "consistency": consistency, "reply": reply}) + "\n")
+                                                   "consistency": consistency, "reply": reply, "link": link}) + "\n")
     run(trainer, samples, out, on_save=lambda t: export_adapter(t, out / "adapter", {"data": data}), init=init)
     say(f"adapter written to {out / 'adapter'}; serve it with --model '{name}+{out / 'adapter'}'")
 

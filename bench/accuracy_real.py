@@ -197,7 +197,7 @@ def evaluate(args) -> dict:
     budget = (8 << 30) if not args.variants else (512 << 20)  # several engines (and processes): each keeps less
     engine = Engine.from_pretrained(model.path, EngineConfig(seam=8, memory_budget_bytes=budget), dtype=args.dtype,
                                     model_id=settings.served_model_name)
-    layout = settings.prompt_layout(engine.tokenizer, model.known.prompt if model.known else None)
+    layout = settings.prompt_layout(engine.tokenizer, model.prompt)
     prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
     head = entry_prefix(prompter)
     engines = {PLAIN: engine}  # (seam fraction, entry prefix, rule, key scale) -> an engine over the same model

@@ -70,7 +70,7 @@ def evaluate(args) -> dict:
             sys.exit(f"kernel {kernel} is not available for {args.model} here (see the warning above)")
         engines[kernel] = engine
     ref = engines[args.kernels[0]]
-    layout = settings.prompt_layout(ref.tokenizer, model.known.prompt if model.known else None)
+    layout = settings.prompt_layout(ref.tokenizer, model.prompt)
     prompter = Prompter(ref.tokenizer, layout, ref.max_positions)
     rows: dict[str, list[dict]] = {k: [] for k in args.kernels}
     gaps: dict[str, list[float]] = {k: [] for k in args.kernels}

@@ -199,7 +199,7 @@ def run(args) -> dict:
     settings = Settings(_env_file=None, model=args.model)
     engine = Engine.from_pretrained(model.path, EngineConfig(seam=8, memory_budget_bytes=args.memory_mb << 20),
                                     dtype=args.dtype, model_id=settings.served_model_name)
-    layout = settings.prompt_layout(engine.tokenizer, model.known.prompt if model.known else None)
+    layout = settings.prompt_layout(engine.tokenizer, model.prompt)
     prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
     words = dict(zip(LENGTHS, args.words))
     prompts = build_prompts(load_docs(args.docs), args.n, args.seed, args.pool, words)

@@ -58,7 +58,7 @@ def scan(name: str, which: str, n: int, scales: list[float], seam: int = 8) -> d
     model = resolve(name)
     settings = Settings(_env_file=None, model=name)
     base = Engine.from_pretrained(model.path, EngineConfig(seam=seam), model_id=settings.served_model_name)
-    layout = settings.prompt_layout(base.tokenizer, model.known.prompt if model.known else None)
+    layout = settings.prompt_layout(base.tokenizer, model.prompt)
     prompter = Prompter(base.tokenizer, layout, base.max_positions)
     engines = {s: Engine(base.model, base.tokenizer, dataclasses.replace(base.config, reuse_key_scale=s), base.store,
                          model_id=settings.served_model_name) for s in scales}

@@ -79,7 +79,7 @@ def main() -> None:
         engines[label] = (Engine(base.model, base.tokenizer, EngineConfig(seam=args.seam), model_id=args.model) if base
                           else Engine.from_pretrained(model.path, EngineConfig(seam=args.seam), model_id=args.model))
     tokenizer = engines["full"].tokenizer
-    prompter = Prompter(tokenizer, settings.prompt_layout(tokenizer, model.known.prompt if model.known else None),
+    prompter = Prompter(tokenizer, settings.prompt_layout(tokenizer, model.prompt),
                         engines["full"].max_positions)
     convs = conversations(args.conversations, args.turns, args.docs)
     # rows[label][turn] -> list of (ms, exact, composed, seam, fresh, kl, top1)

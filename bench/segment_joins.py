@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     model = resolve(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model.path)
-    layout = Settings(_env_file=None, model=args.model).prompt_layout(tokenizer, model.known.prompt if model.known else None)
+    layout = Settings(_env_file=None, model=args.model).prompt_layout(tokenizer, model.prompt)
     prompter = Prompter(tokenizer, layout, 1 << 20)
     rng = random.Random(args.seed)
     pairs = load_real_qa()

@@ -121,8 +121,7 @@ def main() -> None:
         engine_kernel = engine.runner.decode_kernel
         assert engine_kernel is not None, f"{name}: no lean decode step, nothing to speculate on"
         settings = Settings(_env_file=None, model=name)
-        known = resolve(name).known
-        prompter = Prompter(engine.tokenizer, settings.prompt_layout(engine.tokenizer, known.prompt if known else None),
+        prompter = Prompter(engine.tokenizer, settings.prompt_layout(engine.tokenizer, resolve(name).prompt),
                             engine.max_positions)
         with torch.inference_mode():
             for workload in args.workloads:

@@ -22,6 +22,12 @@ Two prompt formats (`PromptLayout.format`):
   `document_template`, the question through `question_template`, then `answer_prefix`, used
   exactly as given: nothing is added around or between them.
 
+Link segments (`PromptLayout.link`, a model trained with them says so in its checkpoint): a few
+special tokens written after every document as a segment of their own. A document's segment is
+computed alone and reused; its link is short enough to lie inside the seam, so it is recomputed in
+every request on top of everything before it (the documents before it and its own): trained
+embeddings that carry what crosses a document boundary to what follows (KVLink's link tokens).
+
 Safe tokenization: text that comes from users (questions, messages, documents) is tokenized with
 special-token parsing off, so a document containing `<|im_end|>` cannot close a turn or forge
 one. Only the special tokens written by the template and the settings are special.
@@ -55,6 +61,7 @@ class PromptLayout:
     document_template: str  # fields: {text}, {title}
     question_template: str  # field: {question}
     answer_prefix: str = ""
+    link: str = ""  # trusted text (special tokens) written after every document as its own segment
 
 
 # What a model gets when neither its named entry nor the settings say otherwise.
@@ -192,6 +199,10 @@ class Prompter:
         self.encoder = SafeEncoder(tokenizer)
         # What follows a segment before the question: the next document, as the template writes it.
         self._next = "".join(text for text, _ in fill(layout.document_template, text="Document", title="Document"))
+        # The link segment written after every document, where the layout has one. Documents are
+        # tokenized as without it (as followed by the next document), so leaving the links out of a
+        # prompt gives exactly the prompt of the same layout without a link.
+        self.link: Tokens = self.encoder.encode([(layout.link, True)]) if layout.link else ()
         if layout.format == "chat" and not getattr(tokenizer, "chat_template", None):
             raise ValueError("prompt format 'chat' needs a tokenizer with a chat template; use the raw format")
 
@@ -272,9 +283,11 @@ class Prompter:
              reserve: int, field: str) -> Prompt:
         """`head`, `kept`, the retrieved documents that fit and `tail`: documents are added best
         first until the next one would leave less than `reserve` tokens of context for the answer
-        (the rest are dropped, and never tokenized). A prompt that does not fit even without
+        (the rest are dropped, and never tokenized). Every document (kept or retrieved) is followed
+        by the layout's link segment, when it has one. A prompt that does not fit even without
         documents is an `InvalidRequestError`."""
-        fixed = sum(map(len, head + kept + tail))
+        link = len(self.link)
+        fixed = sum(map(len, head + kept + tail)) + link * len(kept)
         if fixed >= self.context:
             raise InvalidRequestError(field, f"the prompt is {fixed} tokens without any retrieved chunk; the model's context is "
                                              f"{self.context} tokens: shorten the {field}" + (" or the segments" if kept else ""))
@@ -282,14 +295,16 @@ class Prompter:
         used: list[tuple[SearchHit, Tokens]] = []
         for hit in sorted(hits, key=lambda h: h.score, reverse=True):
             ids = self.document(hit.chunk.text, hit.chunk.title)
-            if len(ids) > room:
+            if len(ids) + link > room:
                 break
             used.append((hit, ids))
-            room -= len(ids)
+            room -= len(ids) + link
         order = sorted(range(len(used)), key=lambda i: used[i][0].score)  # worst first: the best sits next to the question
-        before = [s for s in head + kept if s]
+        step = 2 if link else 1
+        before = [s for s in head if s] + [s for ids in kept if ids for s in ((ids, self.link) if link else (ids,))]
         places = [0] * len(used)
         for rank, i in enumerate(order):
-            places[i] = len(before) + rank
-        segments = before + [used[i][1] for i in order] + [s for s in tail if s]
+            places[i] = len(before) + step * rank
+        documents = [s for i in order for s in ((used[i][1], self.link) if link else (used[i][1],))]
+        segments = before + documents + [s for s in tail if s]
         return Prompt(segments, [h for h, _ in used], len(hits) - len(used), min(len(head), len(segments) - 1), tuple(places))

@@ -150,9 +150,10 @@ class Runtime:
                 # fallbacks are what runs anyway (hypic_core/adapters/kernels.py), so say nothing.
                 logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
             known, release = KNOWN_MODELS.get(self.settings.model), None
+            prompt = known.prompt if known else None  # a given engine: the named model's, if it is one
             if self._engine_source is None:
                 model = resolve_model(self.settings.model, self.settings.models_dir, progress=log.info)
-                known = model.known
+                prompt = model.prompt
                 release = release_for(model.name, model.path)  # the model card's faithfulness, the guard's default threshold
                 stage = f"loading model {self.settings.model} from {model.path}"
                 engine = load_engine(self.settings, model)
@@ -176,7 +177,7 @@ class Runtime:
                 log.info("ingested corpus", extra={"corpus": str(corpus), "documents": summary.documents, "chunks": summary.chunks})
             self.engine, self.index, self.chunker = engine, index, chunker
             self.collections = Collections(self.settings.collections_root, index, self.settings.shared_collections)
-            layout = self.settings.prompt_layout(engine.tokenizer, known.prompt if known else None)
+            layout = self.settings.prompt_layout(engine.tokenizer, prompt)
             self.prompter = Prompter(engine.tokenizer, layout, engine.max_positions)
             self.tokens = TokenText(engine.tokenizer)
             if not self._owns_engine:

@@ -58,9 +58,13 @@ def load_local(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
 
 # A reuse adapter (training/reuse, `hypic tune`): LoRA factors per adapted linear, scale folded into
 # `up`, so the merged weight is `W + up @ down`, or (full fine-tuning, `--method full`) a delta per
-# parameter, `<parameter>.delta`, added to it; and a JSON card naming the base model and the run.
+# parameter, `<parameter>.delta`, added to it; trained link tokens (`--link`) as the change of a few
+# rows of the input embedding, `<parameter>.row_delta` added to the rows `<parameter>.row_ids`; and a
+# JSON card naming the base model and the run (and the link text, which the merged model is served with).
 ADAPTER_FILE = "adapter.safetensors"
 DELTA = ".delta"
+ROW_DELTA = ".row_delta"
+ROW_IDS = ".row_ids"
 ADAPTER_CARD = "adapter.json"
 
 
@@ -75,9 +79,24 @@ def adapter_card(adapter_dir: str | Path) -> dict:
 def merge_adapter(weights: dict[str, torch.Tensor], factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`weights` (a checkpoint's state dict) with every adapter factor pair merged into its
     linear's weight (`<linear>.weight += lora_up @ lora_down`, in fp32, then the weight's dtype) and
-    every delta of a fully fine-tuned adapter added to its parameter (`<parameter> += <parameter>.delta`).
-    Raises HypicError for a factor naming a weight the checkpoint lacks or of another shape."""
+    every delta of a fully fine-tuned adapter added to its parameter (`<parameter> += <parameter>.delta`),
+    and trained rows added to theirs (`<parameter>[row_ids] += row_delta`). Raises HypicError for a
+    factor naming a weight the checkpoint lacks or of another shape."""
     out = dict(weights)
+    for key in sorted(k for k in factors if k.endswith(ROW_DELTA)):  # link tokens: rows of the input embedding
+        name, rows = key[: -len(ROW_DELTA)], factors[key]
+        ids = factors.get(f"{name}{ROW_IDS}")
+        if name not in out:
+            raise HypicError(f"adapter: the checkpoint has no {name}; the adapter was trained for another model")
+        w = out[name]
+        if ids is None or ids.dim() != 1 or rows.dim() != 2 or len(ids) != rows.shape[0] or rows.shape[1] != w.shape[1]:
+            raise HypicError(f"adapter: {name} is {tuple(w.shape)}, the adapter's rows {tuple(rows.shape)} for "
+                             f"{None if ids is None else tuple(ids.shape)} ids")
+        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < w.shape[0]):
+            raise HypicError(f"adapter: {name} has {w.shape[0]} rows, the adapter names row {int(ids.max())}")
+        w = w.clone()
+        w[ids.long()] = (w[ids.long()].float() + rows.float()).to(w.dtype)
+        out[name] = w
     for key in sorted(k for k in factors if k.endswith(DELTA)):  # full fine-tuning: the parameter's change
         name, delta = key[: -len(DELTA)], factors[key]
         if name not in out:
@@ -85,7 +104,7 @@ def merge_adapter(weights: dict[str, torch.Tensor], factors: dict[str, torch.Ten
         if tuple(delta.shape) != tuple(out[name].shape):
             raise HypicError(f"adapter: {name} is {tuple(out[name].shape)}, the adapter's delta {tuple(delta.shape)}")
         out[name] = (out[name].float() + delta.float()).to(out[name].dtype)
-    names = sorted({k.rsplit(".", 1)[0] for k in factors if not k.endswith(DELTA)})
+    names = sorted({k.rsplit(".", 1)[0] for k in factors if not k.endswith((DELTA, ROW_DELTA, ROW_IDS))})
     for name in names:
         down, up = factors.get(f"{name}.lora_down"), factors.get(f"{name}.lora_up")
         key = f"{name}.weight"

@@ -152,10 +152,13 @@ def build_adapted(base: "ResolvedModel", adapter_dir: Path, target: Path, named:
                   progress: Callable[[str], None] | None = None) -> Path:
     """`base`'s checkpoint with the adapter in `adapter_dir` merged, built into `target` once (its
     stamp names the base's and the adapter's digests; a changed adapter rebuilds it)."""
-    from .loader import ADAPTER_FILE, write_adapted
+    from .loader import ADAPTER_FILE, adapter_card, write_adapted
 
     identity = {"named": named or (base.known.name if base.known else None), "base": str(base.path),
                 "base_stamp": _read_stamp(base.path), "adapter": _file_digest(Path(adapter_dir) / ADAPTER_FILE)}
+    link = adapter_card(adapter_dir).get("link")
+    if link:  # trained with link segments: the merged model is served with them (ResolvedModel.prompt)
+        identity["prompt"] = {**checkpoint_prompt(base.path), "link": str(link)}
     target.parent.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(str(target) + ".lock"):
         if _stamp_matches(target, identity):
@@ -239,6 +242,19 @@ class ResolvedModel:
     name: str
     known: KnownModel | None = None
     source: str = "directory"  # directory, gguf, hub, named, adapted
+
+    @property
+    def prompt(self) -> dict[str, str]:
+        """The prompt settings the model expects: its named model's, and what its checkpoint says
+        it was trained with (a reuse adapter's link segment, `checkpoint_prompt`)."""
+        return {**(self.known.prompt if self.known else {}), **checkpoint_prompt(self.path)}
+
+
+def checkpoint_prompt(path: Path) -> dict[str, str]:
+    """The prompt settings a checkpoint directory's stamp records (`{"prompt": {"link": ...}}`:
+    written when a reuse adapter trained with link tokens is merged); {} when it records none."""
+    prompt = (_read_stamp(path) or {}).get("prompt")
+    return {k: v for k, v in prompt.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(prompt, dict) else {}
 
 
 def default_cache_dir() -> Path:

@@ -52,6 +52,15 @@ class Layout:
     def ids(self) -> list[int]:
         return [t for s in self.segments for t in s]
 
+    def without(self, link: Sequence[int]) -> "Layout":
+        """The layout with every link segment (`link`'s ids, written after each document) left out:
+        the prompt as a model served without links reads it (the teacher's)."""
+        if not link:
+            return self
+        link = tuple(link)
+        kept = tuple(s for i, s in enumerate(self.segments) if i < self.exact_prefix or s != link)
+        return Layout(kept, self.exact_prefix)
+
 
 # A function building the gateway's layout of (question, documents) for one model: the app layer
 # supplies it (app/service/prompter.py), so this package never imports the gateway.
@@ -124,9 +133,10 @@ def _heldout_shingles() -> frozenset:
 _PROMPT = re.compile(r"<\|im_start\|>user\n(Document: .*)Question: (.*)<\|im_end\|>\n<\|im_start\|>$", re.S)
 
 
-def distilled_rag(tokenizer, layout: "LayoutFn") -> list[tuple[list[str], str, list[int]]]:
+def distilled_rag(tokenizer, layout: "LayoutFn", link: Sequence[int] = ()) -> list[tuple[list[str], str, list[int]]]:
     """(documents, question, reply ids) of every usable shipped teacher RAG sample: its prompt
-    exactly `layout`'s of its documents and question, answers only (`non_answer`), cut where the
+    exactly `layout`'s of its documents and question (without the `link` segments, which the
+    teacher's prompts never had), answers only (`non_answer`), cut where the
     reply starts looping (`cut_loop`), >= 8 reply tokens, and none sharing an 8-word run with a
     held-out document."""
     from training.hybrid.data import shingles
@@ -145,7 +155,7 @@ def distilled_rag(tokenizer, layout: "LayoutFn") -> list[tuple[list[str], str, l
         if not found:
             continue
         docs = [d[:-2] if d.endswith("\n\n") else d for d in found.group(1).split("Document: ")[1:]]
-        prompt = layout(found.group(2), docs).ids
+        prompt = layout(found.group(2), docs).without(link).ids
         reply = ids[len(prompt):]
         if ids[:len(prompt)] != prompt or len(reply) < 8 or any(shingles(d) & held for d in docs):
             continue
@@ -154,13 +164,14 @@ def distilled_rag(tokenizer, layout: "LayoutFn") -> list[tuple[list[str], str, l
 
 
 def distill_samples(tokenizer, layout: LayoutFn, distractors: Sequence[str], seed: int, start: int = 0,
-                    max_tokens: int = 512) -> Iterator[Sample]:
+                    max_tokens: int = 512, link: Sequence[int] = ()) -> Iterator[Sample]:
     """Endless samples from the shipped teacher RAG samples, from cursor `start` on: sample i is
     a shuffled pass's i-th (pass p = i // n, shuffled by `seed` + p), with 3-8 documents (its own,
     then distractors drawn by `seed` and i, as many as keep the prompt within `max_tokens`) in a
     random order. The same (seed, i) gives the same
-    sample in every process, so a resumed run continues the sequence."""
-    rag = distilled_rag(tokenizer, layout)
+    sample in every process, so a resumed run continues the sequence. `link`: the ids of the
+    link segments `layout` writes, if any (the samples carry them; the teacher's prompts did not)."""
+    rag = distilled_rag(tokenizer, layout, link)
     if not rag:
         raise ValueError(f"{RAG_SAMPLES}: no usable RAG sample")
     i = start

@@ -41,7 +41,8 @@ from hypic_core.adapters import adapter_for
 
 from . import lora
 from .full import FullTuning
-from .data import Sample
+from .data import Layout, Sample
+from .links import LinkRows, Tunings
 from .modes import Composer, full_logits
 
 CHECKPOINT = "checkpoint.pt"
@@ -70,6 +71,7 @@ class TrainConfig:
     precision: str = "fp32"  # or "bf16": forwards under CPU bf16 autocast (weights, optimiser, KL fp32)
     consistency: float = 0.0  # weight of KL(student full || student composed), the full side held fixed
     reply: str = "sample"  # the span: "sample" (its reply, else the teacher's greedy one) or "student" (its own greedy full reply)
+    link: str = ""  # link tokens after every document (training/reuse/links.py): their embedding rows trained too
     sources: dict = field(default_factory=dict)  # what the data was (recorded only)
 
     def __post_init__(self) -> None:
@@ -129,12 +131,17 @@ class Trainer:
     """Owns the student (with adapters), the teacher, the optimiser and the composer.
 
     `student` is mutated (adapters attached). `teacher` None: the student's base is the teacher.
-    Both must share the tokenizer's vocabulary."""
+    Both must share the tokenizer's vocabulary. `link`: the ids of `config.link` (the samples'
+    layouts carry them after every document; the teacher reads each prompt without them)."""
 
-    def __init__(self, config: TrainConfig, student, teacher=None, eos: Sequence[int] = ()) -> None:
+    def __init__(self, config: TrainConfig, student, teacher=None, eos: Sequence[int] = (), link: Sequence[int] = ()) -> None:
+        if bool(config.link) != bool(link):
+            raise ValueError("a run with a link needs its token ids (links.link_ids), and ids need the link's text")
         self.config = config
         self.student = student
-        self.tuning = lora.LoRATuning(student, config.rank, config.seed) if config.method == "lora" else FullTuning(student)
+        self.link = tuple(int(i) for i in link)
+        tuning = lora.LoRATuning(student, config.rank, config.seed) if config.method == "lora" else FullTuning(student)
+        self.tuning = Tunings(tuning, LinkRows(student, self.link)) if self.link else tuning
         self.teacher = teacher
         if teacher is not None:
             tv, sv = teacher.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0]
@@ -152,6 +159,10 @@ class Trainer:
         self.elapsed = 0.0
 
     # --- the teacher -----------------------------------------------------------------------
+    def teacher_layout(self, layout: Layout) -> Layout:
+        """The prompt as the teacher reads it: without link segments (a model served without links)."""
+        return layout.without(self.link)
+
     def _teacher_forward(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
         with torch.no_grad(), self._autocast():
             if self.teacher is not None:
@@ -166,10 +177,11 @@ class Trainer:
         if sample.reply is not None and not own:
             return tuple(sample.reply[: self.config.reply_tokens])
         model = self.student if own or self.teacher is None else self.teacher
-        ids = torch.tensor([sample.layout.ids], dtype=torch.long, device=model.device)
+        base = self.teacher is None and not own  # the student's base is the teacher
+        layout = sample.layout if own else self.teacher_layout(sample.layout)
+        ids = torch.tensor([layout.ids], dtype=torch.long, device=model.device)
         cache = adapter_for(model).new_cache()
         out: list[int] = []
-        base = self.teacher is None and not own  # the student's base is the teacher
         with torch.no_grad(), self._autocast(), (self.tuning.disabled() if base else _null()):
             logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
             for _ in range(self.config.reply_tokens):
@@ -201,8 +213,7 @@ class Trainer:
         if len(reply) < 1:
             raise ValueError("a training sample needs a reply of at least one token")
         t = lap("reply", t0)
-        prompt = sample.layout.ids
-        ids = torch.tensor([prompt + list(reply)[:-1]], dtype=torch.long, device=self.student.device)
+        ids = torch.tensor([self.teacher_layout(sample.layout).ids + list(reply)[:-1]], dtype=torch.long, device=self.student.device)
         target = self._teacher_forward(ids, len(reply))
         t = lap("teacher", t)
         self.opt.zero_grad(set_to_none=True)
@@ -226,14 +237,14 @@ class Trainer:
         lap("composed", t)
         self.step += 1
         loss = kl_full.item() + kl_comp.item() + self.config.consistency * gap.item()
-        return StepResult(self.step, loss, kl_full.item(), kl_comp.item(), gap.item(), len(ids[0]) + 1,
+        return StepResult(self.step, loss, kl_full.item(), kl_comp.item(), gap.item(), len(sample.layout.ids) + len(reply),
                           len(reply), time.time() - t0, phases)
 
     def evaluate(self, sample: Sample) -> tuple[float, float, float]:
         """(KL full, KL composed, gap) of one sample, no update; the gap is KL(student full || student composed)."""
         self.student.eval()
         reply = self.reply_for(sample)
-        ids = torch.tensor([sample.layout.ids + list(reply)[:-1]], dtype=torch.long, device=self.student.device)
+        ids = torch.tensor([self.teacher_layout(sample.layout).ids + list(reply)[:-1]], dtype=torch.long, device=self.student.device)
         target = self._teacher_forward(ids, len(reply))
         with torch.no_grad(), self._autocast():
             full = full_logits(self.student, sample.layout, reply)
@@ -271,8 +282,8 @@ class Trainer:
         """Resume from a checkpoint. Raises ValueError when it was written for another rank or model."""
         blob = torch.load(path, weights_only=False)
         was = blob["config"]
-        for key in ("model", "rank", "teacher", "method"):
-            if was.get(key, "lora" if key == "method" else None) != getattr(self.config, key):
+        for key in ("model", "rank", "teacher", "method", "link"):
+            if was.get(key, {"method": "lora", "link": ""}.get(key)) != getattr(self.config, key):
                 raise ValueError(f"{path}: written with {key}={was.get(key)!r}, this run has {getattr(self.config, key)!r}; "
                                  "use another --out or the same settings")
         self.tuning.load_state(blob["factors"])
@@ -294,7 +305,10 @@ class Trainer:
             if card.get(key, "lora" if key == "method" else None) != getattr(self.config, field):
                 raise ValueError(f"{adapter_dir}: trained with {key}={card.get(key)!r}, this run has "
                                  f"{getattr(self.config, field)!r}")
-        self.tuning.load_state({k: v.float() for k, v in load_file(str(adapter_dir / ADAPTER_FILE)).items()})
+        if card.get("link") and card["link"] != self.config.link:  # an adapter without a link may gain one (its rows start unchanged)
+            raise ValueError(f"{adapter_dir}: trained with link={card['link']!r}, this run has {self.config.link!r}")
+        self.tuning.load_state({k: v.float() if v.is_floating_point() else v
+                                for k, v in load_file(str(adapter_dir / ADAPTER_FILE)).items()})
         self.step = int(card["step"])
         self.cursor = int(card.get("cursor", self.step))
         self.elapsed = float(card.get("train_seconds", 0.0))
@@ -380,7 +394,7 @@ def export_adapter(trainer: Trainer, target: Path, card: dict | None = None) -> 
     info = {"base": trainer.config.model, "teacher": trainer.config.teacher, "method": trainer.config.method, "rank": trainer.config.rank,
             "seam": trainer.config.seam, "step": trainer.step, "cursor": trainer.cursor, "train_seconds": round(trainer.elapsed, 1),
             "lr": trainer.config.lr, "precision": trainer.config.precision, "consistency": trainer.config.consistency,
-            "reply": trainer.config.reply, **(card or {})}
+            "reply": trainer.config.reply, **({"link": trainer.config.link} if trainer.config.link else {}), **(card or {})}
     (tmp / ADAPTER_CARD).write_text(json.dumps(info, indent=1) + "\n")
     keep = [p for p in target.iterdir() if p.name not in (ADAPTER_FILE, ADAPTER_CARD)] if target.is_dir() else []
     for p in keep:  # a model card or other files beside the adapter stay

@@ -17,6 +17,8 @@ class PromptSettings(AreaSettings):
     document_template: str | None = Field(None, description="How a retrieved chunk is written into the prompt ({text}, {title}).")
     question_template: str | None = Field(None, description="How a /query question is written into the prompt ({question}).")
     answer_prefix: str | None = Field(None, description="Text after the question (raw) or after the generation prompt (chat).")
+    link: str | None = Field(None, description="Special tokens written after every document as a segment of their own, "
+                             "recomputed in every request (a model trained with them, hypic tune --link, says so itself).")
     answer_reserve_tokens: int = Field(256, ge=1, description="Context kept for the answer when fitting retrieved chunks to a "
                                        "request without max_tokens.")
 
@@ -43,5 +45,5 @@ class PromptSettings(AreaSettings):
         if fmt == "auto":
             fmt = "chat" if getattr(tokenizer, "chat_template", None) else "raw"
         base = GENERIC[fmt].__dict__ | (known_prompt or {})
-        chosen = {name: getattr(self, name) for name in ("system_prompt", "document_template", "question_template", "answer_prefix")}
+        chosen = {name: getattr(self, name) for name in ("system_prompt", "document_template", "question_template", "answer_prefix", "link")}
         return PromptLayout(**(base | {k: v for k, v in chosen.items() if v is not None} | {"format": fmt}))
