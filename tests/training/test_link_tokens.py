@@ -169,3 +169,47 @@ def test_the_prompter_writes_the_link_after_every_document(tiny_tokenizer):
     need = sum(len(with_link.document(t)) for t in texts[1:]) + 2 * len(link)  # the best two (highest scores)
     assert len(with_link.query("Who is the mayor?", hits, reserve=4096 - fixed - need).used) == 2
     assert len(with_link.query("Who is the mayor?", hits, reserve=4096 - fixed - need + 1).used) == 1
+
+
+def test_a_gateway_serving_a_linked_adapter_writes_the_link_after_every_document(tmp_path, monkeypatch):
+    """`hypic serve --model 'BASE+ADAPTER'` with an adapter trained with a link: the merged model's
+    stamp says so, and /query's prompt holds one link per document (its usage counts them)."""
+    import httpx
+    from safetensors.torch import save_file
+
+    from app.http.server import create_app
+    from app.service.prompter import Prompter
+    from app.service.settings import Settings
+    from app.testing import LiveServer, single_torch_thread
+    from hypic_core.models.registry import resolve
+    from retrieval import HashingEmbedder, VectorIndex
+    from retrieval.document import Chunk, chunk_id_for
+    from retrieval.index import SearchHit
+
+    monkeypatch.setenv("HYPIC_MODELS_DIR", str(tmp_path / "models"))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file({"model.embed_tokens.weight.row_delta": torch.full((1, 192), 0.01),
+               "model.embed_tokens.weight.row_ids": torch.tensor([0])}, str(adapter / "adapter.safetensors"))
+    (adapter / "adapter.json").write_text(json.dumps({"base": "hypic-tiny", "link": "<|endoftext|>"}))
+    spec = f"hypic-tiny+{adapter}"
+    docs = ["Seinaim is a city on the river Peiryas.", "Gripaith is a city on the river Nukreix."]
+    settings = Settings(_env_file=None, model=spec, torch_threads=None, index_dir=tmp_path / "index", corpus_path=None)
+    with single_torch_thread(), LiveServer(create_app(settings, index=VectorIndex(tmp_path / "index", HashingEmbedder(64)))) as live:
+        live.wait_ready(timeout=120)
+        body = "\n".join(json.dumps({"id": f"d{i}", "text": t}) for i, t in enumerate(docs))
+        r = httpx.post(f"{live.url}/documents", content=body, headers={"content-type": "application/jsonl"}, timeout=60)
+        assert r.status_code == 201, r.text
+        r = httpx.post(f"{live.url}/query", json={"question": "Which river flows through Seinaim?", "top_k": 2, "max_tokens": 2},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        used = r.json()["usage"]["prompt_tokens"]
+    from transformers import AutoTokenizer
+
+    model = resolve(spec)
+    assert model.prompt["link"] == "<|endoftext|>"
+    tok = AutoTokenizer.from_pretrained(model.path)
+    plain = Settings(_env_file=None).prompt_layout(tok, model.known.prompt)
+    hits = [SearchHit(float(i), Chunk(chunk_id_for(t), f"c{i}", "", "d", 0, t, 0)) for i, t in enumerate(docs)]
+    without = Prompter(tok, plain, 4096).query("Which river flows through Seinaim?", hits, 64).tokens
+    assert used == without + 2, (used, without)
