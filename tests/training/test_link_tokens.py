@@ -213,3 +213,23 @@ def test_a_gateway_serving_a_linked_adapter_writes_the_link_after_every_document
     hits = [SearchHit(float(i), Chunk(chunk_id_for(t), f"c{i}", "", "d", 0, t, 0)) for i, t in enumerate(docs)]
     without = Prompter(tok, plain, 4096).query("Which river flows through Seinaim?", hits, 64).tokens
     assert used == without + 2, (used, without)
+
+
+def test_a_linked_adapter_s_model_card_names_its_link_and_how_to_train_it(tmp_path):
+    from safetensors.torch import save_file
+
+    from training.reuse.ship import ship
+
+    run, target = tmp_path / "run", tmp_path / "model"
+    (run / "adapter").mkdir(parents=True)
+    save_file({"model.layers.0.self_attn.q_proj.lora_down": torch.zeros(2, 2), "model.layers.0.self_attn.q_proj.lora_up": torch.zeros(2, 2),
+               "model.embed_tokens.weight.row_delta": torch.zeros(2, 2), "model.embed_tokens.weight.row_ids": torch.tensor([3, 4])},
+              str(run / "adapter" / "adapter.safetensors"))
+    card = {"base": "b", "teacher": "t", "rank": 4, "seam": 8, "step": 2, "cursor": 2, "train_seconds": 60.0, "lr": 3e-4,
+            "precision": "fp32", "consistency": 10.0, "reply": "student", "data": "distill", "link": "<l0><l1>"}
+    (run / "adapter" / "adapter.json").write_text(json.dumps(card))
+    (run / "log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1, "kl_full": 0.01, "kl_composed": 0.02, "gap": 0.001,
+                                                       "seconds": 10.0}) + "\n" for s in (1, 2)))
+    text = (ship(run, target, "model") / "README.md").read_text()
+    assert "LoRA (rank 4) on every attention layer's q projections, and the link `<l0><l1>`" in text
+    assert "--rank 4 --link '<l0><l1>'" in text

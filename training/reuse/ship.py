@@ -141,6 +141,10 @@ def ship(run: Path, target: Path, name: str, notes: str = "") -> Path:
     method = ("full fine-tuning of every decoder-layer parameter (a delta per parameter)" if full
               else f"LoRA (rank {card['rank']}) on {targets(target / ADAPTER_FILE)}")
     how = "--method full" if full else f"--rank {card['rank']}"
+    if card.get("link"):  # the third rung: link tokens after every document, served with the model
+        method += (f", and the link `{card['link']}` written after every document and recomputed in every request "
+                   f"(those tokens' embedding rows trained; served with the model)")
+        how += f" --link '{card['link']}'"
     text = f"""# {name}
 
 `{card['base']}` with a reuse adapter: {method}, trained so that `hypic` reuse (documents computed alone,
