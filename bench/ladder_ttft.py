@@ -11,6 +11,12 @@ snapshot.
     .venv/bin/python bench/ladder_ttft.py --model smollm2-hybrid-135m smollm2-135m-instruct \\
         --configs 8 8+p 8/0.15 8/0.15+p --reps 5
     .venv/bin/python bench/ladder_ttft.py --chunk-len 80 --configs 8 8@0.05 8@0.1 8@0.2 --reps 5   # short documents
+    .venv/bin/python bench/ladder_ttft.py --configs 8 --link 4 --reps 5   # what a 4-token link after every chunk costs
+
+With `--link N` every configuration is timed a second time (`<config> +linkN`) on the same requests
+with an N-token link segment after every chunk (the layout of a model trained with `hypic tune
+--link`; the ids are the first N of SmolLM2's unused special tokens, their values do not change the
+work), its ratio taken against the same `full` without links.
 
 With a recompute budget the store is filled by the first request, in another order: the widths a
 segment gets depend on its place, so a repetition may still find an entry of its width missing;
@@ -39,6 +45,8 @@ from accuracy_real import lever_config, variant  # noqa: E402
 from families import real_model  # noqa: E402
 from ttft import ttft, ttft_out, workload  # noqa: E402
 
+LINK_IDS = (11, 12, 13, 14, 15, 16)  # SmolLM2's unused special tokens (<jupyter_start> ...)
+
 
 def measure(model: torch.nn.Module, args) -> dict[str, dict]:
     vocab = min(model.config.vocab_size, 8192)
@@ -49,6 +57,9 @@ def measure(model: torch.nn.Module, args) -> dict[str, dict]:
         perm = chunks[:]
         order.shuffle(perm)
         return [system, *perm, questions[rep % len(questions)]]
+
+    def linked(segs):
+        return [segs[0], *(s for chunk in segs[1:-1] for s in (chunk, LINK_IDS[: args.link])), segs[-1]]
 
     full_engine = Engine(model, config=EngineConfig(seam=8))
     engines = {}
@@ -63,6 +74,10 @@ def measure(model: torch.nn.Module, args) -> dict[str, dict]:
             budgeted.add(label)
         ttft(engine, request(100), "hypic")  # fills the store (cold), another order
         engines[label] = engine
+        if args.link:
+            engine = Engine(model, config=lever_config(levers, system, seam=seam))
+            ttft(engine, linked(request(100)), "hypic")
+            engines[f"{label} +link{args.link}"] = engine
     ttft(full_engine, request(101), "full")  # warms kernels
     times: dict[str, list[float]] = {"full": [], **{label: [] for label in engines}}
     seams: dict[str, int] = {}
@@ -72,9 +87,10 @@ def measure(model: torch.nn.Module, args) -> dict[str, dict]:
         t_full = ttft(full_engine, segs, "full")
         times["full"].append(t_full)
         for label, engine in engines.items():
-            if label in budgeted:
-                ttft(engine, segs, "hypic")  # the widths this order gives: their entries computed, untimed
-            t, out = ttft_out(engine, segs, "hypic")
+            mine = linked(segs) if label.endswith(f" +link{args.link}") and args.link else segs
+            if label.split(" +link")[0] in budgeted:
+                ttft(engine, mine, "hypic")  # the widths this order gives: their entries computed, untimed
+            t, out = ttft_out(engine, mine, "hypic")
             assert out.stats.segment_misses == 0, f"{label}: not warm"
             times[label].append(t)
             ratios[label].append(t_full / t)
@@ -91,6 +107,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=6)
     ap.add_argument("--chunk-len", type=int, default=300)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--link", type=int, default=0, choices=range(0, len(LINK_IDS) + 1), metavar=f"0-{len(LINK_IDS)}",
+                    help="also time each config with a link segment of this many tokens after every chunk")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
