@@ -3,7 +3,7 @@
 The app layer's part of reuse training (training/reuse does the training): it builds each prompt
 exactly as /query lays it out for the model (app/service/prompter.py `Prompter.query`, the model's
 prompt settings) and picks the documents: `--data index` the chunks the user ingested (the
-gateway's index, `HYPIC_INDEX_DIR`), `--data docstrings` the docstring corpus's training split,
+gateway's index, `HYPIC_INDEX_DIR`; cut into passages of 30-90 words, so several fit a prompt), `--data docstrings` the docstring corpus's training split,
 `--data distill` the shipped teacher RAG samples (data/distill) mixed with the docstring corpus
 (how `smollm2-hybrid-135m-reuse` is trained). A rerun with the same `--out` resumes.
 
@@ -150,7 +150,9 @@ def tune_command(
     eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>",) if t in tok.get_vocab()]
     trainer = Trainer(cfg, student, teacher_model, eos=[e for e in eos if e is not None], link=ids)
     corpus = [t for _, t in D.training_documents()] if data != "index" else index_texts(index_dir or settings.index_dir, settings.embedder)
-    texts = D.passages(corpus, lo=30, hi=90) if data != "index" else corpus
+    # passages of 30-90 words, so 3-8 documents fit a training prompt (a user's ingested chunks are a few
+    # hundred tokens each: whole, one or two filled a prompt, and there was little to compose)
+    texts = D.passages(corpus, lo=30, hi=90) if data != "index" else D.pieces(corpus, lo=30, hi=90)
     if data == "distill":
         weights = (0.7, 0.3)
 

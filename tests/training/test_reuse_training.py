@@ -396,3 +396,19 @@ def test_resume_refuses_a_checkpoint_of_another_method(tmp_path):
     other = Trainer(TrainConfig(model="bamba", out=str(tmp_path), method="full", rank=4, seam=2, steps=2), tiny_model("bamba"))
     with pytest.raises(ValueError, match="method"):
         run(other, samples_from, tmp_path, progress=lambda m: None)
+
+
+def test_a_users_chunks_are_cut_into_pieces_that_several_fit_a_prompt():
+    """`hypic tune --data index` trains on pieces of the ingested chunks: runs of sentences within the
+    bounds, a sentence longer than the upper bound cut into windows, every word kept but a short tail
+    (a chunk too short for any piece is kept whole)."""
+    from training.reuse.data import pieces
+
+    text = "One two three. Four five six seven.\n\nEight nine ten eleven twelve. " + " ".join(f"w{i}" for i in range(10))
+    out = pieces([text], lo=2, hi=6)
+    assert out == ["One two three.", "Four five six seven.", "Eight nine ten eleven twelve.", "w0 w1 w2 w3 w4 w5", "w6 w7 w8 w9"]
+    assert pieces(["a b. c d.\n\ne f."], lo=1, hi=6) == ["a b. c d.\n\ne f."]  # a paragraph break inside a piece stays
+    assert pieces(["tiny.", " "], lo=2, hi=6) == ["tiny."]  # too short for a piece: kept whole
+    chunk = " ".join(f"Sentence number {i} says a few more words." for i in range(60))  # ~480 words, one paragraph
+    cut = pieces([chunk])
+    assert len(cut) >= 5 and all(30 <= len(p.split()) <= 90 for p in cut)

@@ -120,6 +120,38 @@ def passages(texts: Sequence[str], lo: int = 40, hi: int = 200) -> list[str]:
     return out
 
 
+def pieces(texts: Sequence[str], lo: int = 30, hi: int = 90) -> list[str]:
+    """Passages of `lo`-`hi` words cut from `texts` of any length (a user's ingested chunks, a few
+    hundred tokens each, of which one or two fill a training prompt): runs of consecutive sentences,
+    a paragraph break kept where a run spans one; a sentence longer than `hi` words is cut into
+    `hi`-word windows. Every word of a text lands in one piece, except a last run shorter than `lo`;
+    a text too short for any piece is one piece as it is."""
+    out = []
+    for text in texts:
+        before = len(out)
+        sentences: list[str] = []
+        for para in re.split(r"\n\s*\n", text.strip()):
+            parts = [p for p in re.split(r"(?<=[.!?:;])\s+", para.strip()) if p]
+            for i, sentence in enumerate(parts):
+                words = sentence.split()
+                for k in range(0, len(words), hi):
+                    sentences.append(("\n\n" if i == 0 and k == 0 and sentences else "") + " ".join(words[k:k + hi]))
+        run: list[str] = []
+        count = 0
+        for sentence in sentences + [None]:
+            n = 0 if sentence is None else len(sentence.split())
+            if sentence is None or (run and count + n > hi):
+                if count >= lo:
+                    out.append(" ".join(run).replace(" \n\n", "\n\n").strip())
+                run, count = [], 0
+            if sentence is not None:
+                run.append(sentence.lstrip("\n") if not run else sentence)
+                count += n
+        if len(out) == before and text.strip():
+            out.append(text.strip())
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def _heldout_shingles() -> frozenset:
     from training.hybrid.data import shingles
