@@ -229,7 +229,8 @@ def evaluate(args) -> dict:
             chunks, gold = build_context(pair, n_chunks, seed=args.seed)
         segs = prompt_segments(prompter, pair.question, chunks)
         assert tuple(t for s in segs[:2] for t in s)[: len(head)] == head, "the prompt does not open with the entry prefix"
-        docs = segs[-1 - len(chunks):-1]  # the prompter's tail is the question alone
+        context = [s for s in segs[:-1] if not prompter.link or s != prompter.link]  # a linked model: its links left out
+        docs = context[-len(chunks):]  # the prompter's tail is the question alone
         assert len(docs) == len(chunks) and all(engine.tokenizer.decode(d).count(c[:20]) for d, c in zip(docs, chunks)), \
             "the documents are not the prompt's last context segments"
         for state in gold_states.values():
