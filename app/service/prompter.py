@@ -300,11 +300,11 @@ class Prompter:
             used.append((hit, ids))
             room -= len(ids) + link
         order = sorted(range(len(used)), key=lambda i: used[i][0].score)  # worst first: the best sits next to the question
-        step = 2 if link else 1
-        before = [s for s in head if s] + [s for ids in kept if ids for s in ((ids, self.link) if link else (ids,))]
+        linked = (lambda ids: (ids, self.link)) if link else (lambda ids: (ids,))  # a document, then its link
+        before = [s for s in head if s] + [s for ids in kept if ids for s in linked(ids)]
         places = [0] * len(used)
         for rank, i in enumerate(order):
-            places[i] = len(before) + step * rank
-        documents = [s for i in order for s in ((used[i][1], self.link) if link else (used[i][1],))]
+            places[i] = len(before) + (2 if link else 1) * rank
+        documents = [s for i in order for s in linked(used[i][1])]
         segments = before + documents + [s for s in tail if s]
         return Prompt(segments, [h for h, _ in used], len(hits) - len(used), min(len(head), len(segments) - 1), tuple(places))

@@ -32,16 +32,12 @@ def link_ids(tokenizer, link: str) -> tuple[int, ...]:
     """The token ids of the link text `link`, each an added special token that the chat template
     and the tokenizer's own roles (BOS, EOS, padding) do not use. Raises ValueError otherwise:
     training any other token's row would change how ordinary text reads."""
-    special = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
-    ids: list[int] = []
-    rest = link
-    while rest:
-        name = next((s for s in sorted(special, key=len, reverse=True) if rest.startswith(s)), None)
-        if name is None:
-            raise ValueError(f"link {link!r}: {rest[:20]!r} is not a special token of this tokenizer; a link is written as "
-                             f"special tokens only (unused ones, e.g. {', '.join(unused_specials(tokenizer)[:4]) or 'none'})")
-        ids.append(special[name])
-        rest = rest[len(name):]
+    specials = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    ids = tokenizer.encode(link, add_special_tokens=False) if link else []  # special tokens parsed, as in trusted text
+    text = [i for i in ids if i not in specials]
+    if text:
+        raise ValueError(f"link {link!r}: {tokenizer.decode(text)!r} is not a special token of this tokenizer; a link is written as "
+                         f"special tokens only (unused ones, e.g. {', '.join(unused_specials(tokenizer)[:4]) or 'none'})")
     if not ids:
         raise ValueError("link must name at least one special token")
     used = set(roles(tokenizer))
