@@ -94,6 +94,9 @@ def tune_command(
     seed: Annotated[int, typer.Option(help="Data and adapter seed.")] = 0,
     consistency: Annotated[float, typer.Option(help="Weight of KL(student full || student composed), full held fixed: "
                                                     "composed pulled towards the student's own full answer.")] = 10.0,
+    agreement: Annotated[float, typer.Option(help="Weight of the agreement hinge: composed asked to prefer full's greedy "
+                                                  "token by --margin logits at every answer position (0: off).")] = 0.0,
+    margin: Annotated[float, typer.Option(help="The agreement hinge's margin, in logits.")] = 1.0,
     reply: Annotated[str, typer.Option(help="The answer span trained on: student (its own greedy full answer, what "
                                             "the gateway compares with) or sample (the sample's, else the teacher's).")] = "student",
     link: Annotated[str, typer.Option(help="Train link tokens too (the ladder's third rung): these special tokens "
@@ -108,7 +111,8 @@ def tune_command(
                                                "(held-out docstring documents; with --data index, the index's).")] = 0,
 ) -> None:
     """Train a reuse adapter by self-distillation: KL(teacher full || composed) + KL(teacher full || full)
-    + consistency * KL(own full || composed) on the answers."""
+    + consistency * KL(own full || composed) on the answers (+ agreement * a hinge on composed's margin
+    for full's greedy token)."""
     import torch
 
     from app.service.settings import Settings
@@ -146,7 +150,7 @@ def tune_command(
         raise typer.BadParameter(f"expected lora or full, got {method!r}", param_hint="--method")
     cfg = TrainConfig(model=name, out=str(out), teacher=teacher, rank=rank, method=method, seam=settings.seam if seam is None else seam,
                       lr=lr, minutes=minutes, steps=steps, save_minutes=save_minutes, seed=seed, precision=precision,
-                      consistency=consistency, reply=reply, link=link, sources={"data": data})
+                      consistency=consistency, agreement=agreement, margin=margin, reply=reply, link=link, sources={"data": data})
     eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>",) if t in tok.get_vocab()]
     trainer = Trainer(cfg, student, teacher_model, eos=[e for e in eos if e is not None], link=ids)
     corpus = [t for _, t in D.training_documents()] if data != "index" else index_texts(index_dir or settings.index_dir, settings.embedder)
@@ -177,7 +181,8 @@ def tune_command(
     out.mkdir(parents=True, exist_ok=True)
     (out / "command.json").write_text(json.dumps({"model": name, "teacher": teacher, "data": data, "method": method, "rank": rank,
                                                    "seam": cfg.seam, "lr": lr, "threads": threads, "precision": precision,
-                                                   "consistency": consistency, "reply": reply, "link": link}) + "\n")
+                                                   "consistency": consistency, "agreement": agreement, "margin": margin,
+                                                   "reply": reply, "link": link}) + "\n")
     run(trainer, samples, out, on_save=lambda t: export_adapter(t, out / "adapter", {"data": data}), init=init)
     say(f"adapter written to {out / 'adapter'}; serve it with --model '{name}+{out / 'adapter'}'")
 

@@ -137,6 +137,9 @@ def ship(run: Path, target: Path, name: str, notes: str = "") -> Path:
     (target / CURVE_FILE).write_text(json.dumps(rows, indent=1))
     hours = card["train_seconds"] / 3600
     teacher = f" --teacher {card['teacher']}" if card.get("teacher") else ""
+    hinge = (f" + a * the agreement hinge (a = {card['agreement']}, margin {card['margin']} logits)"
+             if card.get("agreement") else "")
+    agreement = f" --agreement {card['agreement']} --margin {card['margin']}" if card.get("agreement") else ""
     full = card.get("method", "lora") == "full"
     method = ("full fine-tuning of every decoder-layer parameter (a delta per parameter)" if full
               else f"LoRA (rank {card['rank']}) on {targets(target / ADAPTER_FILE)}")
@@ -156,7 +159,7 @@ Recipe (docs/training.md, "Reuse-aware training"): each step one RAG prompt laid
 out (3-8 documents in a random order: the teacher's shipped RAG samples with distractor passages, and
 templated questions over the docstring corpus's training split), run through the student in `full` and
 composed as the engine serves `hypic`; loss on the reply = KL(teacher full || student composed) +
-KL(teacher full || student full) + c * KL(student full || student composed) (c = {card.get('consistency', 0)} when this
+KL(teacher full || student full) + c * KL(student full || student composed){hinge} (c = {card.get('consistency', 0)} when this
 checkpoint was written; the span: {'the student' + "'" + 's own greedy full reply' if card.get('reply') == 'student' else "the sample's reply"});
 teacher `{card['teacher'] or 'the base itself'}`; AdamW lr {card['lr']}, {card['precision']}.
 
@@ -168,7 +171,7 @@ steps; one sample per step, so single blocks are noisy):
 
 {curve_table(rows)}
 
-Reproduce: `hypic tune --model {card['base']}{teacher} --data {card.get('data', 'distill')} {how} --lr {card['lr']} --consistency {card.get('consistency', 0)} --reply {card.get('reply', 'sample')} --out var/{run.name} --minutes N`
+Reproduce: `hypic tune --model {card['base']}{teacher} --data {card.get('data', 'distill')} {how} --lr {card['lr']} --consistency {card.get('consistency', 0)}{agreement} --reply {card.get('reply', 'sample')} --out var/{run.name} --minutes N`
 (a rerun resumes; on a machine without that folder add `--init models/{name}` to continue this adapter), then
 `python -m training.reuse.ship var/{run.name} models/{name}`.
 """

@@ -8,12 +8,18 @@ The loss on the reply span is
 
     KL(teacher full || student composed) + KL(teacher full || student full)
         + consistency * KL(student full, held fixed || student composed)
+        + agreement * mean(max(0, margin - (composed's logit of full's greedy token
+                                             - composed's best other logit)))
 
 so reuse is trained towards full prefill's answer while full's own is kept (Block-Attention trains
 both masks). The third term asks for what the gateway's faithfulness measure counts: composed
 predicting what the student's own `full` predicts, whatever either's distance to the teacher
 (a student that cannot match its teacher leaves two different residuals in the first two terms,
-and the gap between them is what changes answers). With `reply="student"` the span is the
+and the gap between them is what changes answers). The fourth term counts what the measure counts
+more directly still: a whole answer is kept only if composed's greedy token is full's at every
+position, and a small KL can still flip a near tie. The hinge asks composed to prefer full's greedy
+token by `margin` logits at each position of the span, and is zero where it already does; it acts at
+the near ties only, where a mean KL spends most of its gradient on positions that never flip. With `reply="student"` the span is the
 student's own greedy `full` reply, the answer the gateway compares with, instead of the sample's
 or the teacher's. The teacher is a given model (SmolLM2 for the distilled hybrid) or the student's own
 base (adapters off) for a model tuned for itself. A sample without a reply gets the teacher's
@@ -70,6 +76,8 @@ class TrainConfig:
     seed: int = 0
     precision: str = "fp32"  # or "bf16": forwards under CPU bf16 autocast (weights, optimiser, KL fp32)
     consistency: float = 0.0  # weight of KL(student full || student composed), the full side held fixed
+    agreement: float = 0.0  # weight of the hinge on composed's margin for full's greedy token
+    margin: float = 1.0  # logits by which composed should prefer full's greedy token (the hinge's margin)
     reply: str = "sample"  # the span: "sample" (its reply, else the teacher's greedy one) or "student" (its own greedy full reply)
     link: str = ""  # link tokens after every document (training/reuse/links.py): their embedding rows trained too
     sources: dict = field(default_factory=dict)  # what the data was (recorded only)
@@ -87,6 +95,10 @@ class TrainConfig:
             raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
         if self.consistency < 0:
             raise ValueError(f"consistency must be >= 0, got {self.consistency}")
+        if self.agreement < 0:
+            raise ValueError(f"agreement must be >= 0, got {self.agreement}")
+        if self.margin < 0:
+            raise ValueError(f"margin must be >= 0, got {self.margin}")
         if self.reply not in ("sample", "student"):
             raise ValueError(f"reply must be sample or student, got {self.reply!r}")
         if self.reply_tokens < 1:
@@ -100,6 +112,8 @@ class StepResult:
     kl_full: float
     kl_composed: float
     gap: float  # KL(student full || student composed): what the consistency term lowers
+    hinge: float  # mean hinge of composed's margin for full's greedy token (the agreement term, unweighted)
+    agree: float  # share of the span's positions where composed's greedy token is full's
     tokens: int
     reply: int
     seconds: float
@@ -110,6 +124,18 @@ def kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
     """Mean over positions of KL(teacher || student), both [positions, vocab] logits, in fp32."""
     t = torch.log_softmax(teacher.float(), -1)
     return (t.exp() * (t - torch.log_softmax(student.float(), -1))).sum(-1).mean()
+
+
+def agreement_hinge(anchor: torch.Tensor, student: torch.Tensor, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean hinge, share agreeing) of `student` logits against `anchor`'s greedy tokens, both
+    [positions, vocab]: per position max(0, margin - (student[y] - max over v != y of student[v]))
+    with y = anchor's argmax; the share counts positions where student's argmax is y."""
+    student = student.float()
+    y = anchor.argmax(-1, keepdim=True)
+    chosen = student.gather(-1, y).squeeze(-1)
+    best_other = student.scatter(-1, y, float("-inf")).max(-1).values
+    hinge = torch.clamp(margin - (chosen - best_other), min=0.0).mean()
+    return hinge, (chosen > best_other).float().mean()
 
 
 def learning_rate(step: int, peak: float, warmup: int) -> float:
@@ -228,7 +254,13 @@ class Trainer:
             s_comp = self.composer.logits(sample.layout, reply)
         kl_comp = kl(target, s_comp)
         gap = kl(anchor, s_comp)
-        (kl_comp + self.config.consistency * gap if self.config.consistency else kl_comp).backward()
+        hinge, agree = agreement_hinge(anchor, s_comp, self.config.margin)
+        total = kl_comp
+        if self.config.consistency:
+            total = total + self.config.consistency * gap
+        if self.config.agreement:
+            total = total + self.config.agreement * hinge
+        total.backward()
         del s_comp
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         for group in self.opt.param_groups:
@@ -236,9 +268,9 @@ class Trainer:
         self.opt.step()
         lap("composed", t)
         self.step += 1
-        loss = kl_full.item() + kl_comp.item() + self.config.consistency * gap.item()
-        return StepResult(self.step, loss, kl_full.item(), kl_comp.item(), gap.item(), len(sample.layout.ids) + len(reply),
-                          len(reply), time.time() - t0, phases)
+        loss = kl_full.item() + kl_comp.item() + self.config.consistency * gap.item() + self.config.agreement * hinge.item()
+        return StepResult(self.step, loss, kl_full.item(), kl_comp.item(), gap.item(), hinge.item(), agree.item(),
+                          len(sample.layout.ids) + len(reply), len(reply), time.time() - t0, phases)
 
     def evaluate(self, sample: Sample) -> tuple[float, float, float]:
         """(KL full, KL composed, gap) of one sample, no update; the gap is KL(student full || student composed)."""
@@ -354,14 +386,15 @@ def run(trainer: Trainer, samples: Callable[[int], Iterator[tuple[int, Sample]]]
         trainer.cursor = cursor + 1
         trainer.elapsed += res.seconds
         record = {"step": res.step, "loss": round(res.loss, 5), "kl_full": round(res.kl_full, 5),
-                  "kl_composed": round(res.kl_composed, 5), "gap": round(res.gap, 5), "tokens": res.tokens, "reply": res.reply,
+                  "kl_composed": round(res.kl_composed, 5), "gap": round(res.gap, 5), "hinge": round(res.hinge, 5),
+                  "agree": round(res.agree, 4), "tokens": res.tokens, "reply": res.reply,
                   "source": sample.source, "seconds": round(res.seconds, 2), "steps_per_s": round(1 / res.seconds, 4),
                   "lr": trainer.opt.param_groups[0]["lr"], "phases": res.phases, "elapsed": round(trainer.elapsed, 1),
                   "time": round(time.time(), 1)}
         with open(out / LOG, "a") as f:
             f.write(json.dumps(record) + "\n")
         progress(f"step {res.step} {sample.source:7s} {res.tokens:4d} tok KL full {res.kl_full:.4f} composed "
-                 f"{res.kl_composed:.4f} gap {res.gap:.4f} ({res.seconds:.1f}s)")
+                 f"{res.kl_composed:.4f} gap {res.gap:.4f} agree {res.agree:.2f} ({res.seconds:.1f}s)")
         if time.time() - last_save > cfg.save_minutes * 60:
             trainer.save(out)
             if on_save is not None:
@@ -394,6 +427,7 @@ def export_adapter(trainer: Trainer, target: Path, card: dict | None = None) -> 
     info = {"base": trainer.config.model, "teacher": trainer.config.teacher, "method": trainer.config.method, "rank": trainer.config.rank,
             "seam": trainer.config.seam, "step": trainer.step, "cursor": trainer.cursor, "train_seconds": round(trainer.elapsed, 1),
             "lr": trainer.config.lr, "precision": trainer.config.precision, "consistency": trainer.config.consistency,
+            **({"agreement": trainer.config.agreement, "margin": trainer.config.margin} if trainer.config.agreement else {}),
             "reply": trainer.config.reply, **({"link": trainer.config.link} if trainer.config.link else {}), **(card or {})}
     (tmp / ADAPTER_CARD).write_text(json.dumps(info, indent=1) + "\n")
     keep = [p for p in target.iterdir() if p.name not in (ADAPTER_FILE, ADAPTER_CARD)] if target.is_dir() else []
