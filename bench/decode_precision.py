@@ -104,7 +104,8 @@ def table(result: dict) -> list[str]:
     lines = ["| kernel | weights | answers (95% CI) | lost / gained vs fp32 | identical to fp32 | fp32's answer tokens "
              "matched before the first difference | decode ms / token |",
              "|---|---|---:|---|---:|---:|---:|"]
-    weights = {"native": "fp32", "native-f16": "fp16 copy", "native-bf16": "bf16 copy", "native-i8": "int8 copy, per-row scales", "torch": "fp32 (torch)"}
+    weights = {"native": "fp32", "native-f16": "fp16 copy", "native-bf16": "bf16 copy", "native-i8": "int8 copy, per-row scales",
+               "native-q8": "int8 copy, a scale per 32 weights", "torch": "fp32 (torch)"}
     for k in kernels:
         r = rows[k]
         acc = sum(x["acc"] for x in r)

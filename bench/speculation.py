@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--decode-kernel", default="native", choices=["torch", "native", "native-f16", "native-i8"],
+    parser.add_argument("--decode-kernel", default="native", choices=["torch", "native", "native-f16", "native-bf16", "native-i8", "native-q8"],
                         help="the lean step's matmuls (EngineConfig.decode_kernel; the gateway's default is native)")
     parser.add_argument("--write", default=None, help="write the table into this markdown file's section")
     parser.add_argument("--note", default="", help="a line under the table (e.g. what else ran on the machine)")

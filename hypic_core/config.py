@@ -14,7 +14,7 @@ COLD_PREFILL = ("stitch", "exact", "auto")  # EngineConfig.cold_prefill
 REPEATS = ("exact", "cheaper")  # EngineConfig.repeats
 ENTRY_BATCHING = ("padded", "alone")  # EngineConfig.entry_batching
 DECODE_STEPS = ("module", "lean")  # EngineConfig.decode_step ("lean-packed" was measured and removed: docs/benchmarks.md)
-DECODE_KERNELS = ("torch", "native", "native-f16", "native-bf16", "native-i8")  # EngineConfig.decode_kernel
+DECODE_KERNELS = ("torch", "native", "native-f16", "native-bf16", "native-i8", "native-q8")  # EngineConfig.decode_kernel
 REUSE_KEY_SCOPES = ("prompt", "all")  # EngineConfig.reuse_key_scope
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias positive ones
 
@@ -155,7 +155,8 @@ class EngineConfig:
     # The lean step's matmuls: "torch" (torch's kernels), "native" (hypic_core/native/decode_matmul.py: the
     # CPU's best ISA variant of the native kernels, on the fp32 weights; torch's when they cannot be had),
     # "native-f16" / "native-bf16" (the same on an fp16 / bf16 copy of the weights: half the bytes, lossy) or
-    # "native-i8" (on a per-row int8 copy: a quarter of the bytes, lossier).
+    # "native-i8" / "native-q8" (on an int8 copy with one scale per row / per 32 weights of a row: a quarter
+    # of the bytes, lossier).
     decode_kernel: str = "torch"
     # Canonical entries computed after this fixed head (token ids: BOS and the chat template's system
     # part), whose own K/V and state are then dropped; part of every entry key. () : computed alone.

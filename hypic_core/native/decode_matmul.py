@@ -9,7 +9,9 @@ bytes they read. `NativeMatmul.linear` takes W as:
   fp32 exactly in the kernel; the activations and sums stay fp32, except bf16 on the avx512bf16 variant
   (vdpbf16ps: the activations rounded to bf16 as well, 32 at a time; sums fp32);
 - int8 with one fp32 scale per output row (`quantize_int8`: symmetric, max |w| -> 127): a quarter of the
-  bytes, lossier still.
+  bytes, lossier still; or with one scale per group of `Q8_GROUP` consecutive weights of a row
+  (`quantize_int8(w, group=Q8_GROUP)`, scales [out, in / 32]: llama.cpp's Q8_0 layout): 12% more bytes
+  than per-row, each group's largest weight at 127.
 
 The same library holds the step's other fp32 ops (`add_rmsnorm`, `silu_mul`, `attend`, `mamba2`), each
 one call where torch ran 5-30 small ops; tests/engine/test_decode_ops.py holds each to the torch code it
@@ -26,7 +28,7 @@ prebuilt, an untrusted directory, missing symbols); the caller then runs torch's
 
 Public: `NativeMatmul` (linear, add_rmsnorm, silu_mul, attend, mamba2; the blocks mlp_block, norm_linear,
 mamba2_block, attention_block, each a layer's part in one call; `variant`, `sha256`, `path`),
-`native()`, `build()`, `kernel_status()`, `pinned_variant()`, `reference()`, `quantize_int8()`, `to_bf16()`, `cpu_reason()`.
+`native()`, `build()`, `kernel_status()`, `pinned_variant()`, `reference()`, `quantize_int8()`, `dequantize_int8()`, `Q8_GROUP`, `to_bf16()`, `cpu_reason()`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ import torch
 from . import library
 
 log = logging.getLogger("hypic.decode_matmul")
+
+Q8_GROUP = 32  # hypic_kernels.h HYPIC_Q8_GROUP: weights per scale of group-scaled int8
 
 
 def cpu_reason(variant: str | None = None) -> str | None:
@@ -63,7 +67,8 @@ class NativeMatmul:
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                scales: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W^T * scales (+ bias): W fp32, fp16 or bf16, or int8 with its rows' fp32 `scales` [out]."""
+        """x @ W^T * scales (+ bias): W fp32, fp16 or bf16, or int8 with its rows' fp32 `scales` [out] or its
+        groups' [out, in / Q8_GROUP] (in a multiple of Q8_GROUP)."""
         R, n = x.shape
         out = w.shape[0]
         if (x.dtype != torch.float32 or (w.dtype not in self._fns and w.dtype != torch.int8) or w.shape[1] != n
@@ -72,14 +77,12 @@ class NativeMatmul:
                              f"CPU; got x {x.dtype} {tuple(x.shape)}, W {w.dtype} {tuple(w.shape)}")
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out,) or not bias.is_contiguous()):
             raise ValueError(f"bias must be contiguous fp32 [{out}], got {bias.dtype} {tuple(bias.shape)}")
-        if (w.dtype == torch.int8) != (scales is not None) or (scales is not None and (
-                scales.dtype != torch.float32 or scales.shape != (out,) or not scales.is_contiguous())):
-            raise ValueError(f"int8 weights need their rows' contiguous fp32 scales [{out}] (and only they take scales)")
+        _check_scales(w, scales)
         y = torch.empty(R, out, dtype=torch.float32)
         b = bias.data_ptr() if bias is not None else None
         if scales is not None:
-            self.lib.hypic_linear_i8(x.data_ptr(), w.data_ptr(), scales.data_ptr(), b, y.data_ptr(), R, n, out,
-                                     torch.get_num_threads())
+            fn = self.lib.hypic_linear_i8 if scales.dim() == 1 else self.lib.hypic_linear_q8
+            fn(x.data_ptr(), w.data_ptr(), scales.data_ptr(), b, y.data_ptr(), R, n, out, torch.get_num_threads())
         else:
             self._fns[w.dtype](x.data_ptr(), w.data_ptr(), b, y.data_ptr(), R, n, out, torch.get_num_threads())
         return y
@@ -147,7 +150,7 @@ class NativeMatmul:
         R, n = h.shape
         out = torch.empty(R, n, dtype=torch.float32)
         self.lib.hypic_mlp_block(h.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, *_weight(gate_up), *_weight(down),
-                                 _WTYPE[gate_up.w.dtype], out.data_ptr(), R, n, gate_up.w.shape[0] // 2,
+                                 _wtype(gate_up), out.data_ptr(), R, n, gate_up.w.shape[0] // 2,
                                  torch.get_num_threads())
         return out
 
@@ -155,7 +158,7 @@ class NativeMatmul:
         """h [R, n] += d (in place); returns W x [R, out] for x = rmsnorm(h) * norm_w."""
         R, n = h.shape
         out = torch.empty(R, w.w.shape[0], dtype=torch.float32)
-        self.lib.hypic_norm_linear(h.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, *_weight(w), _WTYPE[w.w.dtype],
+        self.lib.hypic_norm_linear(h.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, *_weight(w), _wtype(w),
                                    out.data_ptr(), R, n, w.w.shape[0], torch.get_num_threads())
         return out
 
@@ -169,7 +172,7 @@ class NativeMatmul:
         _check_states(conv, state)
         out = torch.empty(R, n, dtype=torch.float32)
         self.lib.hypic_mamba2_block(h.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, *_weight(in_proj), *_weight(out_proj),
-                                    _WTYPE[in_proj.w.dtype], in_proj.w.shape[0], conv.data_ptr(), conv_w.data_ptr(),
+                                    _wtype(in_proj), in_proj.w.shape[0], conv.data_ptr(), conv_w.data_ptr(),
                                     _ptr(conv_b), dt_bias.data_ptr(), A.data_ptr(), D.data_ptr(), state.data_ptr(),
                                     gnorm_w.data_ptr(), gnorm_eps, out.data_ptr(), R, n, heads, head_dim, groups,
                                     state_size, conv.shape[-1], torch.get_num_threads())
@@ -187,7 +190,7 @@ class NativeMatmul:
         out = torch.empty(R, n, dtype=torch.float32)
         rot = 0 if cos is None else cos.shape[-1]
         bad = self.lib.hypic_attention_block(h.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, *_weight(qkv), *_weight(o),
-                                             _WTYPE[qkv.w.dtype], kb.data_ptr(), vb.data_ptr(), lens.data_ptr(), _ptr(rows),
+                                             _wtype(qkv), kb.data_ptr(), vb.data_ptr(), lens.data_ptr(), _ptr(rows),
                                              _ptr(cos), _ptr(sin), rot, out.data_ptr(), R, n, heads, kv_heads, head_dim,
                                              kb.stride(0), kb.stride(1), kb.shape[0], kb.shape[2], scale,
                                              torch.get_num_threads())
@@ -197,6 +200,26 @@ class NativeMatmul:
 
 
 _WTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}  # hypic_kernels.h HYPIC_W_*
+HYPIC_W_Q8 = 4
+
+
+def _wtype(w) -> int:
+    """A block weight's type code: its dtype's, or group-scaled int8 (2-D scales)."""
+    return HYPIC_W_Q8 if w.scales is not None and w.scales.dim() == 2 else _WTYPE[w.w.dtype]
+
+
+def _check_scales(w: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """int8 weights [out, in] take fp32 scales, per row [out] or per group [out, in / Q8_GROUP]; no other weight does."""
+    out, n = w.shape
+    if (w.dtype == torch.int8) != (scales is not None):
+        raise ValueError("int8 weights need their fp32 scales, and only they take scales")
+    if scales is None:
+        return
+    rows = scales.shape == (out,)
+    groups = n % Q8_GROUP == 0 and scales.shape == (out, n // Q8_GROUP)
+    if scales.dtype != torch.float32 or not scales.is_contiguous() or not (rows or groups):
+        raise ValueError(f"int8 scales must be contiguous fp32, per row [{out}] or per group of {Q8_GROUP} "
+                         f"[{out}, {n // Q8_GROUP}] (in = {n} a multiple of {Q8_GROUP}); got {scales.dtype} {tuple(scales.shape)}")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -222,22 +245,35 @@ def _check_states(conv: torch.Tensor, state: torch.Tensor) -> None:
 
 
 def _weight(w) -> tuple[int, int | None, int | None]:
-    """A block's weight arguments: (w, its int8 row scales, bias) as pointers."""
+    """A block's weight arguments: (w, its int8 scales, bias) as pointers (NativeOps built them right, once)."""
     return w.w.data_ptr(), _ptr(w.scales), _ptr(w.bias)
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 of W [out, in]: (q int8 [out, in], scales fp32 [out]) with W ~ q * scales[:, None],
-    each row's largest |w| at 127."""
+def quantize_int8(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of W [out, in]: (q int8 [out, in], fp32 scales) with W ~ q * scales, each row's (or, with
+    `group`, each run of `group` consecutive weights of a row) largest |w| at 127. Scales [out] per row, or
+    [out, in / group] (in a multiple of `group`)."""
     w = w.detach().float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    return torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous(), scales.contiguous()
+    out, n = w.shape
+    if group is not None and (group < 1 or n % group):
+        raise ValueError(f"group must divide the row length {n}, got {group}")
+    g = w.reshape(out, n // group, group) if group else w.unsqueeze(1)
+    scales = (g.abs().amax(dim=2) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(g / scales[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out, n)
+    return q.contiguous(), (scales if group else scales[:, 0]).contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weights int8 `q` [out, in] with per-row [out] or per-group [out, in / group] `scales` stand for."""
+    if scales.dim() == 1:
+        return q.float() * scales[:, None]
+    return q.float() * scales.repeat_interleave(q.shape[1] // scales.shape[1], dim=1)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
               scales: torch.Tensor | None = None) -> torch.Tensor:
-    """The plain torch product the kernels compute: x @ (W.float() * scales[:, None])^T (+ bias), fp32."""
-    w = w.float() if scales is None else w.float() * scales[:, None]
+    """The plain torch product the kernels compute: x @ (W.float() * scales)^T (+ bias), fp32."""
+    w = w.float() if scales is None else dequantize_int8(w, scales)
     return torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
 
 

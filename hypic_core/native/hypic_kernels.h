@@ -5,13 +5,16 @@
 
 #include <cstdint>
 
-#define HYPIC_KERNELS_ABI 3  // bumped whenever a signature below changes
+#define HYPIC_KERNELS_ABI 4  // bumped whenever a signature below changes
 
-// A weight's type where one entry takes any (the blocks): fp32, fp16, bf16, or int8 with fp32 row scales.
+// A weight's type where one entry takes any (the blocks): fp32, fp16, bf16, int8 with fp32 row scales, or
+// int8 with one fp32 scale per group of HYPIC_Q8_GROUP consecutive weights of a row (scales [out, in / 32]).
 #define HYPIC_W_F32 0
 #define HYPIC_W_F16 1
 #define HYPIC_W_BF16 2
 #define HYPIC_W_I8 3
+#define HYPIC_W_Q8 4
+#define HYPIC_Q8_GROUP 32
 
 extern "C" {
 int hypic_kernels_abi(void);
@@ -24,6 +27,9 @@ void hypic_linear_f16(const float* x, const uint16_t* w, const float* bias, floa
 void hypic_linear_bf16(const float* x, const uint16_t* w, const float* bias, float* y, long R, long n, long out,
                        int threads);
 void hypic_linear_i8(const float* x, const int8_t* w, const float* scales, const float* bias, float* y, long R,
+                     long n, long out, int threads);
+// int8 with group scales [out, n / HYPIC_Q8_GROUP]; n a multiple of HYPIC_Q8_GROUP.
+void hypic_linear_q8(const float* x, const int8_t* w, const float* scales, const float* bias, float* y, long R,
                      long n, long out, int threads);
 
 void hypic_add_rmsnorm(float* h, const float* d, const float* w, float eps, float* out, long R, long n);
@@ -38,7 +44,7 @@ void hypic_mamba2(const float* zx, float* conv, const float* conv_w, const float
 
 // Blocks (blocks.cpp): a layer's part from the residual stream h [R, n] to its output, one call where the
 // ops above took four to six: h += d (d may be null), x = rmsnorm(h) * norm_w, then the part on x. A
-// weight is (w, wtype, scales: int8 only, bias: may be null).
+// weight is (w, wtype, scales: int8 only, per row or per group, bias: may be null).
 // MLP: out [R, n] = down(silu(gate(x)) * up(x)), gate_up [2I, n], down [n, I].
 void hypic_mlp_block(float* h, const float* d, const float* norm_w, float eps, const void* gu, const float* gu_s,
                      const float* gu_b, const void* down, const float* down_s, const float* down_b, int wtype,

@@ -43,7 +43,7 @@ from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parent
 LIBRARY, MANIFEST = "libhypic_kernels.so", "manifest.json"
-ABI = 3  # hypic_kernels.h HYPIC_KERNELS_ABI
+ABI = 4  # hypic_kernels.h HYPIC_KERNELS_ABI
 MAX_LIBRARY = 64 << 20
 COMMON_FLAGS = ("-std=c++17", "-O3", "-Wall", "-Wvla", "-Werror=vla", "-pedantic-errors", "-fopenmp", "-shared",
                 "-fPIC")
@@ -78,6 +78,7 @@ SIGNATURES = {  # name: (argument types, result type); hypic_kernels.h
     "hypic_linear_f16": ([P_] * 4 + [L_] * 3 + [I_], None),
     "hypic_linear_bf16": ([P_] * 4 + [L_] * 3 + [I_], None),
     "hypic_linear_i8": ([P_] * 5 + [L_] * 3 + [I_], None),
+    "hypic_linear_q8": ([P_] * 5 + [L_] * 3 + [I_], None),
     "hypic_add_rmsnorm": ([P_, P_, P_, F_, P_, L_, L_], None),
     "hypic_silu_mul": ([P_, P_, L_, L_], None),
     "hypic_attend": ([P_] * 9 + [L_, P_] + [L_] * 8 + [F_, I_], I_),  # 1: a length or row out of the buffers

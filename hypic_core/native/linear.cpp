@@ -1,5 +1,5 @@
 // Decode-sized matmuls: y [R, out] = x [R, in] @ W^T * scales (+ bias) for a few rows R, W [out, in] fp32,
-// fp16, bf16 or int8 (with one fp32 scale per output row). A decode step reads every weight once, so these
+// fp16, bf16 or int8 (with one fp32 scale per output row, or per group of 32 weights of a row: q8_t). A decode step reads every weight once, so these
 // are bound by the bytes they read: each thread (OpenMP) takes a contiguous range of W's rows, reads it
 // as 4 sequential streams (one per quarter of the range) and keeps the 4 rows in hand while they meet
 // every row of x (3 at a time: 12 accumulators).
@@ -18,6 +18,44 @@ constexpr long PREFETCH = 1024;
 template <typename W>
 static inline void prefetch_ahead(const W* p) {
     if constexpr (sizeof(W) < 4) __builtin_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, 0, 3);
+}
+
+// int8 weights with one scale per HYPIC_Q8_GROUP consecutive weights of a row (llama.cpp's Q8_0 layout, the
+// scales apart): a tag type for the templates below, the bytes are int8.
+struct q8_t {
+    int8_t v;
+};
+
+// y[r, o + b * stride] as `block` below, for q8_t weights: each group's products summed on their own, then
+// times the group's scale into the row's sum. n is a multiple of the group (the caller checks).
+template <int RB, int OB>
+static inline void block_q8(const float* x, long ldx, const int8_t* w, long n, float* y, long ldy, long o, long stride,
+                            const float* bias, const float* scales) {
+    const long groups = n / HYPIC_Q8_GROUP;
+    vf acc[RB][OB];
+    for (int r = 0; r < RB; r++)
+        for (int b = 0; b < OB; b++) acc[r][b] = vzero();
+    for (long g = 0; g < groups; g++) {
+        const long k0 = g * HYPIC_Q8_GROUP;
+        for (int b = 0; b < OB; b++) {
+            const long ob = o + b * stride;
+            const int8_t* wr = w + ob * n + k0;
+            prefetch_ahead(wr);
+            vf part[RB];
+            for (int r = 0; r < RB; r++) part[r] = vzero();
+            for (long k = 0; k < HYPIC_Q8_GROUP; k += VL) {
+                const vf wv = vload(wr + k);
+                for (int r = 0; r < RB; r++) part[r] = vfmadd(vload(x + r * ldx + k0 + k), wv, part[r]);
+            }
+            const vf s = vset1(scales[ob * groups + g]);
+            for (int r = 0; r < RB; r++) acc[r][b] = vfmadd(part[r], s, acc[r][b]);
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int b = 0; b < OB; b++) {
+            const long ob = o + b * stride;
+            y[r * ldy + ob] = vhsum(acc[r][b]) + (bias ? bias[ob] : 0.0f);
+        }
 }
 
 #if defined(HYPIC_AVX512BF16)
@@ -54,32 +92,36 @@ static inline void block_dpbf16(const float* x, long ldx, const bf16_t* w, long 
 template <int RB, int OB, typename W>
 static inline void block(const float* x, long ldx, const W* w, long n, float* y, long ldy, long o, long stride,
                          const float* bias, const float* scales) {
+    if constexpr (std::is_same_v<W, q8_t>) {
+        block_q8<RB, OB>(x, ldx, reinterpret_cast<const int8_t*>(w), n, y, ldy, o, stride, bias, scales);
+    } else {
 #if defined(HYPIC_AVX512BF16)
-    if constexpr (std::is_same_v<W, bf16_t>) {
-        block_dpbf16<RB, OB>(x, ldx, w, n, y, ldy, o, stride, bias);
-        return;
-    }
+        if constexpr (std::is_same_v<W, bf16_t>) {
+            block_dpbf16<RB, OB>(x, ldx, w, n, y, ldy, o, stride, bias);
+            return;
+        }
 #endif
-    vf acc[RB][OB];
-    for (int r = 0; r < RB; r++)
-        for (int b = 0; b < OB; b++) acc[r][b] = vzero();
-    long k = 0;
-    for (; k + VL <= n; k += VL) {
-        vf xv[RB];
-        for (int r = 0; r < RB; r++) xv[r] = vload(x + r * ldx + k);
-        for (int b = 0; b < OB; b++) {
-            prefetch_ahead(w + (o + b * stride) * n + k);
-            const vf wv = vload(w + (o + b * stride) * n + k);
-            for (int r = 0; r < RB; r++) acc[r][b] = vfmadd(xv[r], wv, acc[r][b]);
+        vf acc[RB][OB];
+        for (int r = 0; r < RB; r++)
+            for (int b = 0; b < OB; b++) acc[r][b] = vzero();
+        long k = 0;
+        for (; k + VL <= n; k += VL) {
+            vf xv[RB];
+            for (int r = 0; r < RB; r++) xv[r] = vload(x + r * ldx + k);
+            for (int b = 0; b < OB; b++) {
+                prefetch_ahead(w + (o + b * stride) * n + k);
+                const vf wv = vload(w + (o + b * stride) * n + k);
+                for (int r = 0; r < RB; r++) acc[r][b] = vfmadd(xv[r], wv, acc[r][b]);
+            }
         }
+        for (int r = 0; r < RB; r++)
+            for (int b = 0; b < OB; b++) {
+                const long ob = o + b * stride;
+                float s = vhsum(acc[r][b]);
+                for (long t = k; t < n; t++) s += x[r * ldx + t] * load1(w + ob * n + t);
+                y[r * ldy + ob] = (scales ? s * scales[ob] : s) + (bias ? bias[ob] : 0.0f);
+            }
     }
-    for (int r = 0; r < RB; r++)
-        for (int b = 0; b < OB; b++) {
-            const long ob = o + b * stride;
-            float s = vhsum(acc[r][b]);
-            for (long t = k; t < n; t++) s += x[r * ldx + t] * load1(w + ob * n + t);
-            y[r * ldy + ob] = (scales ? s * scales[ob] : s) + (bias ? bias[ob] : 0.0f);
-        }
 }
 
 // Every row of x (3 at a time) against the OB rows of w at o, o + stride, ...
@@ -123,6 +165,10 @@ void hypic_linear_i8(const float* x, const int8_t* w, const float* scales, const
                      long n, long out, int threads) {
     linear(x, w, bias, y, R, n, out, threads, scales);
 }
+void hypic_linear_q8(const float* x, const int8_t* w, const float* scales, const float* bias, float* y, long R,
+                     long n, long out, int threads) {
+    linear(x, reinterpret_cast<const q8_t*>(w), bias, y, R, n, out, threads, scales);
+}
 }
 
 // blocks.cpp's matmuls: the weight's type as a code (hypic_kernels.h HYPIC_W_*).
@@ -132,6 +178,7 @@ void linear_typed(int wtype, const float* x, const void* w, const float* scales,
         case HYPIC_W_F32: linear(x, static_cast<const float*>(w), bias, y, R, n, out, threads, nullptr); break;
         case HYPIC_W_F16: linear(x, static_cast<const uint16_t*>(w), bias, y, R, n, out, threads, nullptr); break;
         case HYPIC_W_BF16: linear(x, static_cast<const bf16_t*>(w), bias, y, R, n, out, threads, nullptr); break;
+        case HYPIC_W_Q8: linear(x, static_cast<const q8_t*>(w), bias, y, R, n, out, threads, scales); break;
         default: linear(x, static_cast<const int8_t*>(w), bias, y, R, n, out, threads, scales); break;
     }
 }

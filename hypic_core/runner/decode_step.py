@@ -413,7 +413,7 @@ class LeanDecodeStep:
     @classmethod
     def build(cls, model: torch.nn.Module, adapter, kernel: str = "torch") -> "LeanDecodeStep | None":
         """The step for `model` on the op table of decode kernel `kernel` (ops.ops_for: "torch", "native",
-        "native-f16", "native-i8"; a native one where it cannot run keeps "torch" and logs why), or None
+        "native-f16", "native-i8", "native-q8"; a native one where it cannot run keeps "torch" and logs why), or None
         when its family is not covered (`uncovered_reason`)."""
         return None if uncovered_reason(model) else cls(model, adapter, ops_for(kernel, model))
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..native import decode_matmul
-from ..native.decode_matmul import quantize_int8
+from ..native.decode_matmul import Q8_GROUP, quantize_int8
 
 log = logging.getLogger("hypic.decode_step")
 
@@ -36,7 +36,8 @@ NATIVE_ROWS = 16
 
 class Linear(NamedTuple):
     """A fused weight as its ops keep it: `w` (TorchOps: the model's dtype, [in, out]; NativeOps: [out, in],
-    fp32, fp16, bf16 or int8), `bias` (or None) and, for int8, its rows' fp32 `scales`."""
+    fp32, fp16, bf16 or int8), `bias` (or None) and, for int8, its fp32 `scales` (per row [out], or per
+    group of Q8_GROUP weights [out, in / Q8_GROUP])."""
 
     w: torch.Tensor
     bias: torch.Tensor | None
@@ -205,17 +206,22 @@ class TorchOps:
 
 class NativeOps(TorchOps):
     """The native kernels (`decode_matmul.NativeMatmul`) on an fp32 model on the CPU; matmuls on fp32
-    weights or an fp16 / bf16 / int8 copy of them (`weights`: torch.float32, float16, bfloat16 or int8)."""
+    weights or an fp16 / bf16 / int8 copy of them (`weights`: torch.float32, float16, bfloat16 or int8;
+    int8 with one scale per row, or per `group` consecutive weights of a row: group=Q8_GROUP)."""
 
-    def __init__(self, native, weights: torch.dtype = torch.float32, name: str = "native"):
+    def __init__(self, native, weights: torch.dtype = torch.float32, name: str = "native", group: int | None = None):
         if weights not in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
             raise ValueError(f"native weights must be float32, float16, bfloat16 or int8, got {weights}")
-        self.native, self.weights, self.name = native, weights, name
+        if group not in (None, Q8_GROUP) or (group and weights != torch.int8):
+            raise ValueError(f"group scales are int8's, of {Q8_GROUP} weights; got group={group} for {weights}")
+        self.native, self.weights, self.name, self.group = native, weights, name, group
 
     def linear_weight(self, linears: Sequence[torch.nn.Linear]) -> Linear:
         weight, bias = fuse(linears, transposed=False)
         if self.weights == torch.int8:
-            q, scales = quantize_int8(weight)
+            # a row length that is no multiple of the group keeps one scale per row
+            group = self.group if self.group and weight.shape[1] % self.group == 0 else None
+            q, scales = quantize_int8(weight, group)
             return Linear(q, bias, scales)
         return Linear(weight.to(self.weights).contiguous() if self.weights != torch.float32 else weight, bias)
 
@@ -274,15 +280,16 @@ class NativeOps(TorchOps):
                                            rows=rows.row)
 
 
-_NATIVE_WEIGHTS = {"native": torch.float32, "native-f16": torch.float16, "native-bf16": torch.bfloat16,
-                   "native-i8": torch.int8}
+_NATIVE_WEIGHTS = {"native": (torch.float32, None), "native-f16": (torch.float16, None),
+                   "native-bf16": (torch.bfloat16, None), "native-i8": (torch.int8, None), "native-q8": (torch.int8, Q8_GROUP)}
 
 
 def ops_for(kernel: str, model: torch.nn.Module) -> TorchOps:
     """The op table for decode kernel `kernel` (config.DECODE_KERNELS) on `model`: `TorchOps` for "torch";
     `NativeOps` for "native" (fp32 weights), "native-f16" / "native-bf16" (an fp16 / bf16 copy: half the
     bytes, lossy) and
-    "native-i8" (a per-row int8 copy: a quarter of the bytes, lossier), on an fp32 model on the CPU
+    "native-i8" / "native-q8" (an int8 copy, one scale per row / per 32 weights: a quarter of the bytes,
+    lossier), on an fp32 model on the CPU
     where the kernels could be built; elsewhere `TorchOps`, and a warning says why."""
     if kernel != "torch" and kernel not in _NATIVE_WEIGHTS:
         raise ValueError(f"decode kernel must be one of torch, {', '.join(_NATIVE_WEIGHTS)}, got {kernel!r}")
@@ -293,4 +300,5 @@ def ops_for(kernel: str, model: torch.nn.Module) -> TorchOps:
                     kernel, model.dtype, model.device)
         return TorchOps()
     native = decode_matmul.native()  # None: the reason was logged
-    return TorchOps() if native is None else NativeOps(native, _NATIVE_WEIGHTS[kernel], kernel)
+    weights, group = _NATIVE_WEIGHTS[kernel]
+    return TorchOps() if native is None else NativeOps(native, weights, kernel, group)

@@ -75,6 +75,12 @@ def test_kernels_equal_the_reference(out, n, rows):
         got = NATIVE.linear(x, q, bias, scales)
         err = (got - decode_matmul.reference(x, q, bias, scales)).abs().max().item()
         assert got.shape == (rows, out) and err < 1e-4, f"int8 bias={bias is not None}: {err:.3g}"
+    if n % decode_matmul.Q8_GROUP == 0:  # int8 with a scale per 32 weights of a row: the same, per group
+        q, scales = decode_matmul.quantize_int8(w, decode_matmul.Q8_GROUP)
+        for bias in (None, b):
+            got = NATIVE.linear(x, q, bias, scales)
+            err = (got - decode_matmul.reference(x, q, bias, scales)).abs().max().item()
+            assert got.shape == (rows, out) and err < 1e-4, f"int8 group bias={bias is not None}: {err:.3g}"
 
 
 def test_int8_quantization_is_per_row_and_bounded():
@@ -84,6 +90,21 @@ def test_int8_quantization_is_per_row_and_bounded():
     back = q.float() * scales[:, None]
     assert ((back - w).abs() <= scales[:, None] / 2 + 1e-12).all()  # within half a step of each row's grid
     assert torch.equal(back[3], torch.zeros(40))  # an all-zero row stays zero
+
+
+def test_int8_group_quantization_is_per_group_and_closer():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 64, generator=g)
+    w[:, :32] *= 0.01  # each row's first group is 100x smaller than its second
+    q, scales = decode_matmul.quantize_int8(w, 32)
+    assert q.dtype == torch.int8 and scales.shape == (6, 2)
+    assert (q[:, :32].abs().amax(1) == 127).all() and (q[:, 32:].abs().amax(1) == 127).all()  # each group's own grid
+    back = decode_matmul.dequantize_int8(q, scales)
+    assert ((back - w).abs() <= scales.repeat_interleave(32, dim=1) / 2 + 1e-12).all()
+    rows = decode_matmul.dequantize_int8(*decode_matmul.quantize_int8(w))
+    assert (back - w)[:, :32].abs().max() < 0.05 * (rows - w)[:, :32].abs().max()  # the small group kept
+    with pytest.raises(ValueError, match="group"):
+        decode_matmul.quantize_int8(w[:, :40], 32)
 
 
 @needs_native
@@ -96,6 +117,10 @@ def test_kernel_refuses_what_it_cannot_read():
         NATIVE.linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(3))
     with pytest.raises(ValueError, match="scales"):
         NATIVE.linear(torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8))  # int8 without its scales
+    with pytest.raises(ValueError, match="per group of 32"):  # group scales of the wrong shape
+        NATIVE.linear(torch.randn(2, 64), torch.zeros(4, 64, dtype=torch.int8), None, torch.ones(4, 3))
+    with pytest.raises(ValueError, match="per group of 32"):  # a row length that is no multiple of the group
+        NATIVE.linear(torch.randn(2, 40), torch.zeros(4, 40, dtype=torch.int8), None, torch.ones(4, 1))
 
 
 def test_no_compiler_keeps_torch_matmuls_with_a_warning(monkeypatch, caplog, tmp_path):
@@ -230,9 +255,27 @@ def test_native_i8_logits_stay_near_fp32(family):
 
 
 @needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "bamba"])
+def test_native_q8_logits_stay_nearer_fp32_than_per_row_int8(family):
+    """kernel="native-q8" (int8 copies with a scale per 32 weights of a row, where a row's length allows):
+    bounded like native-i8 and no farther from the fp32 module path than it on the same requests."""
+    model = tiny_model(family)
+    reqs = lambda: [GenerationRequest(random_segments(s, seed=i), mode=m) for i, (s, m) in enumerate(zip(SHAPES, MODES))]
+    engine = engine_on(model, "native-q8")
+    step = engine.runner.batch.step
+    assert step.kernel == "native-q8" and step.lm_head.w.dtype == torch.int8
+    n = step.lm_head.w.shape[1]
+    assert step.lm_head.scales.shape == ((step.lm_head.w.shape[0], n // 32) if n % 32 == 0 else (step.lm_head.w.shape[0],))
+    worst, _, _ = decode_against_module(engine, reqs(), steps=6, join_at=2, leave_at=3)
+    rows, _, _ = decode_against_module(engine_on(tiny_model(family), "native-i8"), reqs(), steps=6, join_at=2, leave_at=3)
+    assert 0 < worst < 0.1 and worst <= rows * 1.05, f"{family}: q8 {worst:.3g}, per-row {rows:.3g}"
+
+
+@needs_native
 @pytest.mark.parametrize("name,kernel,bound", [("smollm2-135m-instruct", "native", 1e-4), ("smollm2-hybrid-135m", "native", 1e-4),
                                                ("smollm2-hybrid-135m", "native-f16", 0.1),
-                                               ("smollm2-hybrid-135m", "native-i8", 2.0)])
+                                               ("smollm2-hybrid-135m", "native-i8", 2.0),
+                                               ("smollm2-hybrid-135m", "native-q8", 1.0)])
 def test_native_step_on_the_real_models(name, kernel, bound):
     """The real SmolLM2 (dense llama) and its distilled hybrid (bamba): 4 rows, one joining and one
     leaving, 4 steps. fp32 weights: logits within 1e-4 and the same greedy tokens; fp16 copies: the

@@ -55,7 +55,7 @@ class EngineSettings(AreaSettings):
                                                    "and bamba models, others keep module) or module (the transformers "
                                                    "modules, the reference). The former lean-packed was measured and "
                                                    "removed; that value is refused.")
-    decode_kernel: Literal["native", "torch", "native-f16", "native-bf16", "native-i8"] = Field("native", description="The lean decode step's "
+    decode_kernel: Literal["native", "torch", "native-f16", "native-bf16", "native-i8", "native-q8"] = Field("native", description="The lean decode step's "
                                                                      "kernels: native (the CPU's best ISA variant "
                                                                      "(avx512bf16, avx512, avx2, generic) of kernels built once "
                                                                      "with the C++ compiler or ahead of time, checked "
@@ -69,9 +69,10 @@ class EngineSettings(AreaSettings):
                                                                      "kernels), native-f16 / native-bf16 (the native "
                                                                      "kernels on an fp16 / bf16 copy of the weights: "
                                                                      "half the bytes, logits no longer exact) or "
-                                                                     "native-i8 (on a per-row int8 copy: a quarter of "
-                                                                     "the bytes, lossier; docs/accuracy.md measures "
-                                                                     "both).")
+                                                                     "native-i8 / native-q8 (on an int8 copy with one "
+                                                                     "scale per row / per 32 weights of a row: a "
+                                                                     "quarter of the bytes, lossier; docs/accuracy.md "
+                                                                     "measures each).")
     speculation: bool = Field(True, description="Speculative decoding: each running answer drafts its next tokens from "
                               "its own prompt (n-gram lookup) and the decode forward verifies them, so text copied from "
                               "the documents comes several tokens a step; greedy answers are unchanged. Runs with "
