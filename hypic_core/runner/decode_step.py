@@ -200,6 +200,8 @@ class Mamba2:
         B, T, H, P, G, N = lay.b, lay.t, self.H, self.P, self.G, self.N
         dtype = x.dtype
         conv, state = rows.batch.linear_layer(self.p)
+        if ops.stepped_verify:
+            return self._verify_stepped(x, conv, state, ops, lay, conv_out, states_out)
         gate, xbc, dt = ops.linear(x, self.in_proj).split([self.I, self.C, H], dim=-1)
         xbc, seq = causal_conv(conv, lay.pad(xbc), self.conv_w, self.conv_b)  # [B, T, C]
         conv_out.append(seq)
@@ -216,6 +218,35 @@ class Mamba2:
         states_out.append(ssd)
         y = self.gated_norm(lay.unpad(y.permute(0, 2, 1, 3)).reshape(-1, H * P), gate, dtype)
         return ops.linear(y, self.out_proj)
+
+
+    def _verify_stepped(self, x, conv, state, ops: TorchOps, lay, conv_out: list, states_out: list) -> torch.Tensor:
+        """`verify` token by token on the op table's one-token update (`ops.mamba2`, one native call for
+        every row at once), on copies of the rows' conv and state: what plain decoding computes, in the
+        same order, where the closed form costs ~20 small torch ops a layer (the ops that made a
+        verification forward on an AVX2 CPU cost as much as two plain steps, docs/benchmarks.md). A row
+        shorter than the longest steps on through zero padding; no output or state of it past its own
+        tokens is read."""
+        zx = lay.pad(ops.linear(x, self.in_proj))  # [B, T, gate | xBC | dt]
+        xbc = zx[..., self.I:self.I + self.C]
+        conv_out.append(torch.cat([conv, xbc.transpose(1, 2).to(conv.dtype)], dim=-1))  # [B, C, K + T]
+        c, st = conv.clone(), state.clone()
+        ys, kept = [], []
+        for t in range(lay.t):
+            ys.append(ops.mamba2(self, zx[:, t].contiguous(), c, st))
+            kept.append(st.clone())
+        states_out.append(_SteppedStates(kept))
+        return ops.linear(lay.unpad(torch.stack(ys, dim=1)), self.out_proj)
+
+
+class _SteppedStates:
+    """The state after each of a verification's tokens, kept as it was stepped: `at(index)` [B, H, P, N]."""
+
+    def __init__(self, states: list[torch.Tensor]):
+        self.states = states
+
+    def at(self, index: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.states[int(k)][r] for r, k in enumerate(index.tolist())])
 
 
 class _SSDStates:

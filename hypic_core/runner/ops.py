@@ -179,6 +179,11 @@ class TorchOps:
             at += n
         return torch.cat(outs)
 
+    # How a verification forward runs Mamba2's tokens (decode_step.Mamba2.verify): in closed form (a few
+    # batched torch ops for all of them) or stepped through `mamba2` one token at a time (NativeOps, whose
+    # one-token update is a single call, and which then verifies with the plain step's own arithmetic).
+    stepped_verify = False
+
     def mamba2(self, mixer, zx: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """A Mamba2 mixer between its projections, one token per row: its own torch code (`between`)."""
         return mixer.between(zx, conv, state)
@@ -245,6 +250,8 @@ class NativeOps(TorchOps):
     def attend(self, q, k, v, kv, rows: Rows, scale: float) -> torch.Tensor:
         return self.native.attend(q.contiguous(), k.contiguous(), v.contiguous(), kv.keys, kv.values, rows.lens, scale,
                                   rows.cos, rows.sin, rows=rows.row)
+
+    stepped_verify = True
 
     def mamba2(self, m, zx, conv, state) -> torch.Tensor:
         return self.native.mamba2(zx, conv, m.conv_w, m.conv_b, m.dt_bias, m.A, m.D, state, m.norm_w, m.norm_eps,
