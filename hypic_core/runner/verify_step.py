@@ -8,9 +8,11 @@ nothing after it may survive:
 - **attention**: row r's new K/V are written at columns lengths[r].. and read causally; keeping a
   prefix is setting `lengths[r]` (later columns are hidden, then overwritten).
 - **linear layers** cannot be un-applied: the forward leaves their rows as they were and `commit`
-  writes the state after the row's last kept token. Mamba2 (SSD) in closed form: the state after
-  token t is the old one decayed plus a weighted sum of the new x_t B_t^T, so the outputs are one
-  [T, T] product per head and `commit` forms only the state each row keeps. Gated DeltaNet's delta
+  writes the state after the row's last kept token. Mamba2 (SSD), on torch's op table, in closed
+  form: the state after token t is the old one decayed plus a weighted sum of the new x_t B_t^T, so
+  the outputs are one [T, T] product per head and `commit` forms only the state each row keeps; on
+  the native kernels, stepped through the plain step's one-token update on copies of the rows (one
+  call per token, where the closed form is ~20 small ops), every state kept. Gated DeltaNet's delta
   rule has no such form: stepped token by token with the lean step's update, every state kept. The
   conv state after token t is read off the old conv state and the new inputs. No snapshot, no
   second forward.
