@@ -1,8 +1,8 @@
 // Decode-sized matmuls: y [R, out] = x [R, in] @ W^T * scales (+ bias) for a few rows R, W [out, in] fp32,
-// fp16, bf16 or int8 (with one fp32 scale per output row, or per group of 32 weights of a row: q8_t). A decode step reads every weight once, so these
-// are bound by the bytes they read: each thread (OpenMP) takes a contiguous range of W's rows, reads it
-// as 4 sequential streams (one per quarter of the range) and keeps the 4 rows in hand while they meet
-// every row of x (3 at a time: 12 accumulators).
+// fp16, bf16 or int8 (with one fp32 scale per output row, or per group of 32 weights of a row: q8_t). A decode
+// step reads every weight once, so these are bound by the bytes they read: each thread (OpenMP) takes a
+// contiguous range of W's rows, reads it as 4 sequential streams (one per quarter of the range) and keeps the
+// 4 rows in hand while they meet every row of x (3 at a time: 12 accumulators).
 #include <omp.h>
 
 #include <type_traits>

@@ -219,7 +219,6 @@ class Mamba2:
         y = self.gated_norm(lay.unpad(y.permute(0, 2, 1, 3)).reshape(-1, H * P), gate, dtype)
         return ops.linear(y, self.out_proj)
 
-
     def _verify_stepped(self, x, conv, state, ops: TorchOps, lay, conv_out: list, states_out: list) -> torch.Tensor:
         """`verify` token by token on the op table's one-token update (`ops.mamba2`, one native call for
         every row at once), on copies of the rows' conv and state: what plain decoding computes, in the
@@ -235,18 +234,8 @@ class Mamba2:
         for t in range(lay.t):
             ys.append(ops.mamba2(self, zx[:, t].contiguous(), c, st))
             kept.append(st.clone())
-        states_out.append(_SteppedStates(kept))
+        states_out.append(_TokenStates(kept))
         return ops.linear(lay.unpad(torch.stack(ys, dim=1)), self.out_proj)
-
-
-class _SteppedStates:
-    """The state after each of a verification's tokens, kept as it was stepped: `at(index)` [B, H, P, N]."""
-
-    def __init__(self, states: list[torch.Tensor]):
-        self.states = states
-
-    def at(self, index: torch.Tensor) -> torch.Tensor:
-        return torch.stack([self.states[int(k)][r] for r, k in enumerate(index.tolist())])
 
 
 class _SSDStates:

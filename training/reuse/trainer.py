@@ -13,17 +13,17 @@ The loss on the reply span is
 
 so reuse is trained towards full prefill's answer while full's own is kept (Block-Attention trains
 both masks). The third term asks for what the gateway's faithfulness measure counts: composed
-predicting what the student's own `full` predicts, whatever either's distance to the teacher
-(a student that cannot match its teacher leaves two different residuals in the first two terms,
-and the gap between them is what changes answers). The fourth term counts what the measure counts
-more directly still: a whole answer is kept only if composed's greedy token is full's at every
-position, and a small KL can still flip a near tie. The hinge asks composed to prefer full's greedy
-token by `margin` logits at each position of the span, and is zero where it already does; it acts at
-the near ties only, where a mean KL spends most of its gradient on positions that never flip. With `reply="student"` the span is the
-student's own greedy `full` reply, the answer the gateway compares with, instead of the sample's
-or the teacher's. The teacher is a given model (SmolLM2 for the distilled hybrid) or the student's own
-base (adapters off) for a model tuned for itself. A sample without a reply gets the teacher's
-greedy reply in full mode first (`reply_tokens` tokens at most).
+predicting what the student's own `full` predicts, whatever either's distance to the teacher (a
+student that cannot match its teacher leaves two different residuals in the first two terms, and the
+gap between them is what changes answers). The fourth term counts what the measure counts more
+directly still: a whole answer is kept only if composed's greedy token is full's at every position,
+and a small KL can still flip a near tie. The hinge asks composed to prefer full's greedy token by
+`margin` logits at each position of the span, and is zero where it already does; it acts at the near
+ties only, where a mean KL spends most of its gradient on positions that never flip. With
+`reply="student"` the span is the student's own greedy `full` reply, the answer the gateway compares
+with, instead of the sample's or the teacher's. The teacher is a given model (SmolLM2 for the
+distilled hybrid) or the student's own base (adapters off) for a model tuned for itself. A sample
+without a reply gets the teacher's greedy reply in full mode first (`reply_tokens` tokens at most).
 
 `train` resumes from `<out>/checkpoint.pt` (adapter factors, optimiser, step, data cursor, time
 spent), written atomically every `save_minutes`; progress goes to stderr and every step's numbers
